@@ -1,0 +1,107 @@
+"""`dstool` command line: a thin layer over the Python API (dstool.train.train, ...)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import types
+import typing
+from typing import Literal, Union
+
+from pydantic import BaseModel
+
+from dstool import __version__
+from dstool.config import TrainConfig, load_config
+from dstool.errors import UsageError
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, exit 2 (argparse would print the usage block too)
+        raise UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _base_type(annotation):
+    """`int | None` -> int; other annotations unchanged."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _add_model_options(parser: argparse.ArgumentParser, model: type[BaseModel], skip: set[str] = frozenset()) -> None:
+    """One flag per config field (dashes for underscores); validation stays in the typed config."""
+    for name, field in model.model_fields.items():
+        if name in skip:
+            continue
+        flag = "--" + name.replace("_", "-")
+        base = _base_type(field.annotation)
+        default = field.default if field.default_factory is None else field.default_factory()
+        help_ = f"{field.description or ''} [default: {default}]".strip()
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
+        elif typing.get_origin(base) is Literal:
+            choices = typing.get_args(base)
+            parser.add_argument(flag, type=type(choices[0]), default=None, metavar="{" + ",".join(map(str, choices)) + "}",
+                                help=help_)
+        elif typing.get_origin(base) is dict:
+            parser.add_argument(flag, action="append", default=None, metavar="KEY=VALUE", help=help_)
+        else:
+            parser.add_argument(flag, type=base, default=None, metavar=name.upper(), help=help_)
+
+
+def _overrides(ns: argparse.Namespace, model: type[BaseModel]) -> dict:
+    values = {k: v for k, v in vars(ns).items() if k in model.model_fields and v is not None}
+    for name, field in model.model_fields.items():
+        if name in values and typing.get_origin(_base_type(field.annotation)) is dict:
+            pairs = {}
+            for item in values[name]:
+                if "=" not in item:
+                    raise UsageError(f"--{name.replace('_', '-')} takes KEY=VALUE, got '{item}'")
+                k, v = item.split("=", 1)
+                pairs[k] = v
+            values[name] = pairs
+    return values
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="dstool", description="DeepSpeed training -> compression -> Triton serving with a Redis cache.")
+    parser.add_argument("--version", action="version", version=f"dstool {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+
+    train = sub.add_parser("train", help="DeepSpeed training (ZeRO 0-3, offload, bf16/fp16, one process to many nodes)",
+                           description="Train a Hugging Face causal LM with DeepSpeed. Flags override --config; "
+                                       "the effective config is printed and saved under --output.")
+    train.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
+    _add_model_options(train, TrainConfig)
+    train.set_defaults(func=_cmd_train)
+    return parser
+
+
+def _cmd_train(ns: argparse.Namespace) -> int:
+    from dstool.train import train
+
+    cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))
+    result = train(cfg)
+    val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
+    print(f"dstool train: done at step {result.step}, train loss {result.train_loss:.4f}{val}; model: {result.model_dir}")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    from dstool.train.api import TrainingFailed
+
+    try:
+        ns = build_parser().parse_args(argv)
+        return ns.func(ns)
+    except UsageError as e:
+        print(f"dstool: error: {e}", file=sys.stderr)
+        return 2
+    except TrainingFailed as e:
+        print(f"dstool: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("dstool: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

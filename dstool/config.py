@@ -1,0 +1,108 @@
+"""Typed, validated configuration: a YAML file, overridden by CLI flags."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from dstool.errors import UsageError
+
+
+class TrainConfig(BaseModel):
+    """Everything `dstool train` needs. Field names are the YAML keys; CLI flags use dashes."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    # What to train on
+    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder")
+    data: str | None = Field(None, description="text file, folder of .txt/.jsonl files, or none for the embedded corpus")
+    output: str = Field("runs/train", description="run folder: checkpoints/, model/, metrics.jsonl, tensorboard/")
+    vocab_size: int = Field(4096, ge=256, le=65535, description="BPE vocabulary when a tokenizer is trained")
+    seq_len: int = Field(128, ge=8, description="packed sequence length in tokens")
+    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out share of the token stream")
+
+    # Launch
+    nproc: int = Field(1, ge=1, description="ranks per node")
+    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' per line)")
+    num_nodes: int = Field(1, ge=1, description="nodes in the job (from the hostfile when one is given)")
+    node_rank: int | None = Field(None, ge=0, description="this node's rank when each node is started by hand")
+    master_addr: str = Field("127.0.0.1", description="address of node 0")
+    master_port: int | None = Field(None, ge=1, le=65535, description="rendezvous port (free port when single-node)")
+    launcher: Literal["auto", "torchrun", "deepspeed"] = "auto"
+    env: dict[str, str] = Field(default_factory=dict, description="environment for every rank, e.g. NCCL_SOCKET_IFNAME")
+
+    # Optimisation
+    zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage")
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU")
+    offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU")
+    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per micro-step")
+    gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-steps per optimizer step")
+    global_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step across all ranks")
+    max_steps: int = Field(200, ge=1, description="optimizer steps in total")
+    lr: float = Field(1e-3, gt=0, description="peak learning rate before world-size scaling")
+    lr_scaling: Literal["linear", "none"] = Field("linear", description="linear: peak lr x data-parallel world size")
+    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="share of max_steps spent warming up")
+    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor as a share of peak lr")
+    weight_decay: float = Field(0.1, ge=0)
+    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
+    seed: int = 1234
+
+    # Checkpoints, metrics
+    save_every: int = Field(100, ge=1, description="checkpoint every N steps (and at the end)")
+    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
+    resume: str = Field("auto", description="auto (latest valid checkpoint), none, or a checkpoint folder")
+    log_every: int = Field(10, ge=1)
+    eval_every: int = Field(0, ge=0, description="held-out evaluation every N steps (0 = at the end only)")
+    eval_batches: int = Field(8, ge=1, description="micro-batches per rank per evaluation")
+    peak_tflops: float | None = Field(None, gt=0, description="declared per-rank peak for MFU (default by device)")
+    tensorboard: bool = True
+    trace_samples: bool = Field(False, description="write each rank's sample ids per step (data audit)")
+    deepspeed_config: str | None = Field(None, description="DeepSpeed JSON merged over the generated config")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "TrainConfig":
+        if self.offload_params and self.zero != 3:
+            raise ValueError("offload_params needs zero: 3")
+        if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:
+            raise ValueError(f"node_rank {self.node_rank} is not below num_nodes {self.num_nodes}")
+        return self
+
+
+def _first_error(err: ValidationError) -> str:
+    e = err.errors()[0]
+    where = ".".join(str(p) for p in e["loc"]) or "config"
+    msg = e["msg"].removeprefix("Value error, ")
+    if e["type"] == "extra_forbidden":
+        return f"unknown option '{where}'"
+    got = e.get("input")
+    shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
+    return f"{where}: {msg}{shown}"
+
+
+def load_config(cls: type[BaseModel], path: str | None, overrides: dict[str, Any]):
+    """Build `cls` from an optional YAML file with `overrides` (already-parsed CLI flags) on top."""
+    values: dict[str, Any] = {}
+    if path:
+        p = Path(path)
+        if not p.is_file():
+            raise UsageError(f"config file {path} does not exist: pass a YAML file to --config")
+        try:
+            loaded = yaml.safe_load(p.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise UsageError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
+        if not isinstance(loaded, dict):
+            raise UsageError(f"config file {path} must hold a mapping of option: value")
+        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
+    values.update({k: v for k, v in overrides.items() if v is not None})
+    try:
+        return cls(**values)
+    except ValidationError as e:
+        raise UsageError(f"invalid configuration: {_first_error(e)}") from None
+
+
+def dump_yaml(cfg: BaseModel) -> str:
+    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)

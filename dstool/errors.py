@@ -1,0 +1,10 @@
+"""Errors that the CLI turns into one-line messages."""
+
+
+class UsageError(Exception):
+    """Bad input from the user: the CLI prints the message on one line and exits with code 2."""
+
+    exit_code = 2
+
+    def __str__(self) -> str:
+        return " ".join(super().__str__().split())

@@ -1,0 +1,179 @@
+"""`train(config)`: everything `dstool train` does, callable from Python.
+
+Steps, each checked before the next: validate the config and output folder -> prepare tokenizer
+and packed data -> choose the checkpoint to resume -> write the run plan -> launch the ranks ->
+check the consolidated model folder.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import math
+import os
+import signal
+import subprocess
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from dstool import models
+from dstool.config import TrainConfig, dump_yaml
+from dstool.errors import UsageError
+from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_json_atomic, write_manifest
+from dstool.train import checkpoint, data, deepspeed_config, launch
+from dstool.train.metrics import read_metrics
+
+RUN_KIND = "train-run"
+MODEL_KIND = "hf-model"
+
+
+class TrainingFailed(RuntimeError):
+    """The ranks exited with an error (the message says which and where the log is)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+@dataclass
+class TrainResult:
+    output: Path
+    model_dir: Path
+    step: int
+    train_loss: float | None
+    val_loss: float | None
+
+
+def train(cfg: TrainConfig, echo=print) -> TrainResult:
+    """Run DeepSpeed training as `cfg` says; returns where the outputs are and the final losses."""
+    on_gpu = torch.cuda.is_available()
+    precision = _precision(cfg, on_gpu)
+    models.check_model_ref(cfg.model)
+    topo = launch.plan(cfg)
+    ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
+    out = Path(cfg.output)
+    _claim_output(out)
+    docs = data.read_documents(cfg.data)
+
+    with _lock(out):
+        fingerprint = data.corpus_fingerprint(docs)
+        manifest = read_manifest(out) or {}
+        if manifest.get("data_fingerprint") not in (None, fingerprint):
+            raise UsageError(f"output {out} was prepared from other data: use a new --output for this data")
+        tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
+        if not (out / "data" / "meta.json").is_file():
+            data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
+        resume = _resume_point(cfg, out, echo)
+        write_manifest(out, RUN_KIND, hash_files=False, data_fingerprint=fingerprint)
+
+    meta = json.loads((out / "data" / "meta.json").read_text())
+    if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * topo.world:
+        raise UsageError(f"data has {meta['train_tokens']} training tokens, fewer than one global micro-batch "
+                         f"of {cfg.seq_len}-token sequences: add data or lower --seq-len/--micro-batch-size")
+
+    run = {"config": cfg.model_dump(), "ds_config": ds_config, "precision": precision, "on_gpu": on_gpu,
+           "world_size": topo.world, "resume": str(resume) if resume else None}
+    write_json_atomic(out / "run.json", run)
+    (out / "config.yaml").write_text(dump_yaml(cfg))
+    write_json_atomic(out / "ds_config.json", ds_config)
+
+    micro, accum = deepspeed_config.batch_plan(cfg, topo.world)
+    echo(f"dstool train: {cfg.model} on {topo.world} rank(s) ({topo.nodes} node(s) x {topo.procs_per_node}, "
+         f"{topo.launcher}, {'GPU/nccl' if on_gpu else 'CPU/gloo'}), ZeRO-{cfg.zero}, {precision}")
+    echo(f"  data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens, vocab {len(tokenizer)}; "
+         f"global batch {micro} x {accum} x {topo.world} = {micro * accum * topo.world} sequences of {cfg.seq_len}")
+    echo(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x {topo.world if cfg.lr_scaling == 'linear' else 1}, "
+         f"lr_scaling={cfg.lr_scaling}), warmup {deepspeed_config.warmup_steps(cfg)} steps "
+         f"({cfg.warmup_ratio:.0%}), cosine to {cfg.min_lr_ratio:g} x peak over {cfg.max_steps} steps")
+    echo(f"  resume: {resume or 'fresh start'}; effective config: {out / 'config.yaml'}, {out / 'ds_config.json'}")
+
+    (out / "failure.json").unlink(missing_ok=True)
+    _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)
+    return _result(out, cfg)
+
+
+def _precision(cfg: TrainConfig, on_gpu: bool) -> str:
+    if cfg.precision == "auto":
+        return "bf16" if on_gpu else "fp32"
+    if cfg.precision == "fp16" and not on_gpu:
+        raise UsageError("fp16 needs a GPU (DeepSpeed's CPU accelerator has no fp16): use --precision bf16 or fp32")
+    return cfg.precision
+
+
+def _claim_output(out: Path) -> None:
+    """Refuse a folder holding someone else's files; never overwrite them."""
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file: pass a folder for --output")
+    if out.is_dir() and any(out.iterdir()):
+        manifest = read_manifest(out)
+        if manifest is None or manifest.get("kind") != RUN_KIND:
+            raise UsageError(f"output {out} holds files dstool did not write: choose an empty or new --output")
+    out.mkdir(parents=True, exist_ok=True)
+
+
+class _lock:
+    """An exclusive file lock on the output folder (nodes sharing it prepare data once)."""
+
+    def __init__(self, out: Path):
+        self.path = out / ".prepare.lock"
+
+    def __enter__(self):
+        self.f = open(self.path, "w")
+        fcntl.flock(self.f, fcntl.LOCK_EX)
+
+    def __exit__(self, *exc):
+        fcntl.flock(self.f, fcntl.LOCK_UN)
+        self.f.close()
+
+
+def _resume_point(cfg: TrainConfig, out: Path, echo) -> Path | None:
+    root = out / "checkpoints"
+    if cfg.resume == "none":
+        if checkpoint.complete_tags(root):
+            raise UsageError(f"output {out} already has checkpoints and --resume none would overwrite them: "
+                             "use --resume auto or a new --output")
+        return None
+    if cfg.resume == "auto":
+        return checkpoint.find_resume(root, warn=echo)
+    return checkpoint.resolve_explicit(cfg.resume)
+
+
+def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:
+    """Start the launcher in its own process group; forward Ctrl-C/SIGTERM; wait."""
+    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
+
+    def forward(signum, _frame):
+        try:
+            os.killpg(proc.pid, signum)
+        except ProcessLookupError:
+            pass
+
+    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        rc = proc.wait()
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+    if rc != 0:
+        failure = out / "failure.json"
+        if failure.is_file():
+            reason = json.loads(failure.read_text())["message"]
+            raise TrainingFailed(f"training stopped: {reason}", 1)
+        raise TrainingFailed(f"training ranks exited with code {rc} (see the rank logs above)", rc if rc > 0 else 1)
+
+
+def _result(out: Path, cfg: TrainConfig) -> TrainResult:
+    model_dir = out / "model"
+    try:
+        verify_manifest(model_dir, MODEL_KIND)
+    except ManifestError as e:
+        raise TrainingFailed(f"the consolidated model folder is not valid: {e}", 1) from None
+    rows = read_metrics(out)
+    train_rows = [r for r in rows if "loss" in r]
+    val_rows = [r for r in rows if "val_loss" in r]
+    last_val = val_rows[-1]["val_loss"] if val_rows else None
+    return TrainResult(out, model_dir, train_rows[-1]["step"] if train_rows else 0,
+                       train_rows[-1]["loss"] if train_rows else None,
+                       last_val if last_val is None or math.isfinite(last_val) else None)

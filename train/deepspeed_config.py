@@ -1,0 +1,94 @@
+"""The DeepSpeed JSON for a run: generated from TrainConfig, then the user's JSON merged over it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dstool.config import TrainConfig
+from dstool.errors import UsageError
+
+
+def batch_plan(cfg: TrainConfig, world: int) -> tuple[int, int]:
+    """(micro batch, accumulation steps) such that micro * accumulation * world is the global batch."""
+    micro = cfg.micro_batch_size
+    if cfg.global_batch_size is None:
+        return micro, cfg.gradient_accumulation_steps or 1
+    accum, rest = divmod(cfg.global_batch_size, micro * world)
+    if rest or accum == 0:
+        raise UsageError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size {micro} "
+                         f"x world size {world} = {micro * world}: choose a multiple")
+    if cfg.gradient_accumulation_steps not in (None, accum):
+        raise UsageError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} disagrees with global_batch_size "
+                         f"{cfg.global_batch_size} = {micro} x {world} x {accum}: set one of them")
+    return micro, accum
+
+
+def peak_lr(cfg: TrainConfig, world: int) -> float:
+    return cfg.lr * world if cfg.lr_scaling == "linear" else cfg.lr
+
+
+def warmup_steps(cfg: TrainConfig) -> int:
+    return max(1, round(cfg.max_steps * cfg.warmup_ratio))
+
+
+def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
+    micro, accum = batch_plan(cfg, world)
+    zero: dict = {"stage": cfg.zero}
+    if cfg.zero == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    if cfg.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    adam = {"lr": peak_lr(cfg, world), "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay}
+    if not on_gpu and not cfg.offload_optimizer:
+        # Measured: DeepSpeed's CPU FusedAdam is JIT-built (~100 s on 2 cores) and gives the same
+        # losses as torch AdamW, so on CPU torch's AdamW is used. Offload needs DeepSpeedCPUAdam.
+        adam["torch_adam"] = True
+    ds = {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": accum,
+        "train_batch_size": micro * accum * world,
+        "gradient_clipping": cfg.grad_clip,
+        "steps_per_print": 1 << 30,
+        "zero_optimization": zero,
+        "bf16": {"enabled": precision == "bf16"},
+        "fp16": {"enabled": precision == "fp16", "loss_scale": 0, "initial_scale_power": 16},
+        "optimizer": {"type": "AdamW", "params": adam},
+        "scheduler": {"type": "WarmupCosineLR", "params": {
+            "total_num_steps": cfg.max_steps, "warmup_num_steps": warmup_steps(cfg), "warmup_min_ratio": 0.0,
+            "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
+    }
+    if cfg.deepspeed_config:
+        ds = merge(ds, _read_user_json(cfg.deepspeed_config))
+        _check_batch(ds, world)
+    return ds
+
+
+def merge(base: dict, override: dict) -> dict:
+    """Recursive dict merge; `override` wins."""
+    out = dict(base)
+    for k, v in override.items():
+        out[k] = merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+def _read_user_json(path: str) -> dict:
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"DeepSpeed config {path} does not exist")
+    try:
+        obj = json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise UsageError(f"DeepSpeed config {path} is not valid JSON: {e}") from None
+    if not isinstance(obj, dict):
+        raise UsageError(f"DeepSpeed config {path} must be a JSON object")
+    return obj
+
+
+def _check_batch(ds: dict, world: int) -> None:
+    micro, accum, total = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]
+    if micro * accum * world != total:
+        raise UsageError(f"DeepSpeed batch sizes disagree: train_batch_size {total} != micro {micro} x accumulation "
+                         f"{accum} x world {world}; fix the JSON or drop its batch keys")

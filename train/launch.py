@@ -1,0 +1,111 @@
+"""How ranks are started: torchrun (one node, or each node by hand) or the DeepSpeed launcher (hostfile)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from dstool.config import TrainConfig
+from dstool.errors import UsageError
+
+_HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
+
+
+def parse_hostfile(path: str) -> dict[str, int]:
+    """DeepSpeed's hostfile format, 'host slots=N' per line, '#' comments; one-line errors."""
+    p = Path(path)
+    if not p.is_file():
+        raise UsageError(f"hostfile {path} does not exist")
+    hosts: dict[str, int] = {}
+    for n, raw in enumerate(p.read_text().splitlines(), 1):
+        line = raw.split("#", 1)[0].strip()
+        if not line:
+            continue
+        m = _HOST_LINE.match(line)
+        if not m or int(m.group(2)) < 1:
+            raise UsageError(f"hostfile {path} line {n} '{raw.strip()}' does not parse: write 'HOST slots=N'")
+        if m.group(1) in hosts:
+            raise UsageError(f"hostfile {path} lists host {m.group(1)} twice (line {n})")
+        hosts[m.group(1)] = int(m.group(2))
+    if not hosts:
+        raise UsageError(f"hostfile {path} names no host: write 'HOST slots=N' per line")
+    return hosts
+
+
+@dataclass
+class Topology:
+    launcher: str  # torchrun | deepspeed
+    nodes: int
+    procs_per_node: int
+    world: int
+    hosts: dict[str, int] | None
+    master_port: int
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def plan(cfg: TrainConfig) -> Topology:
+    """World size and launcher, decided (and checked) before any rank starts."""
+    hosts = None
+    if cfg.hostfile:
+        hosts = parse_hostfile(cfg.hostfile)
+        if cfg.num_nodes > 1:
+            if cfg.num_nodes > len(hosts):
+                raise UsageError(f"num_nodes {cfg.num_nodes} exceeds the {len(hosts)} hosts in {cfg.hostfile}")
+            hosts = dict(list(hosts.items())[:cfg.num_nodes])
+        if cfg.node_rank is not None and cfg.node_rank >= len(hosts):
+            raise UsageError(f"node_rank {cfg.node_rank} is not below the {len(hosts)} hosts in {cfg.hostfile}")
+        if len(set(hosts.values())) != 1:
+            raise UsageError(f"hostfile {cfg.hostfile} gives hosts different slot counts; use the same on every node")
+        launcher = "torchrun" if cfg.launcher == "torchrun" else "deepspeed"
+        nodes, per_node = len(hosts), next(iter(hosts.values()))
+    else:
+        if cfg.launcher == "deepspeed" and cfg.num_nodes > 1:
+            raise UsageError("the DeepSpeed launcher needs --hostfile for several nodes")
+        launcher = "deepspeed" if cfg.launcher == "deepspeed" else "torchrun"
+        nodes, per_node = cfg.num_nodes, cfg.nproc
+        if nodes > 1 and cfg.node_rank is None:
+            raise UsageError("several nodes without a hostfile: start each node with --node-rank and --master-addr")
+    port = cfg.master_port or (free_port() if nodes == 1 else 29500)
+    return Topology(launcher, nodes, per_node, nodes * per_node, hosts, port)
+
+
+def command(cfg: TrainConfig, topo: Topology, run_file: Path) -> list[str]:
+    """The launcher command line that starts this node's ranks of `dstool.train.worker`."""
+    worker = ["dstool.train.worker", str(run_file)]
+    if topo.launcher == "deepspeed":
+        cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", cfg.master_addr,
+               "--master_port", str(topo.master_port), "--no_local_rank", "--module"]
+        if cfg.hostfile:
+            cmd += ["--hostfile", cfg.hostfile, "--num_nodes", str(topo.nodes)]
+            if cfg.node_rank is not None or _single_local_host(topo.hosts):
+                cmd += ["--no_ssh", "--node_rank", str(cfg.node_rank or 0)]
+        else:
+            cmd += ["--num_gpus", str(topo.procs_per_node)]
+        return cmd + worker
+    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={topo.procs_per_node}",
+            f"--nnodes={topo.nodes}", f"--node_rank={cfg.node_rank or 0}", f"--master_addr={cfg.master_addr}",
+            f"--master_port={topo.master_port}", "-m", *worker]
+
+
+def _single_local_host(hosts: dict[str, int] | None) -> bool:
+    return bool(hosts) and len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname())
+
+
+def environment(cfg: TrainConfig, topo: Topology, on_gpu: bool) -> dict[str, str]:
+    """The ranks' environment: the config's `env` (NCCL_* and friends) and sane CPU threading."""
+    env = dict(os.environ)
+    env.update(cfg.env)
+    if not on_gpu:
+        env.setdefault("DS_ACCELERATOR", "cpu")
+        env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // topo.procs_per_node)))
+    env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    return env

@@ -1,0 +1,68 @@
+"""Training metrics: metrics.jsonl, TensorBoard events, tokens/s and model FLOPs utilisation."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+# Declared dense bf16/fp16 peak per device in TFLOP/s (vendor datasheets, without sparsity).
+GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0,
+                   "V100": 125.0, "MI300X": 1307.0}
+# Declared fp32 peak of one x86 core with AVX2: two 256-bit FMA units = 2 x 8 lanes x 2 FLOPs per cycle.
+CPU_FLOPS_PER_CYCLE = 32
+
+
+def _cpu_hz() -> float:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("cpu MHz"):
+                return float(line.split(":")[1]) * 1e6
+    except OSError:
+        pass
+    return 2.5e9
+
+
+def declared_peak_tflops(device_name: str, cores_per_rank: int) -> float:
+    for key, value in GPU_PEAK_TFLOPS.items():
+        if key in device_name.upper():
+            return value
+    return CPU_FLOPS_PER_CYCLE * _cpu_hz() * cores_per_rank / 1e12
+
+
+def flops_per_token(matmul_params: int, layers: int, hidden: int, seq_len: int) -> float:
+    """Training FLOPs per token: 6N over the weights that do matmuls (not the input embedding lookup)
+    plus 12*L*H*S for attention scores (PaLM, appendix B)."""
+    return 6.0 * matmul_params + 12.0 * layers * hidden * seq_len
+
+
+class MetricsLog:
+    """Rank 0's sink: one JSON object per line, plus TensorBoard scalars when enabled."""
+
+    def __init__(self, output: Path, tensorboard: bool):
+        self.path = Path(output) / "metrics.jsonl"
+        self._file = open(self.path, "a", buffering=1)
+        self._tb = None
+        if tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(Path(output) / "tensorboard"))
+
+    def write(self, step: int, **values) -> None:
+        self._file.write(json.dumps({"step": step, **values}) + "\n")
+        if self._tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)):
+                    self._tb.add_scalar(k, v, step)
+
+    def close(self) -> None:
+        self._file.flush()
+        os.fsync(self._file.fileno())
+        self._file.close()
+        if self._tb is not None:
+            self._tb.close()
+
+
+def read_metrics(output: Path) -> list[dict]:
+    path = Path(output) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []

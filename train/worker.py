@@ -1,0 +1,262 @@
+"""One training rank. Started by torchrun or the DeepSpeed launcher: `python -m dstool.train.worker RUN.json`.
+
+Reads top to bottom: set up the process group -> build the model -> wrap it in a DeepSpeed
+engine -> resume -> the training loop -> final checkpoint -> consolidated Hugging Face folder.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from dstool import models
+from dstool.config import TrainConfig
+from dstool.manifest import write_json_atomic, write_manifest
+from dstool.train import checkpoint, data
+from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
+
+
+class NonFiniteLoss(RuntimeError):
+    pass
+
+
+def main(run_file: str) -> None:
+    run = json.loads(Path(run_file).read_text())
+    cfg = TrainConfig(**run["config"])
+    ds_config = run["ds_config"]
+    out = Path(cfg.output)
+    os.environ.update(cfg.env)  # NCCL_* etc. must be set before the communicator is created
+
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.integrations import HfDeepSpeedConfig
+
+    accelerator = get_accelerator()
+    if accelerator.device_name() == "cpu":
+        # Measured on this CPU: the first init_distributed() JIT-builds deepspeed_shm_comm (~65 s); that op
+        # serves only inference all-reduce, training all-reduces go through gloo.
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(cfg.seed)
+
+    # --- model --------------------------------------------------------------------------------
+    keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841  (ZeRO-3: build the model already partitioned)
+    tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
+    if models.is_preset(cfg.model):
+        specials = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                    "pad_token_id": tokenizer.pad_token_id}
+        hf_config = models.preset_config(cfg.model, len(tokenizer), specials)
+        model = AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
+    model.config.use_cache = False
+    total_params, active_params = models.count_parameters(model)
+
+    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+
+    # --- data ---------------------------------------------------------------------------------
+    train_split = data.open_split(out / "data", "train", cfg.seq_len)
+    val_split = data.open_split(out / "data", "val", cfg.seq_len)
+    order = data.GlobalOrder(len(train_split), cfg.seed)
+
+    # --- resume -------------------------------------------------------------------------------
+    start_step = 0
+    if run["resume"]:
+        tag_dir = Path(run["resume"])
+        _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+        start_step = client["step"]
+        assert client["samples_consumed"] == start_step * micro * accum * world, "data position mismatch"
+    log = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
+    trace = open(out / f"samples.rank{rank}.jsonl", "a") if cfg.trace_samples else None
+
+    cores = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    device_name = torch.cuda.get_device_name() if run["on_gpu"] else "cpu"
+    peak = cfg.peak_tflops or declared_peak_tflops(device_name, cores)
+    embedding = model.get_input_embeddings().weight
+    matmul_params = active_params - getattr(embedding, "ds_numel", embedding.numel())
+    flops_tok = flops_per_token(matmul_params, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len)
+    tokens_per_step = micro * accum * world * cfg.seq_len
+    if rank == 0:
+        print(f"dstool: {total_params:,} parameters ({active_params:,} active per token); MFU against a declared "
+              f"peak of {peak:g} TFLOP/s per rank", flush=True)
+        if start_step:
+            print(f"dstool: resumed at step {start_step} from {run['resume']}", flush=True)
+
+    progress = _progress(rank, start_step, cfg.max_steps)
+    window_t, window_steps, window_loss = 0.0, 0, 0.0
+    last_saved = start_step if run["resume"] else -1
+    step, loss = start_step, float("nan")
+
+    # --- the training loop ----------------------------------------------------------------------
+    try:
+        while step < cfg.max_steps:
+            t0 = time.perf_counter()
+            loss_sum = torch.zeros((), device=engine.device)
+            for m in range(accum):
+                ids = order.micro_batch(step, m, rank, world, micro, accum)
+                batch = torch.stack([train_split[i] for i in ids]).to(engine.device)
+                out_ = engine(input_ids=batch, labels=batch)
+                engine.backward(out_.loss)
+                engine.step()
+                loss_sum += out_.loss.detach().float()
+                if trace:
+                    trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
+            dist.all_reduce(loss_sum)
+            loss = loss_sum.item() / (accum * world)
+            if not math.isfinite(loss):
+                raise NonFiniteLoss(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept "
+                                    f"({_latest(out) or 'none yet'}): lower --lr or enable grad clipping")
+            step += 1
+            dt = time.perf_counter() - t0
+            window_t, window_steps, window_loss = window_t + dt, window_steps + 1, window_loss + loss
+            progress.update(loss)
+
+            if step % cfg.log_every == 0 or step == cfg.max_steps:
+                tok_s = tokens_per_step * window_steps / window_t
+                row = {"loss": window_loss / window_steps, "lr": scheduler.get_last_lr()[0],
+                       "grad_norm": _grad_norm(engine), "tokens_per_s": tok_s,
+                       "mfu": tok_s * flops_tok / world / (peak * 1e12), "step_time_s": window_t / window_steps}
+                if log:
+                    log.write(step, **row)
+                    progress.line(step, row)
+                window_t, window_steps, window_loss = 0.0, 0, 0.0
+            if cfg.eval_every and step % cfg.eval_every == 0:
+                _log_eval(engine, val_split, cfg, step, log)
+            if step % cfg.save_every == 0 or step == cfg.max_steps:
+                checkpoint.save(engine, out / "checkpoints", step,
+                                {"step": step, "samples_consumed": step * micro * accum * world}, cfg.keep_checkpoints)
+                last_saved = step
+    except NonFiniteLoss as e:
+        if rank == 0:
+            write_json_atomic(out / "failure.json", {"step": step + 1, "message": str(e)})
+            print(f"dstool: {e}", file=sys.stderr, flush=True)
+        sys.exit(3)
+    finally:
+        progress.close()
+        if trace:
+            trace.close()
+
+    if last_saved != step:  # resumed at max_steps: nothing trained, the checkpoint is the final one
+        checkpoint.save(engine, out / "checkpoints", step,
+                        {"step": step, "samples_consumed": step * micro * accum * world}, cfg.keep_checkpoints)
+    _log_eval(engine, val_split, cfg, step, log)
+    if log:
+        log.close()
+    _save_hf_folder(engine, tokenizer, val_split, out, run["precision"], step)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _grad_norm(engine) -> float | None:
+    g = engine.get_global_grad_norm()
+    return None if g is None else float(g)
+
+
+def _latest(out: Path) -> str | None:
+    p = out / "checkpoints" / "latest"
+    return p.read_text().strip() if p.is_file() else None
+
+
+@torch.no_grad()
+def evaluate(engine, split: data.TokenSplit, micro: int, batches: int) -> float:
+    """Mean held-out loss; every rank evaluates its own shard of the split (same count on all ranks)."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engine.eval()
+    n = len(split)
+    per_rank = max(1, min(batches, n // (micro * world)))
+    total = torch.zeros((), device=engine.device)
+    for b in range(per_rank):
+        ids = [((b * world + rank) * micro + k) % n for k in range(micro)]
+        batch = torch.stack([split[i] for i in ids]).to(engine.device)
+        total += engine(input_ids=batch, labels=batch).loss.float()
+    dist.all_reduce(total)
+    engine.train()
+    return total.item() / (per_rank * world)
+
+
+def _log_eval(engine, split, cfg: TrainConfig, step: int, log: MetricsLog | None) -> None:
+    val = evaluate(engine, split, engine.train_micro_batch_size_per_gpu(), cfg.eval_batches)
+    if log:
+        ppl = math.exp(val) if val < 50 else float("inf")
+        log.write(step, val_loss=val, val_perplexity=ppl)
+        print(f"dstool: step {step} held-out loss {val:.4f} perplexity {ppl:.2f}", flush=True)
+
+
+def _save_hf_folder(engine, tokenizer, val_split, out: Path, precision: str, step: int) -> None:
+    """Consolidate the weights the engine computes with into out/model, then prove it: reload with
+    transformers and compare logits with the engine's on held-out tokens (a correctness gate)."""
+    from transformers import AutoModelForCausalLM
+
+    rank = dist.get_rank()
+    probe = torch.stack([val_split[i % len(val_split)] for i in range(2)])[:, :64]
+    engine.eval()
+    with torch.no_grad():
+        engine_logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
+    if engine.zero_optimization_stage() == 3:
+        state = engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0
+    else:
+        state = engine.module.state_dict() if rank == 0 else None
+    if rank != 0:
+        return
+    target, tmp = out / "model", out / ".model.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    module = engine.module
+    module.config.use_cache = True
+    module.config.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
+    module.save_pretrained(tmp, state_dict={k: v.detach().cpu() for k, v in state.items()}, safe_serialization=True)
+    tokenizer.save_pretrained(tmp)
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp, dtype=module.config.dtype).eval()
+    with torch.no_grad():
+        hf_logits = reloaded(input_ids=probe).logits.float()
+    diff = (hf_logits - engine_logits).abs().max().item()
+    tolerance = 1e-4 if precision == "fp32" else 5e-2
+    if not diff <= tolerance:
+        raise RuntimeError(f"consolidated model disagrees with the engine: max |logit diff| {diff:.3g} > {tolerance}")
+    torch.save({"input_ids": probe, "logits": engine_logits}, out / "probe_logits.pt")
+    write_manifest(tmp, "hf-model", step=step, precision=precision,
+                   parity={"max_abs_logit_diff": diff, "tolerance": tolerance, "probe_shape": list(probe.shape)})
+    if target.exists():
+        shutil.rmtree(target)
+    os.replace(tmp, target)
+    print(f"dstool: wrote {target} (transformers reload matches the engine: max |logit diff| {diff:.2e})", flush=True)
+
+
+class _progress:
+    """A tqdm bar on rank 0 when attached to a terminal; plain log lines otherwise."""
+
+    def __init__(self, rank: int, start: int, total: int):
+        self.bar = None
+        self.rank = rank
+        if rank == 0 and sys.stderr.isatty():
+            from tqdm import tqdm
+
+            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+
+    def update(self, loss: float) -> None:
+        if self.bar:
+            self.bar.update(1)
+            self.bar.set_postfix(loss=f"{loss:.4f}")
+
+    def line(self, step: int, row: dict) -> None:
+        text = (f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {row['grad_norm'] or 0:.3f} "
+                f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
+        (self.bar.write if self.bar else lambda s: print(s, flush=True))(text)
+
+    def close(self) -> None:
+        if self.bar:
+            self.bar.close()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1])
