@@ -7,11 +7,13 @@ engine -> resume -> the training loop -> final checkpoint -> consolidated Huggin
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import shutil
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import torch
@@ -37,9 +39,14 @@ def main(run_file: str) -> None:
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
 
+    transformers.utils.logging.disable_progress_bar()
+
+    deepspeed.utils.logger.setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         # Measured on this CPU: the first init_distributed() JIT-builds deepspeed_shm_comm (~65 s); that op
@@ -50,7 +57,7 @@ def main(run_file: str) -> None:
     torch.manual_seed(cfg.seed)
 
     # --- model --------------------------------------------------------------------------------
-    keep_alive = HfDeepSpeedConfig(ds_config)  # noqa: F841  (ZeRO-3: build the model already partitioned)
+    hf_ds_config = HfDeepSpeedConfig(ds_config)  # while alive, ZeRO-3 builds the model already partitioned
     tokenizer = AutoTokenizer.from_pretrained(out / "tokenizer")
     if models.is_preset(cfg.model):
         specials = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
@@ -63,6 +70,7 @@ def main(run_file: str) -> None:
     total_params, active_params = models.count_parameters(model)
 
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
 
     # --- data ---------------------------------------------------------------------------------
@@ -114,9 +122,13 @@ def main(run_file: str) -> None:
                     trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
             dist.all_reduce(loss_sum)
             loss = loss_sum.item() / (accum * world)
-            if not math.isfinite(loss):
-                raise NonFiniteLoss(f"loss became {loss} at step {step + 1}; the last good checkpoint is kept "
-                                    f"({_latest(out) or 'none yet'}): lower --lr or enable grad clipping")
+            grad_norm = _grad_norm(engine)
+            # fp16 overflows are routine (the loss scaler skips the step); elsewhere inf/NaN means divergence.
+            bad_grad = run["precision"] != "fp16" and grad_norm is not None and not math.isfinite(grad_norm)
+            if not math.isfinite(loss) or bad_grad:
+                what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
+                raise NonFiniteLoss(f"{what} at step {step + 1}; the last good checkpoint is kept "
+                                    f"({_latest(out) or 'none yet'}): lower --lr or enable --grad-clip")
             step += 1
             dt = time.perf_counter() - t0
             window_t, window_steps, window_loss = window_t + dt, window_steps + 1, window_loss + loss
@@ -125,7 +137,7 @@ def main(run_file: str) -> None:
             if step % cfg.log_every == 0 or step == cfg.max_steps:
                 tok_s = tokens_per_step * window_steps / window_t
                 row = {"loss": window_loss / window_steps, "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": _grad_norm(engine), "tokens_per_s": tok_s,
+                       "grad_norm": grad_norm, "tokens_per_s": tok_s,
                        "mfu": tok_s * flops_tok / world / (peak * 1e12), "step_time_s": window_t / window_steps}
                 if log:
                     log.write(step, **row)

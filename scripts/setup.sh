@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Create .venv (once) and install dstool into it. torch is installed first, pinned, so that no
+# dependency resolves a bare `torch` to a multi-GB CUDA build; DeepSpeed's C++ ops are built
+# just-in-time only when a run needs them (DS_BUILD_OPS=0).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python=${PYTHON:-python3}
+[ -x .venv/bin/python ] || "$python" -m venv .venv
+.venv/bin/python -m pip install -q --disable-pip-version-check --upgrade pip
+.venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q --disable-pip-version-check "torch==${DSTOOL_TORCH:-2.13.0}"
+torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
+echo "torch==$torch_version" > .venv/constraints.txt
+DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" -c .venv/constraints.txt
+echo "dstool installed in .venv (torch $torch_version)"

@@ -1,0 +1,94 @@
+"""Bad input: one-line error, exit code 2, nothing on disk changed. No rank is started for any of these."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import dstool
+
+
+def _snapshot(folder: Path) -> dict[str, str]:
+    return {str(p.relative_to(folder)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _expect_usage_error(args: list[str], needle: str, tmp_path: Path) -> None:
+    proc = dstool(*args, check=False, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2, proc.stderr
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert len(lines) == 1, proc.stderr  # one line
+    assert lines[0].startswith("dstool: error:") and needle in lines[0], lines[0]
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--zero", "5"], "zero"),
+    (["--model", "no-such-preset"], "unknown model 'no-such-preset'"),
+    (["--data", "/nonexistent/corpus.txt"], "does not exist"),
+    (["--precision", "fp16"], "fp16 needs a GPU"),
+    (["--micro-batch-size", "4", "--nproc", "2", "--global-batch-size", "12"], "not a multiple"),
+    (["--offload-params", "--zero", "2"], "offload_params needs zero: 3"),
+    (["--env", "NCCL_SOCKET_IFNAME"], "KEY=VALUE"),
+    (["--no-such-flag"], "unrecognized arguments"),
+    (["--lr", "-1"], "lr"),
+])
+def test_bad_flags(args, needle, tmp_path):
+    _expect_usage_error(["train", "--output", str(tmp_path / "run"), *args], needle, tmp_path)
+    assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+
+
+def test_empty_data(tmp_path):
+    (tmp_path / "empty.txt").write_text("  \n\n")
+    _expect_usage_error(["train", "--data", str(tmp_path / "empty.txt"), "--output", str(tmp_path / "run")],
+                        "is empty", tmp_path)
+
+
+def test_empty_data_folder(tmp_path):
+    (tmp_path / "corpus").mkdir()
+    (tmp_path / "corpus" / "notes.md").write_text("not a txt or jsonl")
+    _expect_usage_error(["train", "--data", str(tmp_path / "corpus"), "--output", str(tmp_path / "run")],
+                        "no .txt or .jsonl", tmp_path)
+
+
+def test_bad_jsonl(tmp_path):
+    (tmp_path / "c.jsonl").write_text('{"text": "fine"}\n{"body": "no text field"}\n')
+    _expect_usage_error(["train", "--data", str(tmp_path / "c.jsonl"), "--output", str(tmp_path / "run")],
+                        "c.jsonl:2", tmp_path)
+
+
+def test_hostfile_that_does_not_parse(tmp_path):
+    hostfile = tmp_path / "hostfile"
+    hostfile.write_text("node0 slots=2\nnode1 gpus=two\n")
+    _expect_usage_error(["train", "--hostfile", str(hostfile), "--output", str(tmp_path / "run")],
+                        "line 2 'node1 gpus=two' does not parse", tmp_path)
+
+
+def test_bad_yaml_config(tmp_path):
+    (tmp_path / "c.yaml").write_text("zero: 2\nmax_stepz: 10\n")
+    _expect_usage_error(["train", "--config", str(tmp_path / "c.yaml"), "--output", str(tmp_path / "run")],
+                        "unknown option 'max_stepz'", tmp_path)
+
+
+def test_output_with_someone_elses_files_is_untouched(tmp_path):
+    out = tmp_path / "precious"
+    out.mkdir()
+    (out / "thesis.tex").write_text("years of work")
+    (out / "sub").mkdir()
+    (out / "sub" / "data.bin").write_bytes(b"\x00\x01" * 100)
+    before = _snapshot(out)
+    _expect_usage_error(["train", "--output", str(out)], "holds files dstool did not write", tmp_path)
+    assert _snapshot(out) == before
+
+
+def test_output_that_is_a_file(tmp_path):
+    (tmp_path / "out").write_text("x")
+    _expect_usage_error(["train", "--output", str(tmp_path / "out")], "is a file", tmp_path)
+
+
+def test_deepspeed_json_with_inconsistent_batch(tmp_path):
+    (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 999}))
+    _expect_usage_error(["train", "--deepspeed-config", str(tmp_path / "ds.json"), "--output", str(tmp_path / "run")],
+                        "batch sizes disagree", tmp_path)

@@ -1,0 +1,47 @@
+from __future__ import annotations
+
+import pytest
+
+from dstool.cli import build_parser, _overrides
+from dstool.config import TrainConfig, load_config
+from dstool.errors import UsageError
+from dstool.train import deepspeed_config
+
+
+def test_yaml_then_flags_override(tmp_path):
+    (tmp_path / "c.yaml").write_text("zero: 3\nmax-steps: 50\nlr: 0.002\nenv:\n  NCCL_IB_DISABLE: '1'\n")
+    ns = build_parser().parse_args(["train", "--config", str(tmp_path / "c.yaml"), "--max-steps", "7",
+                                    "--env", "NCCL_SOCKET_IFNAME=eth0"])
+    cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))
+    assert (cfg.zero, cfg.max_steps, cfg.lr) == (3, 7, 0.002)
+    assert cfg.env == {"NCCL_SOCKET_IFNAME": "eth0"}  # a flag replaces the file's mapping
+
+
+def test_config_errors_are_one_line():
+    with pytest.raises(UsageError) as e:
+        load_config(TrainConfig, None, {"zero": 5})
+    assert "\n" not in str(e.value) and "zero" in str(e.value)
+
+
+def test_batch_plan_and_lr_scaling():
+    cfg = TrainConfig(micro_batch_size=4, global_batch_size=32, lr=1e-3, max_steps=200)
+    assert deepspeed_config.batch_plan(cfg, world=4) == (4, 2)
+    assert deepspeed_config.peak_lr(cfg, 4) == pytest.approx(4e-3)
+    assert deepspeed_config.warmup_steps(cfg) == 10  # 5 % of 200
+    assert deepspeed_config.peak_lr(cfg.model_copy(update={"lr_scaling": "none"}), 4) == pytest.approx(1e-3)
+    with pytest.raises(UsageError):
+        deepspeed_config.batch_plan(cfg, world=3)
+
+
+def test_generated_deepspeed_config_and_merge(tmp_path):
+    user = tmp_path / "ds.json"
+    user.write_text('{"gradient_clipping": 0.5, "zero_optimization": {"reduce_bucket_size": 1000000}}')
+    cfg = TrainConfig(zero=3, offload_optimizer=True, offload_params=True, deepspeed_config=str(user))
+    ds = deepspeed_config.build(cfg, world=2, precision="bf16", on_gpu=False)
+    assert ds["zero_optimization"]["stage"] == 3
+    assert ds["zero_optimization"]["offload_param"]["device"] == "cpu"
+    assert ds["zero_optimization"]["reduce_bucket_size"] == 1000000  # merged, siblings kept
+    assert ds["gradient_clipping"] == 0.5
+    assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
+    assert "torch_adam" not in ds["optimizer"]["params"]  # offload needs DeepSpeedCPUAdam
+    assert ds["train_batch_size"] == 8 * 1 * 2
