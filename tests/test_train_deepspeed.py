@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 import torch
 
@@ -32,7 +32,8 @@ def bf16_runs(session_tmp):
     while not (crashed / "checkpoints" / "latest").exists():
         assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
         time.sleep(0.05)
-    os.killpg(proc.pid, signal.SIGKILL)  # a crash: every rank and the launcher die at once
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        p.kill()  # a crash: the CLI, the launcher and every rank die at once (SIGKILL)
     proc.wait()
     killed_at = (crashed / "checkpoints" / "latest").read_text().strip()
     crash_trace = {r: _trace(crashed, r) for r in (0, 1)}

@@ -54,10 +54,9 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     topo = launch.plan(cfg)
     ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
     out = Path(cfg.output)
-    _claim_output(out)
     docs = data.read_documents(cfg.data)
 
-    with _lock(out):
+    with _lock(out):  # nodes sharing the output folder claim it and prepare data one at a time
         fingerprint = data.corpus_fingerprint(docs)
         manifest = read_manifest(out) or {}
         if manifest.get("data_fingerprint") not in (None, fingerprint):
@@ -104,8 +103,6 @@ def _precision(cfg: TrainConfig, on_gpu: bool) -> str:
 
 def _claim_output(out: Path) -> None:
     """Refuse a folder holding someone else's files; never overwrite them."""
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"output {out} is a file: pass a folder for --output")
     if out.is_dir() and any(out.iterdir()):
         manifest = read_manifest(out)
         if manifest is None or manifest.get("kind") != RUN_KIND:
@@ -114,14 +111,19 @@ def _claim_output(out: Path) -> None:
 
 
 class _lock:
-    """An exclusive file lock on the output folder (nodes sharing it prepare data once)."""
+    """Claim the output folder under an exclusive file lock (nodes sharing it prepare data once)."""
 
     def __init__(self, out: Path):
-        self.path = out / ".prepare.lock"
+        self.out = out
 
     def __enter__(self):
-        self.f = open(self.path, "w")
+        if self.out.exists() and not self.out.is_dir():
+            raise UsageError(f"output {self.out} is a file: pass a folder for --output")
+        self.out.parent.mkdir(parents=True, exist_ok=True)
+        # The lock file sits beside the folder, so checking the folder's contents sees only real files.
+        self.f = open(self.out.with_name(f".{self.out.name}.lock"), "w")
         fcntl.flock(self.f, fcntl.LOCK_EX)
+        _claim_output(self.out)
 
     def __exit__(self, *exc):
         fcntl.flock(self.f, fcntl.LOCK_UN)
@@ -141,21 +143,16 @@ def _resume_point(cfg: TrainConfig, out: Path, echo) -> Path | None:
 
 
 def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:
-    """Start the launcher in its own process group; forward Ctrl-C/SIGTERM; wait."""
-    proc = subprocess.Popen(cmd, env=env, start_new_session=True)
-
-    def forward(signum, _frame):
-        try:
-            os.killpg(proc.pid, signum)
-        except ProcessLookupError:
-            pass
-
-    old = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    """Start the launcher in this process group (Ctrl-C reaches every rank); forward SIGTERM; wait."""
+    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: launch.die_with_parent(signal.SIGTERM))
+    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
     try:
         rc = proc.wait()
+    except KeyboardInterrupt:  # the launcher got the same SIGINT and stops the ranks; wait for it
+        rc = proc.wait()
+        raise
     finally:
-        for s, h in old.items():
-            signal.signal(s, h)
+        signal.signal(signal.SIGTERM, previous)
     if rc != 0:
         failure = out / "failure.json"
         if failure.is_file():

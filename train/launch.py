@@ -100,6 +100,16 @@ def _single_local_host(hosts: dict[str, int] | None) -> bool:
     return bool(hosts) and len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname())
 
 
+def die_with_parent(sig: int) -> None:
+    """Linux: this process receives `sig` when its parent dies (launcher or rank), so no rank is orphaned."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
 def environment(cfg: TrainConfig, topo: Topology, on_gpu: bool) -> dict[str, str]:
     """The ranks' environment: the config's `env` (NCCL_* and friends) and sane CPU threading."""
     env = dict(os.environ)

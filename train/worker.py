@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import shutil
+import signal
 import sys
 import time
 import warnings
@@ -22,7 +23,7 @@ import torch.distributed as dist
 from dstool import models
 from dstool.config import TrainConfig
 from dstool.manifest import write_json_atomic, write_manifest
-from dstool.train import checkpoint, data
+from dstool.train import checkpoint, data, launch
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 
 
@@ -31,6 +32,7 @@ class NonFiniteLoss(RuntimeError):
 
 
 def main(run_file: str) -> None:
+    launch.die_with_parent(signal.SIGKILL)  # the launcher died: stop too rather than train on alone
     run = json.loads(Path(run_file).read_text())
     cfg = TrainConfig(**run["config"])
     ds_config = run["ds_config"]
@@ -86,7 +88,7 @@ def main(run_file: str) -> None:
         start_step = client["step"]
         assert client["samples_consumed"] == start_step * micro * accum * world, "data position mismatch"
     log = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
-    trace = open(out / f"samples.rank{rank}.jsonl", "a") if cfg.trace_samples else None
+    trace = open(out / f"samples.rank{rank}.jsonl", "a", buffering=1) if cfg.trace_samples else None
 
     cores = int(os.environ.get("OMP_NUM_THREADS", "1"))
     device_name = torch.cuda.get_device_name() if run["on_gpu"] else "cpu"
