@@ -18,6 +18,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from dstool.train.launch import free_port
+
 HERE = Path(__file__).resolve().parent
 
 
@@ -38,11 +40,13 @@ def run_dstool(a, out: Path) -> list[float]:
     return [r["step_time_s"] for r in rows if "step_time_s" in r]
 
 
-def run_peer(a, which: str, run_dir: Path, port: int) -> list[float]:
+def run_peer(a, which: str, run_dir: Path) -> list[float]:
     result = run_dir / f"{which}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc}", f"--master_port={port}",
-           str(HERE / "_peers.py"), which, str(run_dir), str(a.steps), str(result)]
-    subprocess.run(cmd, check=True, env=_env(a.nproc), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={a.nproc}",
+           f"--master_port={free_port()}", str(HERE / "_peers.py"), which, str(run_dir), str(a.steps), str(result)]
+    proc = subprocess.run(cmd, env=_env(a.nproc), capture_output=True, text=True)
+    if proc.returncode:
+        sys.exit(f"{which} failed:\n{proc.stderr[-3000:]}")
     return json.loads(result.read_text())
 
 
@@ -64,8 +68,8 @@ def main() -> None:
         for r in range(a.rounds):
             run_dir = Path(tmp) / f"round{r}"
             times["dstool train"] += run_dstool(a, run_dir)[a.skip:]
-            times["HF Trainer + DeepSpeed"] += run_peer(a, "trainer", run_dir, 29400 + r)[a.skip:]
-            times["minimal DeepSpeed loop"] += run_peer(a, "minimal", run_dir, 29450 + r)[a.skip:]
+            times["HF Trainer + DeepSpeed"] += run_peer(a, "trainer", run_dir)[a.skip:]
+            times["minimal DeepSpeed loop"] += run_peer(a, "minimal", run_dir)[a.skip:]
             ds = json.loads((run_dir / "ds_config.json").read_text())
     tokens_per_step = ds["train_batch_size"] * a.seq_len
     tok_s = {k: tokens_per_step / statistics.median(v) for k, v in times.items()}

@@ -128,7 +128,7 @@ def test_tiny_moe_zero3_with_accumulation(session_tmp):
     out = session_tmp / "moe_z3"
     dstool("train", "--output", str(out), "--model", "tiny-moe", "--nproc", "2", "--zero", "3",
            "--gradient-accumulation-steps", "2", "--micro-batch-size", "2", "--max-steps", "6", "--save-every", "3",
-           "--seq-len", "64", "--log-every", "1", "--no-tensorboard")
+           "--seq-len", "64", "--log-every", "1")
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
@@ -140,6 +140,7 @@ def test_tiny_moe_zero3_with_accumulation(session_tmp):
     assert json.loads((out / "ds_config.json").read_text())["gradient_accumulation_steps"] == 2
     curve = losses(out)
     assert curve[6] < curve[1]
+    assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
 @pytest.fixture(scope="module")

@@ -86,7 +86,9 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     echo(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x {topo.world if cfg.lr_scaling == 'linear' else 1}, "
          f"lr_scaling={cfg.lr_scaling}), warmup {deepspeed_config.warmup_steps(cfg)} steps "
          f"({cfg.warmup_ratio:.0%}), cosine to {cfg.min_lr_ratio:g} x peak over {cfg.max_steps} steps")
-    echo(f"  resume: {resume or 'fresh start'}; effective config: {out / 'config.yaml'}, {out / 'ds_config.json'}")
+    echo(f"  resume: {resume or 'fresh start'}")
+    echo(f"effective config (saved as {out / 'config.yaml'}; DeepSpeed JSON in {out / 'ds_config.json'}):")
+    echo("  " + dump_yaml(cfg).rstrip().replace("\n", "\n  "))
 
     (out / "failure.json").unlink(missing_ok=True)
     _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)

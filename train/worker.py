@@ -104,56 +104,62 @@ def main(run_file: str) -> None:
             print(f"dstool: resumed at step {start_step} from {run['resume']}", flush=True)
 
     progress = _progress(rank, start_step, cfg.max_steps)
-    window_t, window_steps, window_loss = 0.0, 0, 0.0
+    window_t, window_steps = 0.0, 0
+    window_loss = torch.zeros((), device=engine.device)  # summed locally, all-reduced once per log window
     last_saved = start_step if run["resume"] else -1
-    step, loss = start_step, float("nan")
+    step = start_step
+
+    def diverged(what: str) -> NonFiniteLoss:
+        return NonFiniteLoss(f"{what} at step {step}; the last good checkpoint is kept "
+                             f"({_latest(out) or 'none yet'}): lower --lr or enable --grad-clip")
 
     # --- the training loop ----------------------------------------------------------------------
     try:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
-            loss_sum = torch.zeros((), device=engine.device)
             for m in range(accum):
                 ids = order.micro_batch(step, m, rank, world, micro, accum)
                 batch = torch.stack([train_split[i] for i in ids]).to(engine.device)
-                out_ = engine(input_ids=batch, labels=batch)
-                engine.backward(out_.loss)
+                loss = engine(input_ids=batch, labels=batch).loss
+                engine.backward(loss)
                 engine.step()
-                loss_sum += out_.loss.detach().float()
+                window_loss += loss.detach().float() / accum
                 if trace:
                     trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
-            dist.all_reduce(loss_sum)
-            loss = loss_sum.item() / (accum * world)
-            grad_norm = _grad_norm(engine)
-            # fp16 overflows are routine (the loss scaler skips the step); elsewhere inf/NaN means divergence.
-            bad_grad = run["precision"] != "fp16" and grad_norm is not None and not math.isfinite(grad_norm)
-            if not math.isfinite(loss) or bad_grad:
-                what = f"loss became {loss}" if not math.isfinite(loss) else f"gradient norm became {grad_norm}"
-                raise NonFiniteLoss(f"{what} at step {step + 1}; the last good checkpoint is kept "
-                                    f"({_latest(out) or 'none yet'}): lower --lr or enable --grad-clip")
             step += 1
-            dt = time.perf_counter() - t0
-            window_t, window_steps, window_loss = window_t + dt, window_steps + 1, window_loss + loss
-            progress.update(loss)
+            # DeepSpeed's global grad norm is already agreed by all ranks: checking it every step costs no
+            # collective, and a NaN/inf loss on any rank makes it non-finite. fp16 overflows are routine
+            # (the loss scaler skips the step), so there only the loss check below applies.
+            grad_norm = _grad_norm(engine)
+            if run["precision"] != "fp16" and grad_norm is not None and not math.isfinite(grad_norm):
+                raise diverged(f"gradient norm became {grad_norm}")
+            window_t, window_steps = window_t + time.perf_counter() - t0, window_steps + 1
+            progress.update()
 
-            if step % cfg.log_every == 0 or step == cfg.max_steps:
+            saving = step % cfg.save_every == 0 or step == cfg.max_steps
+            if step % cfg.log_every == 0 or saving:
+                dist.all_reduce(window_loss)
+                mean_loss = window_loss.item() / (world * window_steps)
+                if not math.isfinite(mean_loss):
+                    raise diverged(f"loss became {mean_loss}")
                 tok_s = tokens_per_step * window_steps / window_t
-                row = {"loss": window_loss / window_steps, "lr": scheduler.get_last_lr()[0],
-                       "grad_norm": grad_norm, "tokens_per_s": tok_s,
-                       "mfu": tok_s * flops_tok / world / (peak * 1e12), "step_time_s": window_t / window_steps}
+                row = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
+                       "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / world / (peak * 1e12),
+                       "step_time_s": window_t / window_steps}
                 if log:
                     log.write(step, **row)
                     progress.line(step, row)
-                window_t, window_steps, window_loss = 0.0, 0, 0.0
+                window_t, window_steps = 0.0, 0
+                window_loss.zero_()
             if cfg.eval_every and step % cfg.eval_every == 0:
                 _log_eval(engine, val_split, cfg, step, log)
-            if step % cfg.save_every == 0 or step == cfg.max_steps:
+            if saving:
                 checkpoint.save(engine, out / "checkpoints", step,
                                 {"step": step, "samples_consumed": step * micro * accum * world}, cfg.keep_checkpoints)
                 last_saved = step
     except NonFiniteLoss as e:
         if rank == 0:
-            write_json_atomic(out / "failure.json", {"step": step + 1, "message": str(e)})
+            write_json_atomic(out / "failure.json", {"step": step, "message": str(e)})
             print(f"dstool: {e}", file=sys.stderr, flush=True)
         sys.exit(3)
     finally:
@@ -257,12 +263,13 @@ class _progress:
 
             self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
 
-    def update(self, loss: float) -> None:
+    def update(self) -> None:
         if self.bar:
             self.bar.update(1)
-            self.bar.set_postfix(loss=f"{loss:.4f}")
 
     def line(self, step: int, row: dict) -> None:
+        if self.bar:
+            self.bar.set_postfix(loss=f"{row['loss']:.4f}")
         text = (f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {row['grad_norm'] or 0:.3f} "
                 f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
         (self.bar.write if self.bar else lambda s: print(s, flush=True))(text)
