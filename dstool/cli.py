@@ -6,11 +6,13 @@ import argparse
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Literal, Union
 
 from pydantic import BaseModel
 
 from dstool import __version__
+from dstool.compress.api import CompressConfig
 from dstool.config import TrainConfig, load_config
 from dstool.errors import UsageError
 
@@ -34,8 +36,9 @@ def _add_model_options(parser: argparse.ArgumentParser, model: type[BaseModel], 
             continue
         flag = "--" + name.replace("_", "-")
         base = _base_type(field.annotation)
-        default = field.default if field.default_factory is None else field.default_factory()
-        help_ = f"{field.description or ''} [default: {default}]".strip()
+        required = field.is_required()
+        default = None if required else field.default if field.default_factory is None else field.default_factory()
+        help_ = (field.description or "").replace("%", "%%") + (" (required)" if required else f" [default: {default}]")
         if base is bool:
             parser.add_argument(flag, action=argparse.BooleanOptionalAction, default=None, help=help_)
         elif typing.get_origin(base) is Literal:
@@ -45,7 +48,7 @@ def _add_model_options(parser: argparse.ArgumentParser, model: type[BaseModel], 
         elif typing.get_origin(base) is dict:
             parser.add_argument(flag, action="append", default=None, metavar="KEY=VALUE", help=help_)
         else:
-            parser.add_argument(flag, type=base, default=None, metavar=name.upper(), help=help_)
+            parser.add_argument(flag, type=base, default=None, metavar=name.upper(), help=help_, required=required)
 
 
 def _overrides(ns: argparse.Namespace, model: type[BaseModel]) -> dict:
@@ -73,7 +76,27 @@ def build_parser() -> argparse.ArgumentParser:
     train.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
     _add_model_options(train, TrainConfig)
     train.set_defaults(func=_cmd_train)
+
+    comp = sub.add_parser("compress", help="int8/4-bit quantization, structured pruning, N:M sparsity, measured report",
+                          description="Compress a Hugging Face causal LM; writes model/, onnx/ and a measured "
+                                      "report (report.json, report.md, report.png) under --output.")
+    comp.add_argument("model", metavar="MODEL_DIR", help="Hugging Face causal-LM folder (e.g. RUN/model)")
+    _add_model_options(comp, CompressConfig, skip={"model"})
+    comp.set_defaults(func=_cmd_compress)
     return parser
+
+
+def _cmd_compress(ns: argparse.Namespace) -> int:
+    from dstool.compress import compress
+
+    cfg = load_config(CompressConfig, None, _overrides(ns, CompressConfig))
+    rep = compress(cfg)
+    b, a = rep["before"], rep["after"]
+    print(f"dstool compress: {rep['artefact']}: size {rep['compression_ratio']:.3f}x, perplexity "
+          f"{b['perplexity']:.3f} -> {a['perplexity']:.3f} ({rep['perplexity_change_pct']:+.2f} %), speed-up "
+          f"{rep['speedup']['1']:.2f}x (batch 1), {rep['speedup']['8']:.2f}x (batch 8); report: "
+          f"{Path(cfg.output) / 'report.md'}")
+    return 0
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:

@@ -62,9 +62,12 @@ class TrainConfig(BaseModel):
     tensorboard: bool = True
     trace_samples: bool = Field(False, description="write each rank's sample ids per step (data audit)")
     deepspeed_config: str | None = Field(None, description="DeepSpeed JSON merged over the generated config")
+    keep_zero_weights: bool = Field(False, description="hold weights that start at exactly zero at zero (N:M sparsity)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":
+        if self.keep_zero_weights and self.zero == 3:
+            raise ValueError("keep_zero_weights needs zero 0, 1 or 2 (ranks must hold whole weights)")
         if self.offload_params and self.zero != 3:
             raise ValueError("offload_params needs zero: 3")
         if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:

@@ -74,6 +74,7 @@ def main(run_file: str) -> None:
     engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
     del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    masks = _zero_masks(engine.module) if cfg.keep_zero_weights else {}
 
     # --- data ---------------------------------------------------------------------------------
     train_split = data.open_split(out / "data", "train", cfg.seq_len)
@@ -123,6 +124,8 @@ def main(run_file: str) -> None:
                 loss = engine(input_ids=batch, labels=batch).loss
                 engine.backward(loss)
                 engine.step()
+                if masks and engine.is_gradient_accumulation_boundary():
+                    _apply_masks(masks)
                 window_loss += loss.detach().float() / accum
                 if trace:
                     trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
@@ -176,6 +179,18 @@ def main(run_file: str) -> None:
     _save_hf_folder(engine, tokenizer, val_split, out, run["precision"], step)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def _zero_masks(module) -> dict:
+    """Masks of the 2-D weights inside the decoder layers that hold exact zeros (N:M sparsity)."""
+    return {p: p.detach() != 0 for name, p in module.named_parameters()
+            if p.dim() == 2 and ".layers." in name and bool((p == 0).any())}
+
+
+@torch.no_grad()
+def _apply_masks(masks: dict) -> None:
+    for param, mask in masks.items():
+        param.mul_(mask)
 
 
 def _grad_norm(engine) -> float | None:

@@ -1,0 +1,281 @@
+"""`compress(config)`: what `dstool compress` does, callable from Python.
+
+A pipeline of named steps, each with a correctness gate (as Triton Model Navigator does):
+  load        the folder is a causal LM with weights
+  baseline    fp32 ONNX of the input (parity-checked) -> perplexity, latency, size
+  prune       heads / MLP channels removed       gate: transformers reloads the saved folder, same logits
+  sparsity    N:M magnitude masks                gate: every group of M has >= M-N zeros
+  recover     fine-tune with the training engine  (masks held fixed)
+  export      fp32 ONNX of the result (parity-checked)
+  quantize    int8 dynamic / 4-bit weight-only   gate: ORT loads it and it holds integer ops
+  report      measured before/after               gate: quantized must not be slower (unless allowed)
+Everything is written to OUTPUT.tmp and renamed into place at the end.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import platform
+import re
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Literal
+
+import onnx
+import torch
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from dstool import models
+from dstool.compress import measure, quantize, report
+from dstool.errors import UsageError
+from dstool.manifest import read_manifest, write_manifest
+from dstool.onnx_export import export_logits_model
+
+KIND = "compressed-model"
+
+
+class CompressConfig(BaseModel):
+    """Options of `dstool compress` (field names are the flags with dashes)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: str = Field(description="Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)")
+    output: str = Field(description="folder for model/, onnx/ and report.{json,md,png}")
+    bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
+    prune: float | None = Field(None, description="structured pruning ratio for both heads and MLP channels")
+    prune_heads: float | None = Field(None, description="share of query heads removed per key/value group")
+    prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed")
+    sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4")
+    recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
+    calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and recovery")
+    max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less than this %")
+    allow_slower: bool = Field(False, description="accept a quantized model that measures slower than fp32")
+    latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure")
+    engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or torchao's PyTorch int8")
+
+    @model_validator(mode="after")
+    def _check(self) -> "CompressConfig":
+        if self.bits not in (None, 8, 4):
+            raise ValueError(f"bits must be 8 or 4, not {self.bits}")
+        for name in ("prune", "prune_heads", "prune_mlp"):
+            v = getattr(self, name)
+            if v is not None and not 0 < v < 1:
+                raise ValueError(f"{name} must be a ratio strictly between 0 and 1, got {v}")
+        if self.prune is not None and (self.prune_heads is not None or self.prune_mlp is not None):
+            raise ValueError("give --prune or --prune-heads/--prune-mlp, not both")
+        if self.sparsity is not None:
+            m = re.fullmatch(r"(\d+):(\d+)", self.sparsity)
+            if not m or not 0 < int(m.group(1)) < int(m.group(2)):
+                raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4), got '{self.sparsity}'")
+        if self.engine == "torchao" and self.bits != 8:
+            raise ValueError("engine torchao is the PyTorch int8 path: use it with bits 8")
+        if not (self.bits or self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
+            raise ValueError("nothing to do: give --bits, --prune (or --prune-heads/--prune-mlp) or --sparsity")
+        if self.recover_steps and not (self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
+            raise ValueError("--recover-steps needs pruning or sparsity to recover from")
+        return self
+
+    @property
+    def head_ratio(self) -> float:
+        return self.prune_heads if self.prune_heads is not None else (self.prune or 0.0)
+
+    @property
+    def mlp_ratio(self) -> float:
+        return self.prune_mlp if self.prune_mlp is not None else (self.prune or 0.0)
+
+
+def _check_input(cfg: CompressConfig) -> Path:
+    src = Path(cfg.model)
+    if not src.is_dir():
+        raise UsageError(f"model {cfg.model} is not a folder: pass a Hugging Face causal-LM folder")
+    models.check_model_ref(str(src))
+    if not any(src.glob("*.safetensors")) and not any(src.glob("*.bin")):
+        raise UsageError(f"model folder {cfg.model} has no weights (*.safetensors or *.bin)")
+    out = Path(cfg.output)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"output {out} is a file: pass a folder for --output")
+    if out.is_dir() and any(out.iterdir()) and (read_manifest(out) or {}).get("kind") != KIND:
+        raise UsageError(f"output {out} exists and holds files dstool did not write: choose a new --output")
+    return src
+
+
+def compress(cfg: CompressConfig, echo=print) -> dict:
+    """Run the pipeline; returns the report (also written to OUTPUT/report.json)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    src = _check_input(cfg)  # --- load
+    out = Path(cfg.output)
+    stage = out.with_name(out.name + ".tmp")
+    shutil.rmtree(stage, ignore_errors=True)
+    stage.mkdir(parents=True)
+    work = Path(tempfile.mkdtemp(prefix="dstool-compress-"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(src)
+        model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
+        calib, heldout = measure.heldout_tokens(src, tokenizer, cfg.calibration)
+        vocab, layers = model.config.vocab_size, model.config.num_hidden_layers
+
+        echo("[baseline] exporting the input model to ONNX (fp32) and measuring it")  # --- baseline
+        base = export_logits_model(model, work / "baseline")
+        before = _measure(base.path, model, heldout)
+        echo(f"[baseline] perplexity {before['perplexity']:.3f}, {before['onnx_bytes'] / 1e6:.2f} MB")
+
+        choices: dict[str, str] = {}
+        structural = cfg.head_ratio or cfg.mlp_ratio or cfg.sparsity
+        if structural:
+            model, masks = _structural(model, cfg, calib, choices, echo)
+            model.save_pretrained(stage / "model", safe_serialization=True)
+            tokenizer.save_pretrained(stage / "model")
+            _gate_reload(model, stage / "model")
+            if cfg.recover_steps:  # --- recover
+                model = _recover(stage / "model", cfg, work, masks, choices, echo)
+        else:
+            shutil.copytree(src, stage / "model", ignore=shutil.ignore_patterns("dstool.json"))
+
+        echo("[export] exporting the result to ONNX (parity-checked against PyTorch)")  # --- export
+        fp32 = export_logits_model(model, stage / "onnx")
+        choices["onnx parity (max |logit diff| vs PyTorch)"] = f"{fp32.max_abs_diff:.2e}"
+        deploy = fp32.path
+        if cfg.bits == 8 and cfg.engine == "onnxruntime":  # --- quantize
+            choice, _, trials = quantize.choose_int8_exclusions(
+                fp32.path, work, heldout, before["perplexity"], cfg.max_ppl_increase / 100, layers, echo)
+            deploy = quantize.quantize_int8(fp32.path, stage / "onnx" / "model.int8.onnx", choice)
+            choices["int8 format"] = (f"dynamic, MatMul weights {choice.weight_type} per-channel={choice.per_channel} "
+                                      f"reduce_range={choice.reduce_range}, activations {choice.activation_type}")
+            choices["int8 reasoning"] = choice.reason
+            choices["int8 trials (perplexity)"] = "; ".join(
+                f"{'+'.join(t['excluded']) or 'all int8'}: {t['perplexity']:.3f}" for t in trials)
+        elif cfg.bits == 4:
+            deploy = quantize.quantize_int4(fp32.path, stage / "onnx" / "model.int4.onnx")
+            choices["4-bit format"] = "MatMulNBits, block 32, symmetric, accuracy_level 4 (int8 compute)"
+        elif cfg.bits == 8 and cfg.engine == "torchao":
+            choices.update(_torchao_int8(model, heldout, stage / "torchao", echo))
+        if cfg.bits and cfg.engine == "onnxruntime":
+            _gate_integer_ops(deploy)
+            for f in (fp32.path, Path(str(fp32.path) + ".data")):  # the quantized file is the artefact
+                f.unlink(missing_ok=True)
+
+        echo("[measure] measuring the result")  # --- report
+        after = _measure(deploy, model, heldout)
+        for batch in (1, 8):
+            before[f"latency_ms_batch{batch}"], after[f"latency_ms_batch{batch}"] = measure.latency_ms(
+                [base.path, deploy], vocab, batch, repeats=cfg.latency_repeats)
+        rep = _report(cfg, before, after, choices, deploy, stage)
+        report.write(rep, stage)
+        slower = after["latency_ms_batch8"] > before["latency_ms_batch8"]
+        if cfg.bits and cfg.engine == "onnxruntime" and slower and not cfg.allow_slower:
+            raise UsageError(f"the {cfg.bits}-bit model measured slower than fp32 at batch 8 "
+                             f"({after['latency_ms_batch8']:.2f} vs {before['latency_ms_batch8']:.2f} ms): "
+                             "nothing written; pass --allow-slower to keep it anyway")
+        write_manifest(stage, KIND, hash_files=True, source=str(src), settings=rep["settings"])
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(stage, out)
+        rep["artefact"] = str(out / deploy.relative_to(stage))
+        return rep
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)
+
+
+def _measure(onnx_path: Path, model, heldout) -> dict:
+    return {"parameters": sum(p.numel() for p in model.parameters()),
+            "onnx_bytes": measure.onnx_bytes(onnx_path),
+            "perplexity": measure.perplexity_onnx(onnx_path, heldout)}
+
+
+def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
+    from dstool.compress import prune
+
+    masks = None
+    if cfg.head_ratio or cfg.mlp_ratio:
+        batch = torch.from_numpy(measure.windows(calib, 128, 16))
+        result = prune.prune_structured(model, cfg.head_ratio, cfg.mlp_ratio, calibration=batch)
+        choices["pruning"] = (f"query heads per layer {result.heads_before} -> {result.heads_after} "
+                              f"({result.kv_heads} key/value heads kept), MLP channels {result.intermediate_before} -> "
+                              f"{result.intermediate_after}; ranked by activations on 16 x 128 calibration tokens")
+        echo(f"[prune] {choices['pruning']}")
+    if cfg.sparsity:
+        n, m = map(int, cfg.sparsity.split(":"))
+        masks = prune.apply_n_m_sparsity(model, n, m)
+        prune.check_n_m(model, masks, n, m)
+        sparse_kernels = _semi_structured_available()
+        choices["sparsity"] = (f"{cfg.sparsity} magnitude masks on {len(masks)} decoder Linear weights (verified); "
+                               f"sparse kernels: {'used (to_sparse_semi_structured)' if sparse_kernels else 'not used — no GPU semi-structured kernels here, so latency is dense'}")
+        echo(f"[sparsity] {choices['sparsity']}")
+    return model, masks
+
+
+def _semi_structured_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.get_device_capability()[0] >= 8
+
+
+def _gate_reload(model, folder: Path) -> None:
+    from transformers import AutoModelForCausalLM
+
+    reloaded = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        diff = (reloaded(input_ids=ids).logits - model(input_ids=ids).logits).abs().max().item()
+    if diff > 1e-4:
+        raise RuntimeError(f"saved compressed model reloads differently (max |logit diff| {diff:.3g})")
+
+
+def _recover(folder: Path, cfg: CompressConfig, work: Path, masks, choices: dict, echo):
+    from transformers import AutoModelForCausalLM
+
+    from dstool.config import TrainConfig
+    from dstool.train import train
+
+    echo(f"[recover] fine-tuning {cfg.recover_steps} steps with the dstool training engine")
+    run = work / "recover"
+    result = train(TrainConfig(model=str(folder), data=cfg.calibration, output=str(run), nproc=1, zero=0,
+                               max_steps=cfg.recover_steps, save_every=cfg.recover_steps, lr=2e-4,
+                               keep_zero_weights=masks is not None, tensorboard=False,
+                               log_every=max(1, cfg.recover_steps // 5)), echo=lambda *_: None)
+    choices["recovery"] = (f"{cfg.recover_steps} steps, lr 2e-4, ZeRO-0, final train loss {result.train_loss:.4f}"
+                           + ("; N:M masks held fixed" if masks is not None else ""))
+    for f in result.model_dir.iterdir():
+        if f.name != "dstool.json":
+            shutil.copy2(f, folder / f.name)
+    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+
+
+def _gate_integer_ops(path: Path) -> None:
+    ops = {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+    integer = ops & {"MatMulInteger", "DynamicQuantizeMatMul", "DynamicQuantizeLinear", "MatMulNBits"}
+    if not integer:
+        raise RuntimeError(f"quantized graph {path.name} holds no integer ops ({sorted(ops)})")
+    measure.ort_session(path)  # loads in ONNX Runtime
+
+
+def _torchao_int8(model, heldout, folder: Path, echo) -> dict:
+    """PyTorch-side int8: torchao's dynamic int8 activations x int8 weights on every Linear."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+
+    ppl_fp32 = measure.perplexity_torch(model, heldout)
+    quantized = copy.deepcopy(model)
+    quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
+    ppl_int8 = measure.perplexity_torch(quantized, heldout)
+    folder.mkdir(parents=True, exist_ok=True)
+    torch.save(quantized.state_dict(), folder / "model_int8_torchao.pt")
+    echo(f"[torchao] int8 perplexity {ppl_int8:.3f} (PyTorch fp32 {ppl_fp32:.3f})")
+    return {"torchao int8": f"Int8DynamicActivationInt8WeightConfig; PyTorch perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f}"}
+
+
+def _report(cfg: CompressConfig, before: dict, after: dict, choices: dict, deploy: Path, stage: Path) -> dict:
+    return {
+        "model": cfg.model,
+        "settings": cfg.model_dump(exclude={"model", "output", "latency_repeats"}),
+        "before": before, "after": after,
+        "compression_ratio": after["onnx_bytes"] / before["onnx_bytes"],
+        "perplexity_change_pct": 100 * (after["perplexity"] / before["perplexity"] - 1),
+        "speedup": {"1": before["latency_ms_batch1"] / after["latency_ms_batch1"],
+                    "8": before["latency_ms_batch8"] / after["latency_ms_batch8"]},
+        "latency_seq_len": 128,
+        "onnx": str(deploy.relative_to(stage)),
+        "choices": choices,
+        "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, onnxruntime CPU provider",
+    }

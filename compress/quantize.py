@@ -1,0 +1,123 @@
+"""ONNX Runtime quantization: dynamic int8 (MatMul weights) and 4-bit weight-only (MatMulNBits)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import onnx
+
+from dstool.compress.measure import perplexity_onnx
+
+LARGE_MODEL_BYTES = 1_800_000_000  # past this, weights go to an external-data file (2 GB protobuf limit)
+
+
+@dataclass
+class Int8Choice:
+    """How int8 is laid out for the CPU this runs on, and why (recorded in the report)."""
+
+    vnni: bool
+    reduce_range: bool
+    per_channel: bool = True
+    weight_type: str = "QInt8"
+    activation_type: str = "QUInt8"
+    excluded_nodes: list[str] = field(default_factory=list)
+    reason: str = ""
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def int8_choice_for_this_cpu() -> Int8Choice:
+    """VNNI (AVX512-VNNI / AVX-VNNI) computes u8 x s8 exactly: full-range signed weights. AVX2/AVX512 without
+    VNNI use vpmaddubsw, whose 16-bit intermediate saturates: 7-bit weights (reduce_range) avoid it."""
+    flags = cpu_flags()
+    vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    reason = ("CPU has VNNI: u8 activations x s8 weights, full range" if vnni else
+              "CPU lacks VNNI: s8 weights reduced to 7 bits so vpmaddubsw cannot saturate")
+    return Int8Choice(vnni=vnni, reduce_range=not vnni, reason=reason)
+
+
+def weight_matmuls(onnx_path: Path) -> list[str]:
+    """Names of the MatMul nodes whose second input is a weight (in graph order; the last is lm_head)."""
+    model = onnx.load(str(onnx_path), load_external_data=False)
+    weights = {i.name for i in model.graph.initializer}
+    return [n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in weights]
+
+
+def _save_kwargs(onnx_path: Path) -> bool:
+    sidecar = Path(str(onnx_path) + ".data")
+    size = onnx_path.stat().st_size + (sidecar.stat().st_size if sidecar.exists() else 0)
+    return size > LARGE_MODEL_BYTES
+
+
+def quantize_int8(fp32: Path, out: Path, choice: Int8Choice) -> Path:
+    from onnxruntime.quantization import QuantType, quantize_dynamic
+
+    root = logging.getLogger()
+    level = root.level
+    root.setLevel(logging.ERROR)  # ORT's advice to pre-process applies to static (calibrated) quantization
+    try:
+        # MatMul weights -> MatMulInteger; the embedding table (Gather) -> int8 + DequantizeLinear.
+        quantize_dynamic(str(fp32), str(out), op_types_to_quantize=["MatMul", "Gather"], per_channel=choice.per_channel,
+                         reduce_range=choice.reduce_range, weight_type=QuantType.QInt8,
+                         nodes_to_exclude=choice.excluded_nodes, use_external_data_format=_save_kwargs(fp32))
+    finally:
+        root.setLevel(level)
+    return out
+
+
+def quantize_int4(fp32: Path, out: Path, block_size: int = 32) -> Path:
+    """Weight-only 4-bit, block-wise symmetric (com.microsoft MatMulNBits); activations stay fp32."""
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=block_size, is_symmetric=True,
+                                     accuracy_level=4)
+    quantizer.process()
+    quantizer.model.save_model_to_file(str(out), use_external_data_format=_save_kwargs(fp32))
+    return out
+
+
+def choose_int8_exclusions(fp32: Path, work: Path, heldout: np.ndarray, base_ppl: float, budget: float,
+                           num_layers: int, echo=print) -> tuple[Int8Choice, float, list[dict]]:
+    """Quantize everything; if perplexity rises more than `budget` (a fraction), measure what keeping
+    each candidate in fp32 buys (lm_head, then each decoder layer's projections) and keep the best
+    ones in fp32, greedily, until the budget holds or a quarter of the weights' MatMuls are excluded."""
+    choice = int8_choice_for_this_cpu()
+    trial = work / "trial.onnx"
+    ppl_all = perplexity_onnx(quantize_int8(fp32, trial, choice), heldout)
+    trials = [{"excluded": [], "perplexity": ppl_all}]
+    if ppl_all <= base_ppl * (1 + budget):
+        return choice, ppl_all, trials
+    nodes = weight_matmuls(fp32)
+    per_layer = max(1, (len(nodes) - 1) // max(num_layers, 1))
+    candidates = {"lm_head": [nodes[-1]]}
+    candidates.update({f"layer {i}": nodes[i * per_layer:(i + 1) * per_layer] for i in range(num_layers)})
+    gains = []
+    for label, group in candidates.items():
+        choice.excluded_nodes = group
+        ppl = perplexity_onnx(quantize_int8(fp32, trial, choice), heldout)
+        trials.append({"excluded": [label], "perplexity": ppl})
+        gains.append((ppl, label, group))
+        echo(f"  int8 sensitivity: keeping {label} in fp32 -> perplexity {ppl:.3f} (all int8: {ppl_all:.3f})")
+    excluded, labels, best = [], [], ppl_all
+    for ppl, label, group in sorted(gains):
+        if best <= base_ppl * (1 + budget) or len(excluded) + len(group) > len(nodes) // 4 or ppl >= ppl_all:
+            break
+        choice.excluded_nodes = excluded + group
+        trial_ppl = perplexity_onnx(quantize_int8(fp32, trial, choice), heldout)
+        trials.append({"excluded": labels + [label], "perplexity": trial_ppl})
+        if trial_ppl < best:
+            excluded, labels, best = excluded + group, labels + [label], trial_ppl
+    choice.excluded_nodes = excluded
+    choice.reason += f"; kept in fp32 (measured): {', '.join(labels) or 'nothing'}"
+    return choice, best, trials
