@@ -149,7 +149,8 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
                 f"{'+'.join(t['excluded']) or 'all int8'}: {t['perplexity']:.3f}" for t in trials)
         elif cfg.bits == 4:
             deploy = quantize.quantize_int4(fp32.path, stage / "onnx" / "model.int4.onnx")
-            choices["4-bit format"] = "MatMulNBits, block 32, symmetric, accuracy_level 4 (int8 compute)"
+            choices["4-bit format"] = ("weight-only: MatMul -> MatMulNBits and embedding Gather -> GatherBlockQuantized, "
+                                       "block 32, symmetric, fp32 compute")
         elif cfg.bits == 8 and cfg.engine == "torchao":
             choices.update(_torchao_int8(model, heldout, stage / "torchao", echo))
         if cfg.bits and cfg.engine == "onnxruntime":
@@ -164,11 +165,7 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
                 [base.path, deploy], vocab, batch, repeats=cfg.latency_repeats)
         rep = _report(cfg, before, after, choices, deploy, stage)
         report.write(rep, stage)
-        slower = after["latency_ms_batch8"] > before["latency_ms_batch8"]
-        if cfg.bits and cfg.engine == "onnxruntime" and slower and not cfg.allow_slower:
-            raise UsageError(f"the {cfg.bits}-bit model measured slower than fp32 at batch 8 "
-                             f"({after['latency_ms_batch8']:.2f} vs {before['latency_ms_batch8']:.2f} ms): "
-                             "nothing written; pass --allow-slower to keep it anyway")
+        speed_gate(cfg, before, after)
         write_manifest(stage, KIND, hash_files=True, source=str(src), settings=rep["settings"])
         if out.exists():
             shutil.rmtree(out)
@@ -178,6 +175,15 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
     finally:
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(stage, ignore_errors=True)
+
+
+def speed_gate(cfg: CompressConfig, before: dict, after: dict) -> None:
+    """A quantized model measured slower than fp32 (batch 8) fails the run, unless --allow-slower."""
+    if cfg.bits and cfg.engine == "onnxruntime" and not cfg.allow_slower \
+            and after["latency_ms_batch8"] > before["latency_ms_batch8"]:
+        raise UsageError(f"the {cfg.bits}-bit model measured slower than fp32 at batch 8 "
+                         f"({after['latency_ms_batch8']:.2f} vs {before['latency_ms_batch8']:.2f} ms): "
+                         "nothing written; pass --allow-slower to keep it anyway")
 
 
 def _measure(onnx_path: Path, model, heldout) -> dict:

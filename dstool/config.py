@@ -77,10 +77,12 @@ class TrainConfig(BaseModel):
 
 def _first_error(err: ValidationError) -> str:
     e = err.errors()[0]
-    where = ".".join(str(p) for p in e["loc"]) or "config"
+    where = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         return f"unknown option '{where}'"
+    if not where:  # a check across options: its message names them
+        return msg
     got = e.get("input")
     shown = "" if isinstance(got, dict) or got is None else f" (got {got!r})"
     return f"{where}: {msg}{shown}"

@@ -1,0 +1,134 @@
+"""dstool compress on a model trained by `dstool train` (tiny preset): every mode on the real engines."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import onnx
+import pytest
+import torch
+
+from conftest import FAST, dstool
+from dstool.compress import CompressConfig, quantize_dynamic
+from dstool.compress.api import speed_gate
+from dstool.compress.prune import check_n_m
+from dstool.errors import UsageError
+
+
+@pytest.fixture(scope="module")
+def trained(session_tmp) -> Path:
+    out = session_tmp / "compress_src"
+    dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40",
+           "--lr", "3e-3", *FAST)
+    return out / "model"
+
+
+def _ops(path: Path) -> set[str]:
+    return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
+
+
+def _report(out: Path) -> dict:
+    assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
+    return json.loads((out / "report.json").read_text())
+
+
+def test_int8_python_api(trained, tmp_path):
+    import onnxruntime as ort
+
+    out = tmp_path / "int8"
+    rep = quantize_dynamic(str(trained), str(out), bits=8)
+    path = out / "onnx" / "model.int8.onnx"
+    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(path)
+    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    saved = _report(out)
+    assert saved["compression_ratio"] < 0.35 and rep["compression_ratio"] == saved["compression_ratio"]
+    assert abs(saved["perplexity_change_pct"]) < 2.0
+    assert saved["speedup"]["8"] > 1.0  # measured, interleaved with the fp32 model
+    assert "VNNI" in saved["choices"]["int8 reasoning"]
+    assert not (out / "onnx" / "model.onnx").exists()  # the artefact is the quantized graph
+
+
+def test_int4_cli(trained, tmp_path):
+    out = tmp_path / "int4"
+    proc = dstool("compress", str(trained), "--bits", "4", "--allow-slower", "--output", str(out))
+    assert "model.int4.onnx" in proc.stdout
+    assert "MatMulNBits" in _ops(out / "onnx" / "model.int4.onnx")
+    rep = _report(out)
+    assert rep["compression_ratio"] < 0.25 and abs(rep["perplexity_change_pct"]) < 5
+
+
+def test_structured_pruning_with_recovery(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "pruned"
+    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--output", str(out))
+    original = AutoModelForCausalLM.from_pretrained(trained)
+    pruned = AutoModelForCausalLM.from_pretrained(out / "model")
+    cfg = pruned.config
+    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2  # 1 of 3 query heads per KV group
+    assert cfg.intermediate_size < original.config.intermediate_size
+    assert pruned.num_parameters() < 0.85 * original.num_parameters()
+    rep = _report(out)
+    assert rep["after"]["parameters"] == pruned.num_parameters() and "recovery" in rep["choices"]
+    assert rep["after"]["onnx_bytes"] < rep["before"]["onnx_bytes"]
+
+
+def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "sparse"
+    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "5", "--output", str(out))
+    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    masks = {n: p != 0 for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
+    check_n_m(model, masks, 2, 4)  # every group of 4 still has 2 zeros after fine-tuning
+    zeros = sum(int((~m).sum()) for m in masks.values())
+    assert zeros == sum(m.numel() for m in masks.values()) // 2
+    assert "sparse kernels: not used" in _report(out)["choices"]["sparsity"]
+
+
+def test_torchao_int8(trained, tmp_path):
+    out = tmp_path / "torchao"
+    dstool("compress", str(trained), "--bits", "8", "--engine", "torchao", "--output", str(out))
+    assert "Int8DynamicActivationInt8WeightConfig" in _report(out)["choices"]["torchao int8"]
+    state = torch.load(out / "torchao" / "model_int8_torchao.pt", weights_only=False)
+    assert "int8" in repr(state["model.layers.0.mlp.down_proj.weight"]).lower()
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--bits", "3"], "bits must be 8 or 4"),
+    (["--prune", "1.5"], "strictly between 0 and 1"),
+    (["--prune-mlp", "0"], "strictly between 0 and 1"),
+    (["--sparsity", "2-4"], "N:M pattern"),
+    (["--sparsity", "4:2"], "N:M pattern"),
+    ([], "nothing to do"),
+])
+def test_bad_options(trained, tmp_path, args, needle):
+    proc = dstool("compress", str(trained), *args, "--output", str(tmp_path / "o"), check=False)
+    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "o").exists()
+
+
+def test_bad_folders(trained, tmp_path):
+    (tmp_path / "bert").mkdir()
+    (tmp_path / "bert" / "config.json").write_text('{"model_type": "bert", "architectures": ["BertForMaskedLM"]}')
+    (tmp_path / "noweights").mkdir()
+    (tmp_path / "noweights" / "config.json").write_text((trained / "config.json").read_text())
+    theirs = tmp_path / "theirs"
+    theirs.mkdir()
+    (theirs / "keep.txt").write_text("mine")
+    cases = [([str(tmp_path / "bert"), "--bits", "8", "--output", str(tmp_path / "o")], "not a causal LM"),
+             ([str(tmp_path / "noweights"), "--bits", "8", "--output", str(tmp_path / "o")], "has no weights"),
+             ([str(trained), "--bits", "8", "--output", str(theirs)], "did not write")]
+    for args, needle in cases:
+        proc = dstool("compress", *args, check=False)
+        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    assert not (tmp_path / "o").exists() and [p.name for p in theirs.iterdir()] == ["keep.txt"]
+
+
+def test_speed_gate():
+    cfg = CompressConfig(model="m", output="o", bits=8)
+    speed_gate(cfg, {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 5.0})
+    with pytest.raises(UsageError, match="slower than fp32"):
+        speed_gate(cfg, {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 12.0})
+    speed_gate(cfg.model_copy(update={"allow_slower": True}), {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 12.0})
