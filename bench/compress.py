@@ -1,0 +1,134 @@
+"""Compression benchmark on a model big enough for the matmuls to dominate (~40 M parameters).
+
+    .venv/bin/python bench/compress.py [--train-steps 60] [--recover-steps 40]
+
+1. builds a 12-layer Llama-architecture model (hidden 512, GQA 8/4 heads), trains it briefly with
+   `dstool train` (2 ranks) so perplexity means something;
+2. `dstool compress --bits 8` and `--prune 0.4 --recover-steps N` on it (their reports);
+3. side by side, on the same fp32 ONNX file from dstool's exporter: Hugging Face Optimum's
+   ORTQuantizer (run in bench/.optimum-venv, since optimum-onnx needs transformers<4.58) and
+   dstool's int8, latencies measured interleaved in one process.
+Targets (issue #3): int8 size <= 0.27x, >= 2x faster at batch 8, perplexity +<= 1 %, at least as fast and
+accurate as Optimum; 40 % pruning >= 1.6x faster, perplexity +<= 5 % after recovery.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+
+
+def sh(*args: str) -> None:
+    subprocess.run([sys.executable, "-m", "dstool.cli", *args], check=True, stdout=subprocess.DEVNULL)
+
+
+def build_model(folder: Path) -> None:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dstool.train import data
+
+    tok = data.train_tokenizer(data.read_documents(None), 4096)
+    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
+                      num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                      tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
+                      pad_token_id=tok.pad_token_id, architectures=["LlamaForCausalLM"])
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    tok.save_pretrained(folder)
+
+
+def optimum_side_by_side(model_dir: Path, heldout, work: Path) -> dict:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dstool.compress import measure, quantize
+    from dstool.onnx_export import export_logits_model
+
+    fp32 = export_logits_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), work / "fp32")
+    ours = quantize.quantize_int8(fp32.path, work / "dstool_int8.onnx", quantize.int8_choice_for_this_cpu())
+    venv_py = HERE / ".optimum-venv" / "bin" / "python"
+    paths = {"fp32": fp32.path, "dstool int8": ours}
+    if venv_py.exists():
+        subprocess.run([str(venv_py), str(HERE / "_optimum_quantize.py"), str(fp32.path.parent), str(work / "opt")],
+                       check=True)
+        paths["Optimum ORTQuantizer int8"] = next((work / "opt").glob("*quantized*.onnx"))
+    else:
+        print("bench/.optimum-venv missing: create it with "
+              "`python3 -m venv bench/.optimum-venv && bench/.optimum-venv/bin/pip install torch==2.13.0 "
+              "'optimum-onnx[onnxruntime]'` to include Optimum")
+    vocab = AutoModelForCausalLM.from_pretrained(model_dir).config.vocab_size
+    lat = {b: measure.latency_ms(list(paths.values()), vocab, b, repeats=20) for b in (1, 8)}
+    rows = {}
+    for i, (name, path) in enumerate(paths.items()):
+        rows[name] = {"bytes": measure.onnx_bytes(path), "perplexity": measure.perplexity_onnx(path, heldout),
+                      "latency_ms_batch1": lat[1][i], "latency_ms_batch8": lat[8][i]}
+    return rows
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--train-steps", type=int, default=60)
+    p.add_argument("--recover-steps", type=int, default=40)
+    p.add_argument("--keep", help="keep the work folder here")
+    a = p.parse_args()
+    work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="dstool-bench-compress-"))
+    work.mkdir(parents=True, exist_ok=True)
+    try:
+        build_model(work / "init")
+        sh("train", "--model", str(work / "init"), "--output", str(work / "run"), "--nproc", "2",
+           "--max-steps", str(a.train_steps), "--save-every", str(a.train_steps), "--seq-len", "128",
+           "--micro-batch-size", "8", "--lr", "1e-3", "--no-tensorboard", "--resume", "none")
+        model_dir = work / "run" / "model"
+        sh("compress", str(model_dir), "--bits", "8", "--output", str(work / "int8"))
+        sh("compress", str(model_dir), "--prune", "0.4", "--recover-steps", str(a.recover_steps),
+           "--output", str(work / "pruned"))
+        from transformers import AutoTokenizer
+
+        from dstool.compress import measure
+
+        _, heldout = measure.heldout_tokens(model_dir, AutoTokenizer.from_pretrained(model_dir), None)
+        side = optimum_side_by_side(model_dir, heldout, work / "side")
+    finally:
+        if not a.keep:
+            reports = {k: json.loads((work / k / "report.json").read_text()) for k in ("int8", "pruned")
+                       if (work / k / "report.json").exists()}
+            shutil.rmtree(work, ignore_errors=True)
+    if a.keep:
+        reports = {k: json.loads((work / k / "report.json").read_text()) for k in ("int8", "pruned")}
+
+    print(f"\nmodel: {reports['int8']['before']['parameters']:,} parameters, trained {a.train_steps} steps")
+    print("| mode | size | perplexity | batch 1 | batch 8 |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in reports.items():
+        print(f"| dstool {name} | {r['compression_ratio']:.3f}x | {r['perplexity_change_pct']:+.2f} % | "
+              f"{r['speedup']['1']:.2f}x | {r['speedup']['8']:.2f}x |")
+    base = side["fp32"]
+    print("\nsame fp32 ONNX, quantized two ways (latencies interleaved in one process):")
+    print("| | size | perplexity | batch 1 ms | batch 8 ms |")
+    print("|---|---:|---:|---:|---:|")
+    for name, r in side.items():
+        print(f"| {name} | {r['bytes'] / base['bytes']:.3f}x | {r['perplexity']:.3f} | {r['latency_ms_batch1']:.2f} | "
+              f"{r['latency_ms_batch8']:.2f} |")
+    i8, pr = reports["int8"], reports["pruned"]
+    checks = [("int8 size <= 0.27x", i8["compression_ratio"] <= 0.27),
+              ("int8 >= 2x faster at batch 8", i8["speedup"]["8"] >= 2),
+              ("int8 perplexity +<= 1 %", i8["perplexity_change_pct"] <= 1),
+              ("pruned 40 % >= 1.6x faster (batch 8)", pr["speedup"]["8"] >= 1.6),
+              ("pruned perplexity +<= 5 % after recovery", pr["perplexity_change_pct"] <= 5)]
+    if "Optimum ORTQuantizer int8" in side:
+        opt, ours = side["Optimum ORTQuantizer int8"], side["dstool int8"]
+        checks += [("dstool int8 at least as fast as Optimum (batch 8)", ours["latency_ms_batch8"] <= opt["latency_ms_batch8"]),
+                   ("dstool int8 at least as accurate as Optimum", ours["perplexity"] <= opt["perplexity"])]
+    for label, ok in checks:
+        print(f"{'PASS' if ok else 'MISS'}  {label}")
+
+
+if __name__ == "__main__":
+    main()
