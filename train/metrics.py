@@ -9,25 +9,32 @@ from pathlib import Path
 # Declared dense bf16/fp16 peak per device in TFLOP/s (vendor datasheets, without sparsity).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0,
                    "V100": 125.0, "MI300X": 1307.0}
-# Declared fp32 peak of one x86 core with AVX2: two 256-bit FMA units = 2 x 8 lanes x 2 FLOPs per cycle.
-CPU_FLOPS_PER_CYCLE = 32
+def _cpuinfo(key: str) -> str:
+    try:
+        for line in open("/proc/cpuinfo"):
+            if line.startswith(key):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return ""
+
+
+def cpu_flops_per_cycle() -> int:
+    """Declared fp32 FLOPs per cycle of one x86 core: two FMA units x vector lanes x 2 (FMA)."""
+    flags = set(_cpuinfo("flags").split())
+    return 64 if "avx512f" in flags else 32 if "fma" in flags else 16
 
 
 def _cpu_hz() -> float:
-    try:
-        for line in open("/proc/cpuinfo"):
-            if line.startswith("cpu MHz"):
-                return float(line.split(":")[1]) * 1e6
-    except OSError:
-        pass
-    return 2.5e9
+    mhz = _cpuinfo("cpu MHz")
+    return float(mhz) * 1e6 if mhz else 2.5e9
 
 
 def declared_peak_tflops(device_name: str, cores_per_rank: int) -> float:
     for key, value in GPU_PEAK_TFLOPS.items():
         if key in device_name.upper():
             return value
-    return CPU_FLOPS_PER_CYCLE * _cpu_hz() * cores_per_rank / 1e12
+    return cpu_flops_per_cycle() * _cpu_hz() * cores_per_rank / 1e12
 
 
 def flops_per_token(matmul_params: int, layers: int, hidden: int, seq_len: int) -> float:
