@@ -83,7 +83,75 @@ def build_parser() -> argparse.ArgumentParser:
     comp.add_argument("model", metavar="MODEL_DIR", help="Hugging Face causal-LM folder (e.g. RUN/model)")
     _add_model_options(comp, CompressConfig, skip={"model"})
     comp.set_defaults(func=_cmd_compress)
+
+    exp = sub.add_parser("export", help="Triton model repository from a Hugging Face folder or a compress output",
+                         description="Export to ONNX (parity-checked) and write a Triton model repository; every "
+                                     "config.pbtxt is validated with Triton's protobuf schema and the ONNX graph.")
+    exp.add_argument("model", metavar="MODEL_DIR", help="Hugging Face causal-LM folder or a dstool compress output")
+    exp.add_argument("--repository", default="model_repository", help="repository folder [default: model_repository]")
+    exp.add_argument("--name", default="dstool_lm", help="model name in the repository [default: dstool_lm]")
+    exp.add_argument("--version", type=int, help="version folder (default: the next one)")
+    exp.add_argument("--max-batch-size", type=int, default=8, help="[default: 8]; 0 = no batching")
+    exp.add_argument("--instances", type=int, default=1, help="model instances (instance_group count) [default: 1]")
+    exp.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="KIND_CPU or KIND_GPU [default: cpu]")
+    exp.add_argument("--backend", choices=["python", "onnxruntime"], default="python",
+                     help="python: python backend running onnxruntime (any Triton); onnxruntime: platform "
+                          "onnxruntime_onnx (Triton with the ONNX Runtime backend) [default: python]")
+    exp.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=True,
+                     help="dynamic_batching block [default: on]")
+    exp.add_argument("--response-cache", action="store_true", help="enable Triton's response cache for the model")
+    exp.set_defaults(func=_cmd_export)
+
+    srv = sub.add_parser("serve", help="start a real Triton server on a model repository",
+                         description="Find a tritonserver (--tritonserver, $DSTOOL_TRITONSERVER, PATH, or the "
+                                     "nvidia-pytriton wheel), start it on 127.0.0.1, wait until ready, stop on Ctrl-C.")
+    srv.add_argument("--repository", default="model_repository", help="[default: model_repository]")
+    srv.add_argument("--http-port", type=int, default=8000)
+    srv.add_argument("--grpc-port", type=int, default=8001)
+    srv.add_argument("--metrics-port", type=int, default=8002)
+    srv.add_argument("--tritonserver", help="path of the tritonserver binary")
+    srv.add_argument("--log-file", default="tritonserver.log", help="[default: tritonserver.log]")
+    srv.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness [default: 120]")
+    srv.set_defaults(func=_cmd_serve)
+
+    inf = sub.add_parser("infer", help="send token ids to a served model with tritonclient",
+                         description="Send token ids (--ids) to the tensor model and print the greedy next token "
+                                     "for each position. Text generation lands with the generation entry point.")
+    inf.add_argument("--ids", required=True, help="comma-separated token ids")
+    inf.add_argument("--url", default=None, help="HOST:PORT [default: 127.0.0.1:8000 http, :8001 grpc]")
+    inf.add_argument("--protocol", choices=["http", "grpc"], default="http")
+    inf.add_argument("--model", default="dstool_lm")
+    inf.set_defaults(func=_cmd_infer)
     return parser
+
+
+def _cmd_export(ns: argparse.Namespace) -> int:
+    from dstool.serve.api import export
+    from dstool.serve.repository import ModelSettings
+
+    export(ns.model, ns.repository, ModelSettings(
+        name=ns.name, version=ns.version, max_batch_size=ns.max_batch_size, instances=ns.instances, device=ns.device,
+        backend=ns.backend, dynamic_batching=ns.dynamic_batching, response_cache=ns.response_cache))
+    return 0
+
+
+def _cmd_serve(ns: argparse.Namespace) -> int:
+    from dstool.serve.api import serve
+
+    return serve(ns.repository, ns.http_port, ns.grpc_port, ns.metrics_port, ns.tritonserver, ns.log_file, ns.timeout)
+
+
+def _cmd_infer(ns: argparse.Namespace) -> int:
+    from dstool.serve.api import infer_ids
+
+    try:
+        ids = [int(x) for x in ns.ids.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"--ids takes comma-separated integers, got '{ns.ids}'") from None
+    url = ns.url or ("127.0.0.1:8001" if ns.protocol == "grpc" else "127.0.0.1:8000")
+    logits = infer_ids(url, ns.protocol, ns.model, ids)
+    print(f"logits {list(logits.shape)}; greedy next token per position: {logits.argmax(-1).tolist()}")
+    return 0
 
 
 def _cmd_compress(ns: argparse.Namespace) -> int:

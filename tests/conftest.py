@@ -33,3 +33,12 @@ def losses(output: Path) -> dict[int, float]:
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dstool")
+
+
+@pytest.fixture(scope="session")
+def trained(session_tmp) -> Path:
+    """A tiny-preset model trained 40 steps by `dstool train` (1 rank): the input of compress and export."""
+    out = session_tmp / "trained_tiny"
+    dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40",
+           "--lr", "3e-3", *FAST)
+    return out / "model"

@@ -9,19 +9,11 @@ import onnx
 import pytest
 import torch
 
-from conftest import FAST, dstool
+from conftest import dstool
 from dstool.compress import CompressConfig, quantize_dynamic
 from dstool.compress.api import speed_gate
 from dstool.compress.prune import check_n_m
 from dstool.errors import UsageError
-
-
-@pytest.fixture(scope="module")
-def trained(session_tmp) -> Path:
-    out = session_tmp / "compress_src"
-    dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40",
-           "--lr", "3e-3", *FAST)
-    return out / "model"
 
 
 def _ops(path: Path) -> set[str]:

@@ -1,0 +1,1 @@
+"""dstool.serve: Triton model repositories, a real Triton server, and tritonclient inference."""

@@ -1,0 +1,160 @@
+"""Find, prepare, start and stop a real Triton Inference Server.
+
+Where the binary comes from, in order: --tritonserver PATH, $DSTOOL_TRITONSERVER, `tritonserver` on
+PATH (the NGC image), or the one shipped inside the `nvidia-pytriton` wheel. The wheel's copy needs
+a work folder holding bin/, backends/ (with the python backend stub for this interpreter) and
+caches/, the venv's bin first on PATH (the stub finds numpy through `python3`), and
+LD_LIBRARY_PATH = the wheel's bundled libraries + this interpreter's LIBDIR (the stub must load
+the same libpython as the interpreter).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dstool.errors import UsageError
+from dstool.train.launch import die_with_parent
+
+
+@dataclass
+class TritonBinary:
+    executable: Path
+    backend_dir: Path | None = None
+    cache_dir: Path | None = None
+    env: dict[str, str] = field(default_factory=dict)
+
+
+def _pytriton_root() -> Path | None:
+    try:
+        import pytriton
+    except ImportError:
+        return None
+    root = Path(pytriton.__file__).parent / "tritonserver"
+    return root if (root / "bin" / "tritonserver").is_file() else None
+
+
+def _prepare_from_wheel(root: Path, work: Path) -> TritonBinary:
+    """Assemble bin/, backends/ and caches/ from the wheel into `work` (once per wheel version)."""
+    py = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = root / "python_backend_stubs" / py / "triton_python_backend_stub"
+    if not stub.is_file():
+        raise UsageError(f"nvidia-pytriton ships no python backend stub for Python {py}")
+    marker = work / ".prepared"
+    if not marker.is_file():
+        tmp = work.with_name(work.name + f".tmp{os.getpid()}")
+        shutil.rmtree(tmp, ignore_errors=True)
+        for part in ("bin", "backends", "caches"):
+            shutil.copytree(root / part, tmp / part, symlinks=True)
+        shutil.copy2(stub, tmp / "backends" / "python" / "triton_python_backend_stub")
+        (tmp / ".prepared").write_text(str(root))
+        shutil.rmtree(work, ignore_errors=True)
+        os.replace(tmp, work)
+    libs = root.parent.parent / "nvidia_pytriton.libs"
+    libdir = sysconfig.get_config_var("LIBDIR") or ""
+    env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+           "LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(libs), libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+    return TritonBinary(work / "bin" / "tritonserver", work / "backends", work / "caches", env)
+
+
+def find_tritonserver(explicit: str | None = None) -> TritonBinary:
+    """Locate a Triton server binary (see the module docstring for the order)."""
+    path = explicit or os.environ.get("DSTOOL_TRITONSERVER")
+    if path:
+        if not Path(path).is_file():
+            raise UsageError(f"tritonserver {path} does not exist")
+        return TritonBinary(Path(path))
+    on_path = shutil.which("tritonserver")
+    if on_path:
+        return TritonBinary(Path(on_path))
+    root = _pytriton_root()
+    if root is None:
+        raise UsageError("no Triton server found: pass --tritonserver PATH, set DSTOOL_TRITONSERVER, run in the NGC "
+                         "tritonserver image, or pip install nvidia-pytriton==0.7.0")
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dstool" / "tritonserver-pytriton"
+    return _prepare_from_wheel(root, cache)
+
+
+@dataclass
+class TritonProcess:
+    """A running tritonserver; `stop()` ends it (SIGTERM, then SIGKILL after a grace period)."""
+
+    proc: subprocess.Popen
+    http_port: int
+    grpc_port: int
+    metrics_port: int
+    log_path: Path
+
+    @property
+    def http_url(self) -> str:
+        return f"127.0.0.1:{self.http_port}"
+
+    @property
+    def grpc_url(self) -> str:
+        return f"127.0.0.1:{self.grpc_port}"
+
+    def log_tail(self, lines: int = 15) -> str:
+        try:
+            return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
+        except OSError:
+            return ""
+
+    def stop(self, grace: float = 15.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
+          log_path: Path, address: str = "127.0.0.1", cache_config: str | None = None,
+          timeout: float = 120.0, extra_args: list[str] | None = None) -> TritonProcess:
+    """Start tritonserver on `repository`, wait until the server and every model are ready."""
+    cmd = [str(binary.executable), "--model-repository", str(Path(repository).resolve()),
+           "--http-address", address, "--http-port", str(http_port), "--grpc-address", address,
+           "--grpc-port", str(grpc_port), "--metrics-address", address, "--metrics-port", str(metrics_port),
+           "--allow-gpu-metrics", "false", "--exit-timeout-secs", "10"]
+    if binary.backend_dir:
+        cmd += ["--backend-directory", str(binary.backend_dir)]
+    if binary.cache_dir:
+        cmd += ["--cache-directory", str(binary.cache_dir)]
+    if cache_config:
+        cmd += ["--cache-config", cache_config]
+    cmd += extra_args or []
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    log = open(log_path, "ab")
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **binary.env},
+                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path)
+    _wait_ready(server, timeout)
+    return server
+
+
+def _wait_ready(server: TritonProcess, timeout: float) -> None:
+    import tritonclient.http as http
+
+    client = http.InferenceServerClient(server.http_url)
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if server.proc.poll() is not None:
+            raise UsageError(f"tritonserver exited with code {server.proc.returncode} before it was ready; "
+                             f"last log lines: {server.log_tail(5)!r}")
+        try:
+            if client.is_server_ready():
+                return
+        except Exception:  # not listening yet
+            pass
+        time.sleep(0.2)
+    server.stop()
+    raise UsageError(f"tritonserver was not ready after {timeout:.0f} s; last log lines: {server.log_tail(5)!r}")

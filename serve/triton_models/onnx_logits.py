@@ -1,0 +1,44 @@
+"""Triton python-backend model: runs the ONNX logits graph in its version folder with onnxruntime.
+
+Requests that Triton's dynamic batcher hands over together run as one onnxruntime call: sequences
+are right-padded to the longest (attention_mask 0 on the padding; with causal attention the real
+positions' logits are unchanged) and the outputs are cut back per request.
+"""
+
+import json
+import os
+
+import numpy as np
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        onnx_file = config["parameters"]["onnx_file"]["string_value"]
+        path = os.path.join(args["model_repository"], args["model_version"], onnx_file)
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
+        self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        self.batched = config.get("max_batch_size", 0) > 0
+
+    def execute(self, requests):
+        ids = [pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy() for r in requests]
+        masks = []
+        for r, x in zip(requests, ids):
+            m = pb_utils.get_input_tensor_by_name(r, "attention_mask")
+            masks.append(m.as_numpy() if m is not None else np.ones_like(x))
+        if not self.batched:
+            ids, masks = [x[None] for x in ids], [m[None] for m in masks]
+        longest = max(x.shape[1] for x in ids)
+        pad = lambda a: np.pad(a, ((0, 0), (0, longest - a.shape[1])))  # noqa: E731
+        logits = self.session.run(["logits"], {"input_ids": np.concatenate([pad(x) for x in ids]).astype(np.int64),
+                                               "attention_mask": np.concatenate([pad(m) for m in masks]).astype(np.int64)})[0]
+        responses, start = [], 0
+        for x in ids:
+            out = logits[start:start + x.shape[0], :x.shape[1]]
+            start += x.shape[0]
+            out = out if self.batched else out[0]
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", np.ascontiguousarray(out))]))
+        return responses
