@@ -64,15 +64,19 @@ def config_text(s: ModelSettings, onnx_path: Path) -> str:
     inputs, outputs = _graph_io(onnx_path)
     batched = s.max_batch_size > 0
 
-    def tensors(values) -> str:
+    # The python model right-pads what the batcher hands it, so requests of different lengths may share a
+    # batch (allow_ragged_batch); the ONNX Runtime backend needs equal shapes.
+    ragged = " allow_ragged_batch: true" if s.backend == "python" and batched and s.dynamic_batching else ""
+
+    def tensors(values, extra: str = "") -> str:
         return ",\n".join(f'  {{ name: "{v.name}" data_type: {ONNX_TO_TRITON[v.type.tensor_type.elem_type]} '
-                          f'dims: [ {", ".join(map(str, _dims(v, batched)))} ] }}' for v in values)
+                          f'dims: [ {", ".join(map(str, _dims(v, batched)))} ]{extra} }}' for v in values)
 
     kind = "KIND_GPU" if s.device == "gpu" else "KIND_CPU"
     lines = [f'name: "{s.name}"',
              'backend: "python"' if s.backend == "python" else 'platform: "onnxruntime_onnx"',
              f"max_batch_size: {s.max_batch_size}",
-             f"input [\n{tensors(inputs)}\n]", f"output [\n{tensors(outputs)}\n]",
+             f"input [\n{tensors(inputs, ragged)}\n]", f"output [\n{tensors(outputs)}\n]",
              f"instance_group [ {{ count: {s.instances} kind: {kind} }} ]",
              "version_policy: { latest { num_versions: 1 } }"]
     if s.dynamic_batching:

@@ -134,8 +134,10 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
     cmd += extra_args or []
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
+    # Triton gets its own session, so a terminal's Ctrl-C reaches only dstool, which then stops it once,
+    # gracefully (a second signal makes Triton exit at once); it still dies if dstool dies.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **binary.env},
-                            preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+                            start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path)
     _wait_ready(server, timeout)
     return server

@@ -41,6 +41,7 @@ def test_repository_layout_and_schema(repo):
     assert cfg.backend == "python" and cfg.max_batch_size == 8
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
     assert list(cfg.dynamic_batching.preferred_batch_size) == [4, 8] and cfg.model_warmup
+    assert all(t.allow_ragged_batch for t in cfg.input)  # mixed lengths batch together (the model pads)
 
 
 def test_onnxruntime_platform_variant_validates(trained, tmp_path):
@@ -115,6 +116,7 @@ def test_http_and_grpc_match_onnxruntime_and_pytorch(server, repo, trained):
             t.set_data_from_numpy(value)
             inputs.append(t)
         logits = c.infer("dstool_lm", inputs).as_numpy("logits")
+        c.close()
         assert np.abs(logits - direct).max() < 1e-5
         assert np.abs(logits - torch_logits).max() < 1e-3
 
@@ -145,9 +147,12 @@ def test_dynamic_batching_under_concurrency(server, repo):
         s = stats_client.get_inference_statistics("dstool_lm")["model_stats"][0]
         return s["inference_count"], s["execution_count"]
 
-    inf0, exe0 = counts()
-    results = asyncio.run(load(48))
-    inf1, exe1 = counts()
+    try:
+        inf0, exe0 = counts()
+        results = asyncio.run(load(48))
+        inf1, exe1 = counts()
+    finally:
+        stats_client.close()  # an open keep-alive connection would hold up Triton's shutdown
     assert inf1 - inf0 == 48
     assert exe1 - exe0 < 48  # requests were batched together
     ids = np.array([[3] * 8], dtype=np.int64)  # padded batching leaves each request's logits unchanged
