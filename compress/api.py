@@ -90,9 +90,7 @@ def _check_input(cfg: CompressConfig) -> Path:
     src = Path(cfg.model)
     if not src.is_dir():
         raise UsageError(f"model {cfg.model} is not a folder: pass a Hugging Face causal-LM folder")
-    models.check_model_ref(str(src))
-    if not any(src.glob("*.safetensors")) and not any(src.glob("*.bin")):
-        raise UsageError(f"model folder {cfg.model} has no weights (*.safetensors or *.bin)")
+    models.check_model_folder(src)
     out = Path(cfg.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"output {out} is a file: pass a folder for --output")

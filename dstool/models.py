@@ -62,6 +62,13 @@ def check_model_ref(ref: str) -> None:
         raise UsageError(f"model folder {ref} is a {archs[0]}, not a causal LM")
 
 
+def check_model_folder(folder: Path) -> None:
+    """A local Hugging Face causal-LM folder that holds weights, else a one-line UsageError."""
+    check_model_ref(str(folder))
+    if not any(Path(folder).glob("*.safetensors")) and not any(Path(folder).glob("*.bin")):
+        raise UsageError(f"model folder {folder} has no weights (*.safetensors or *.bin)")
+
+
 def preset_config(name: str, vocab_size: int, special_ids: dict[str, int]) -> PretrainedConfig:
     """The config of preset `name` with the tokenizer's vocabulary and special-token ids."""
     cfg = PRESETS[name](vocab_size)

@@ -28,9 +28,7 @@ def _onnx_of(model_dir: Path, work: Path) -> Path:
     hf_dir = model_dir / "model" if (model_dir / "model" / "config.json").is_file() else model_dir
     if not hf_dir.is_dir():
         raise UsageError(f"model {model_dir} is not a folder: pass a Hugging Face folder or a dstool compress output")
-    models.check_model_ref(str(hf_dir))
-    if not any(hf_dir.glob("*.safetensors")) and not any(hf_dir.glob("*.bin")):
-        raise UsageError(f"model folder {hf_dir} has no weights (*.safetensors or *.bin)")
+    models.check_model_folder(hf_dir)
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
     return export_logits_model(model, work / "onnx").path
 

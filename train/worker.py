@@ -110,6 +110,10 @@ def main(run_file: str) -> None:
     last_saved = start_step if run["resume"] else -1
     step = start_step
 
+    def save(at: int) -> None:  # the data position is one number: samples consumed globally
+        checkpoint.save(engine, out / "checkpoints", at, {"step": at, "samples_consumed": at * micro * accum * world},
+                        cfg.keep_checkpoints)
+
     def diverged(what: str) -> NonFiniteLoss:
         return NonFiniteLoss(f"{what} at step {step}; the last good checkpoint is kept "
                              f"({_latest(out) or 'none yet'}): lower --lr or enable --grad-clip")
@@ -157,8 +161,7 @@ def main(run_file: str) -> None:
             if cfg.eval_every and step % cfg.eval_every == 0:
                 _log_eval(engine, val_split, cfg, step, log)
             if saving:
-                checkpoint.save(engine, out / "checkpoints", step,
-                                {"step": step, "samples_consumed": step * micro * accum * world}, cfg.keep_checkpoints)
+                save(step)
                 last_saved = step
     except NonFiniteLoss as e:
         if rank == 0:
@@ -171,8 +174,7 @@ def main(run_file: str) -> None:
             trace.close()
 
     if last_saved != step:  # resumed at max_steps: nothing trained, the checkpoint is the final one
-        checkpoint.save(engine, out / "checkpoints", step,
-                        {"step": step, "samples_consumed": step * micro * accum * world}, cfg.keep_checkpoints)
+        save(step)
     _log_eval(engine, val_split, cfg, step, log)
     if log:
         log.close()
