@@ -1,6 +1,14 @@
 """The one ONNX exporter of dstool (used by `compress` and `export`): transformers' own exporter,
-dynamic batch and sequence axes, weights in a `model.onnx.data` sidecar (no 2 GB protobuf limit),
-and a parity gate against PyTorch on a shape other than the one traced."""
+dynamic shapes, weights in a `model.onnx.data` sidecar (no 2 GB protobuf limit), and a parity gate
+against PyTorch on shapes other than the ones traced.
+
+Two graphs:
+  logits model    input_ids, attention_mask [batch, seq] -> logits [batch, seq, vocab]
+  decoder model   the same plus position_ids and the key/value cache of the tokens before
+                  (`past_key_values.layers.I.{keys,values}` [batch, kv_heads, past, head_dim]) -> logits
+                  and the grown cache (`cache.layers.I.{keys,values}`). With an empty cache (past = 0)
+                  it is the prefill, with one new token a decoding step: no prefix is recomputed.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +19,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+
+PAST = "past_key_values.layers.{}.{}"  # decoder-model cache inputs; outputs are "cache.layers.{}.{}"
 
 
 class ParityError(RuntimeError):
@@ -25,32 +35,24 @@ class OnnxExport:
     outputs: list[str]
 
 
-def export_logits_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxExport:
-    """Export `model` (a transformers causal LM, fp32, eval) as `out_dir/model.onnx`: input_ids and
-    attention_mask [batch, seq] -> logits [batch, seq, vocab]; verified against PyTorch."""
+def _export(model, sample: dict, dynamic_shapes: dict | None, out_dir: Path, check, tolerance: float) -> OnnxExport:
+    """Run transformers' OnnxExporter into OUT.tmp, gate with `check(path) -> max diff`, rename to `out_dir`."""
     from transformers.exporters.configs import OnnxConfig
     from transformers.exporters.exporter_onnx import OnnxExporter
     from transformers.utils import logging as transformers_logging
 
-    model = model.eval()
-    model.config.use_cache = False
-    vocab = model.config.vocab_size
-    sample = torch.randint(0, vocab, (2, 16), generator=torch.Generator().manual_seed(0))
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    axes = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}  # batch, sequence; nothing else varies
     verbosity = transformers_logging.get_verbosity()
     transformers_logging.set_verbosity_error()
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            exported = OnnxExporter().export(
-                model, {"input_ids": sample, "attention_mask": torch.ones_like(sample)},
-                config=OnnxConfig(dynamic=True, dynamic_shapes={"input_ids": axes, "attention_mask": axes}))
-            exported.save_pretrained(str(tmp))
+            config = OnnxConfig(dynamic=True, dynamic_shapes=dynamic_shapes) if dynamic_shapes else OnnxConfig(dynamic=True)
+            OnnxExporter().export(model, sample, config=config).save_pretrained(str(tmp))
     finally:
         transformers_logging.set_verbosity(verbosity)
-    diff = parity(model, tmp / "model.onnx")
+    diff = check(tmp / "model.onnx")
     if not diff <= tolerance:
         raise ParityError(f"ONNX export disagrees with PyTorch: max |logit diff| {diff:.3g} > {tolerance}")
     session = ort_session(tmp / "model.onnx")
@@ -58,6 +60,43 @@ def export_logits_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxEx
     tmp.rename(out_dir)
     return OnnxExport(out_dir / "model.onnx", diff, [i.name for i in session.get_inputs()],
                       [o.name for o in session.get_outputs()])
+
+
+def export_logits_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxExport:
+    """Export `model` (a transformers causal LM, fp32, eval) as `out_dir/model.onnx`: input_ids and
+    attention_mask [batch, seq] -> logits [batch, seq, vocab]; verified against PyTorch."""
+    model = model.eval()
+    model.config.use_cache = False
+    sample = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    axes = {0: torch.export.Dim.DYNAMIC, 1: torch.export.Dim.DYNAMIC}  # batch, sequence; nothing else varies
+    return _export(model, {"input_ids": sample, "attention_mask": torch.ones_like(sample)},
+                   {"input_ids": axes, "attention_mask": axes}, out_dir, lambda p: parity(model, p), tolerance)
+
+
+def export_decoder_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxExport:
+    """Export `model` with key/value-cache inputs and outputs (the `-with-past` decoder) as
+    `out_dir/model.onnx`; verified against PyTorch on a prefill and on single-token decoding steps."""
+    model = model.eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 8), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
+    sample = {"input_ids": ids[:, 5:], "attention_mask": torch.ones_like(ids),
+              "position_ids": torch.arange(5, 8).expand(3, 3), "past_key_values": cache, "use_cache": True}
+    return _export(model, sample, None, out_dir, lambda p: decoder_parity(model, _pin_numeric_dims(p)), tolerance)
+
+
+def _pin_numeric_dims(onnx_path: Path) -> Path:
+    """torch.export names fixed axes of a cache input after their size ("2"): make them real static dims,
+    so that the graph says how many key/value heads and which head size the cache has."""
+    import onnx
+
+    graph_model = onnx.load(str(onnx_path), load_external_data=False)
+    for value in graph_model.graph.input:
+        for dim in value.type.tensor_type.shape.dim:
+            if dim.HasField("dim_param") and dim.dim_param.isdigit():
+                dim.dim_value = int(dim.dim_param)
+    onnx.save(graph_model, str(onnx_path))  # the weights stay in the .data file the graph refers to
+    return onnx_path
 
 
 def ort_session(path: Path, threads: int | None = None):
@@ -77,9 +116,41 @@ def run_logits(session, input_ids: np.ndarray) -> np.ndarray:
     return session.run(["logits"], feeds)[0]
 
 
+def empty_cache(session, batch: int) -> dict[str, np.ndarray]:
+    """The decoder model's cache inputs for a prefill: [batch, kv_heads, 0, head_dim] zeros."""
+    return {i.name: np.zeros((batch, i.shape[1], 0, i.shape[3]), np.float32)
+            for i in session.get_inputs() if i.name.startswith("past_key_values.")}
+
+
+def run_decoder(session, input_ids: np.ndarray, past: dict[str, np.ndarray], past_len: int):
+    """One decoder-model call on `input_ids` after `past_len` cached tokens: (logits, the grown cache)."""
+    batch, seq = input_ids.shape
+    feeds = {"input_ids": input_ids.astype(np.int64), "attention_mask": np.ones((batch, past_len + seq), np.int64),
+             "position_ids": np.broadcast_to(np.arange(past_len, past_len + seq), (batch, seq)).astype(np.int64), **past}
+    names = [o.name for o in session.get_outputs()]
+    values = session.run(names, feeds)
+    cache = {n.replace("cache.", "past_key_values.", 1): v for n, v in zip(names, values) if n.startswith("cache.")}
+    return values[names.index("logits")], cache
+
+
 def parity(model, onnx_path: Path) -> float:
     """max |logits(ONNX Runtime) - logits(PyTorch)| on a batch/sequence shape unlike the traced one."""
     ids = torch.randint(0, model.config.vocab_size, (3, 37), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(input_ids=ids).logits.float().numpy()
     return float(np.abs(run_logits(ort_session(onnx_path), ids.numpy()) - ref).max())
+
+
+def decoder_parity(model, onnx_path: Path) -> float:
+    """Prefill 11 tokens on an empty cache, then 3 single-token steps: max |logit diff| to PyTorch's
+    logits for the whole 14-token sequence."""
+    ids = torch.randint(0, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = model(input_ids=ids).logits.float().numpy()
+    session = ort_session(onnx_path)
+    logits, cache = run_decoder(session, ids[:, :11].numpy(), empty_cache(session, 3), 0)
+    diffs = [np.abs(logits - ref[:, :11]).max()]
+    for t in range(11, 14):
+        logits, cache = run_decoder(session, ids[:, t:t + 1].numpy(), cache, t)
+        diffs.append(np.abs(logits[:, 0] - ref[:, t]).max())
+    return float(max(diffs))

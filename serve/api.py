@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 import signal
 import tempfile
@@ -13,41 +14,79 @@ import torch
 
 from dstool import models
 from dstool.errors import UsageError
-from dstool.onnx_export import export_logits_model
+from dstool.onnx_export import export_decoder_model, export_logits_model
 from dstool.serve import repository, triton
 from dstool.serve.repository import ModelSettings
 
 
-def _onnx_of(model_dir: Path, work: Path) -> Path:
-    """The model's fp32 ONNX (parity-checked), or the quantized graph of a `dstool compress` output."""
-    from transformers import AutoModelForCausalLM
-
-    compressed = sorted((model_dir / "onnx").glob("model*.onnx")) if (model_dir / "onnx").is_dir() else []
-    if compressed:
-        return compressed[0]
+def _hf_folder(model_dir: Path) -> Path:
     hf_dir = model_dir / "model" if (model_dir / "model" / "config.json").is_file() else model_dir
     if not hf_dir.is_dir():
         raise UsageError(f"model {model_dir} is not a folder: pass a Hugging Face folder or a dstool compress output")
     models.check_model_folder(hf_dir)
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
-    return export_logits_model(model, work / "onnx").path
+    return hf_dir
 
 
-def export(model_dir: str, repo: str, settings: ModelSettings, echo=print) -> Path:
-    """Write model `settings.name` (a new version) into the Triton repository `repo`; returns the version folder."""
+def _compressed_graph(model_dir: Path) -> Path | None:
+    """The quantized/pruned logits graph of a `dstool compress` output, if `model_dir` is one."""
+    found = sorted((model_dir / "onnx").glob("model*.onnx")) if (model_dir / "onnx").is_dir() else []
+    return found[0] if found else None
+
+
+def _quantized_like(reference: Path, fp32: Path, out: Path) -> Path:
+    """Quantize the decoder graph `fp32` as `dstool compress` quantized the logits graph `reference`: same
+    format (int8 / 4-bit), and the weights compress kept in fp32 (matched by name) stay fp32 here too."""
+    import onnx
+
+    from dstool.compress import quantize
+
+    graph = onnx.load(str(reference), load_external_data=False).graph
+    ops = {n.op_type for n in graph.node}
+    if "MatMulNBits" in ops:
+        return quantize.quantize_int4(fp32, out)
+    if not ops & {"MatMulInteger", "DynamicQuantizeMatMul"}:
+        return fp32  # pruned / sparse only: the fp32 graph is the artefact
+    float_weights = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
+    kept = {n.input[1] for n in graph.node if n.op_type == "MatMul" and n.input[1] in float_weights}
+    decoder = onnx.load(str(fp32), load_external_data=False).graph
+    choice = quantize.int8_choice_for_this_cpu()
+    choice.excluded_nodes = [n.name for n in decoder.node if n.op_type == "MatMul" and n.input[1:2] and n.input[1] in kept]
+    return quantize.quantize_int8(fp32, out, choice)
+
+
+def export(model_dir: str, repo: str, settings: ModelSettings, echo=print) -> dict[str, Path]:
+    """Write a new version of model `settings.name` (token ids -> logits) and of its text-generation models
+    (tokenizer, key/value-cache decoder, detokenizer, `NAME_generate`) into the Triton repository `repo`;
+    returns each model's new version folder."""
+    from transformers import AutoModelForCausalLM
+
     repository.check_settings(settings)
     repo_path = Path(repo)
     if repo_path.exists() and not repo_path.is_dir():
         raise UsageError(f"repository {repo} is a file: pass a folder for --repository")
+    source = Path(model_dir)
+    hf_dir = _hf_folder(source)
     work = Path(tempfile.mkdtemp(prefix="dstool-export-"))
     try:
-        onnx_path = _onnx_of(Path(model_dir), work)
-        target = repository.write_model(repo_path, settings, onnx_path)
+        model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
+        compressed = _compressed_graph(source)
+        echo("dstool export: ONNX logits model" + (f" (compressed: {compressed.name})" if compressed else ""))
+        logits = compressed or export_logits_model(model, work / "logits").path
+        echo("dstool export: ONNX decoder with key/value cache (parity-checked on prefill and decoding steps)")
+        decoder = export_decoder_model(model, work / "decoder").path
+        if compressed:
+            decoder = _quantized_like(compressed, decoder, work / "decoder" / "model.quantized.onnx")
+        eos = model.generation_config.eos_token_id
+        placed = repository.write_repository(repo_path, settings, repository.Artefacts(
+            logits_onnx=logits, decoder_onnx=decoder, tokenizer_dir=hf_dir,
+            eos_token_ids=[eos] if isinstance(eos, int) else list(eos or []),
+            max_positions=int(model.config.max_position_embeddings)))
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    echo(f"dstool export: {target} ({settings.backend} backend, max_batch_size {settings.max_batch_size}, "
-         f"{settings.instances} instance(s), config validated against Triton's schema and the ONNX graph)")
-    return target
+    echo(f"dstool export: {repo_path} version {placed['logits'].name} of {', '.join(p.parent.name for p in placed.values())} "
+         f"({settings.backend} backend, max_batch_size {settings.max_batch_size}, {settings.instances} instance(s); "
+         f"every config validated against Triton's schema and the ONNX graphs)")
+    return placed
 
 
 def serve(repo: str, http_port: int, grpc_port: int, metrics_port: int, tritonserver: str | None,
@@ -75,15 +114,52 @@ def infer_ids(url: str, protocol: str, model: str, ids: list[int]) -> np.ndarray
         import tritonclient.grpc as client
     else:
         import tritonclient.http as client
-    c = client.InferenceServerClient(url)
-    config = c.get_model_config(model, as_json=True)["config"] if protocol == "grpc" else c.get_model_config(model)
-    batched = int(config.get("max_batch_size", 0)) > 0
-    arr = np.asarray([ids] if batched else ids, dtype=np.int64)
+    arr = np.asarray([ids], dtype=np.int64)  # [1, seq]: a batch of one, batched model or not
     inputs = []
     for name in ("input_ids", "attention_mask"):
         t = client.InferInput(name, list(arr.shape), "INT64")
         t.set_data_from_numpy(arr if name == "input_ids" else np.ones_like(arr))
         inputs.append(t)
-    result = c.infer(model, inputs, outputs=[client.InferRequestedOutput("logits")])
-    logits = result.as_numpy("logits")
-    return logits[0] if batched else logits
+    with _client(client, url) as c:
+        result = c.infer(model, inputs, outputs=[client.InferRequestedOutput("logits")])
+    return result.as_numpy("logits")[0]
+
+
+def generate_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens: int | None = None,
+                  use_kv_cache: bool = True) -> tuple[str, list[int]]:
+    """Send `prompt` to the text-generation entry point `MODEL_generate` with tritonclient; returns the
+    generated text and its token ids."""
+    if protocol == "grpc":
+        import tritonclient.grpc as client
+    else:
+        import tritonclient.http as client
+    values = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}  # [batch 1, 1]
+    if max_new_tokens is not None:
+        values["max_new_tokens"] = np.array([[max_new_tokens]], dtype=np.int32)
+    if not use_kv_cache:
+        values["use_kv_cache"] = np.array([[False]])
+    inputs = []
+    for name, value in values.items():
+        inputs.append(client.InferInput(name, list(value.shape), {np.object_: "BYTES", np.int32: "INT32",
+                                                                   np.bool_: "BOOL"}[value.dtype.type]))
+        inputs[-1].set_data_from_numpy(value)
+    with _client(client, url) as c:
+        result = c.infer(repository.model_names(model)["generate"], inputs)
+    return result.as_numpy("text_output")[0, 0].decode("utf-8"), result.as_numpy("output_ids")[0].tolist()
+
+
+@contextlib.contextmanager
+def _client(client, url: str):
+    """A tritonclient client for `url`; a server that does not answer or refuses the request is a one-line error."""
+    from tritonclient.utils import InferenceServerException
+
+    c = client.InferenceServerClient(url)
+    try:
+        yield c
+    except InferenceServerException as e:
+        raise UsageError(f"Triton at {url}: {e.message().splitlines()[0] if e.message() else e} "
+                         "(is `dstool serve` running, and is the model exported?)") from None
+    except (ConnectionError, OSError) as e:
+        raise UsageError(f"no Triton answers at {url} ({e}): start one with `dstool serve`") from None
+    finally:
+        c.close()

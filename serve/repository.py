@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import shutil
@@ -18,7 +19,7 @@ ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: "TYPE_FP32", onnx.TensorProto.FLOAT16:
                   onnx.TensorProto.INT64: "TYPE_INT64", onnx.TensorProto.INT32: "TYPE_INT32",
                   onnx.TensorProto.BFLOAT16: "TYPE_BF16"}
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
-MODEL_PY = Path(__file__).with_name("triton_models") / "onnx_logits.py"
+MODELS_PY = Path(__file__).with_name("triton_models")
 
 
 @dataclass
@@ -59,38 +60,84 @@ def _dims(value, batched: bool) -> list[int]:
     return dims[1:] if batched else dims
 
 
-def config_text(s: ModelSettings, onnx_path: Path) -> str:
-    """config.pbtxt for a logits model, with inputs/outputs read off the ONNX graph."""
-    inputs, outputs = _graph_io(onnx_path)
-    batched = s.max_batch_size > 0
+def _tensors(values, batched: bool, extra: str = "") -> str:
+    return ",\n".join(f'  {{ name: "{v.name}" data_type: {ONNX_TO_TRITON[v.type.tensor_type.elem_type]} '
+                       f'dims: [ {", ".join(map(str, _dims(v, batched)))} ]{extra} }}' for v in values)
 
+
+def _common(name: str, s: ModelSettings, backend_line: str, max_batch_size: int, dynamic_batching: bool) -> list[str]:
+    kind = "KIND_GPU" if s.device == "gpu" and "onnxruntime" in backend_line else "KIND_CPU"
+    lines = [f'name: "{name}"', backend_line, f"max_batch_size: {max_batch_size}",
+             f"instance_group [ {{ count: {s.instances} kind: {kind} }} ]",
+             "version_policy: { latest { num_versions: 1 } }"]
+    if dynamic_batching:
+        preferred = sorted({b for b in (max(1, max_batch_size // 2), max_batch_size) if b >= 1})
+        lines.append(f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] "
+                     f"max_queue_delay_microseconds: {s.queue_delay_us} }}")
+    return lines
+
+
+def config_text(s: ModelSettings, onnx_path: Path, name: str | None = None, decoder: bool = False) -> str:
+    """config.pbtxt for an ONNX model, inputs/outputs read off the graph: the logits model (batched as
+    `s` says) or, with `decoder`, the key/value-cache decoder (max_batch_size 0: the batch axis is in the
+    dims, since requests with caches of different lengths cannot share a batch)."""
+    inputs, outputs = _graph_io(onnx_path)
+    max_batch_size = 0 if decoder else s.max_batch_size
+    batched = max_batch_size > 0
     # The python model right-pads what the batcher hands it, so requests of different lengths may share a
     # batch (allow_ragged_batch); the ONNX Runtime backend needs equal shapes.
     ragged = " allow_ragged_batch: true" if s.backend == "python" and batched and s.dynamic_batching else ""
-
-    def tensors(values, extra: str = "") -> str:
-        return ",\n".join(f'  {{ name: "{v.name}" data_type: {ONNX_TO_TRITON[v.type.tensor_type.elem_type]} '
-                          f'dims: [ {", ".join(map(str, _dims(v, batched)))} ]{extra} }}' for v in values)
-
-    kind = "KIND_GPU" if s.device == "gpu" else "KIND_CPU"
-    lines = [f'name: "{s.name}"',
-             'backend: "python"' if s.backend == "python" else 'platform: "onnxruntime_onnx"',
-             f"max_batch_size: {s.max_batch_size}",
-             f"input [\n{tensors(inputs, ragged)}\n]", f"output [\n{tensors(outputs)}\n]",
-             f"instance_group [ {{ count: {s.instances} kind: {kind} }} ]",
-             "version_policy: { latest { num_versions: 1 } }"]
-    if s.dynamic_batching:
-        preferred = sorted({b for b in (max(1, s.max_batch_size // 2), s.max_batch_size) if b >= 1})
-        lines.append(f"dynamic_batching {{ preferred_batch_size: [ {', '.join(map(str, preferred))} ] "
-                     f"max_queue_delay_microseconds: {s.queue_delay_us} }}")
-    if s.response_cache:
+    backend = 'backend: "python"' if s.backend == "python" else 'platform: "onnxruntime_onnx"'
+    lines = _common(name or s.name, s, backend, max_batch_size, s.dynamic_batching and not decoder)
+    lines[3:3] = [f"input [\n{_tensors(inputs, batched, ragged)}\n]", f"output [\n{_tensors(outputs, batched)}\n]"]
+    if s.response_cache and not decoder:
         lines.append("response_cache { enable: true }")
-    warm_dims = "8" if batched else "1, 8"  # one 8-token sequence (the batch dimension is implicit when batched)
     lines.append("model_warmup [ {\n  name: \"warmup\" batch_size: 1\n" + "".join(
         f'  inputs {{ key: "{v.name}" value {{ data_type: {ONNX_TO_TRITON[v.type.tensor_type.elem_type]} '
-        f'dims: [ {warm_dims} ] zero_data: true }} }}\n' for v in inputs) + "} ]")
+        f'dims: [ {", ".join(map(str, _warmup_dims(v, batched)))} ] zero_data: true }} }}\n' for v in inputs) + "} ]")
     if s.backend == "python":
         lines.append('parameters { key: "onnx_file" value { string_value: "model.onnx" } }')
+    return "\n".join(lines) + "\n"
+
+
+def _warmup_dims(value, batched: bool) -> list[int]:
+    """A warmup request: batch 1, 8 new tokens after 8 cached ones (the mask spans both)."""
+    dims = [d if d > 0 else 8 for d in _dims(value, batched=False)]
+    if value.name.startswith("past_key_values."):
+        dims[0] = 1
+    elif value.name == "attention_mask" and len(dims) == 2 and not batched:
+        dims = [1, 16]
+    else:
+        dims[0] = 1
+    return dims[1:] if batched else dims
+
+
+TEXT_MODELS = {  # python model file, inputs, outputs (name, type, dims, optional)
+    "tokenizer": ("tokenizer.py", [("text_input", "TYPE_STRING", [1], False)], [("input_ids", "TYPE_INT64", [-1])]),
+    "detokenizer": ("detokenizer.py", [("output_ids", "TYPE_INT64", [-1], False)],
+                    [("text_output", "TYPE_STRING", [1])]),
+    "generate": ("generate.py", [("text_input", "TYPE_STRING", [1], False), ("max_new_tokens", "TYPE_INT32", [1], True),
+                                 ("use_kv_cache", "TYPE_BOOL", [1], True)],
+                 [("text_output", "TYPE_STRING", [1]), ("output_ids", "TYPE_INT64", [-1])]),
+}
+
+
+def text_model_config(role: str, name: str, s: ModelSettings, parameters: dict[str, str]) -> str:
+    """config.pbtxt of a python-backend text model (tokenizer, detokenizer, or the generation entry point)."""
+    _, inputs, outputs = TEXT_MODELS[role]
+    entry = role == "generate"
+    max_batch_size = s.max_batch_size if entry else 0
+    lines = _common(name, s, 'backend: "python"', max_batch_size, entry and s.dynamic_batching)
+
+    def dims(d):
+        return ", ".join(map(str, d))
+    lines[3:3] = ["input [\n" + ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {dims(d)} ]'
+                                            f'{" optional: true" if o else ""} }}' for n, t, d, o in inputs) + "\n]",
+                  "output [\n" + ",\n".join(f'  {{ name: "{n}" data_type: {t} dims: [ {dims(d)} ] }}'
+                                             for n, t, d in outputs) + "\n]"]
+    if s.response_cache and entry:
+        lines.append("response_cache { enable: true }")
+    lines += [f'parameters {{ key: "{k}" value {{ string_value: {json.dumps(v)} }} }}' for k, v in parameters.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -123,31 +170,90 @@ def validate(config_path: Path, onnx_path: Path) -> object:
     return cfg
 
 
-def write_model(repository: Path, s: ModelSettings, onnx_path: Path) -> Path:
-    """Add (or add a version of) model `s.name`: the new version is assembled and validated beside the
-    repository, then renamed in; earlier versions stay until it validates."""
+def validate_text_model(config_path: Path) -> object:
+    """Parse a python text model's config.pbtxt with Triton's ModelConfig schema."""
+    from tritonclient.grpc import model_config_pb2
+
+    cfg = model_config_pb2.ModelConfig()
+    try:
+        text_format.Parse(config_path.read_text(), cfg)
+    except text_format.ParseError as e:
+        raise UsageError(f"{config_path} does not parse as a Triton ModelConfig: {e}") from None
+    return cfg
+
+
+@dataclass
+class Artefacts:
+    """What a text-generation repository is made of (see `write_repository`)."""
+
+    logits_onnx: Path
+    decoder_onnx: Path
+    tokenizer_dir: Path  # holds the Hugging Face tokenizer files
+    eos_token_ids: list[int]
+    max_positions: int
+    default_max_new_tokens: int = 32
+
+
+def model_names(name: str) -> dict[str, str]:
+    """The repository's models: NAME (token ids -> logits) and the text-generation models around it."""
+    return {"logits": name, "decoder": f"{name}_decoder", "tokenizer": f"{name}_tokenizer",
+            "detokenizer": f"{name}_detokenizer", "generate": f"{name}_generate"}
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def write_repository(repository: Path, s: ModelSettings, a: Artefacts) -> dict[str, Path]:
+    """Add a new version of every model (see `model_names`) to `repository`: all of them are assembled and
+    validated beside the repository first, then renamed in; earlier versions stay until then."""
     check_settings(s)
     repository = Path(repository)
     if repository.exists() and not repository.is_dir():
         raise UsageError(f"repository {repository} is a file: pass a folder for --repository")
-    model_dir = repository / s.name
-    existing = sorted(int(p.name) for p in model_dir.iterdir() if p.name.isdigit()) if model_dir.is_dir() else []
-    version = s.version or (existing[-1] + 1 if existing else 1)
+    names = model_names(s.name)
+    existing = [int(p.name) for n in names.values() if (repository / n).is_dir()
+                for p in (repository / n).iterdir() if p.name.isdigit()]
+    version = s.version or max(existing, default=0) + 1
     staging = repository.parent / f".{repository.name}.{s.name}.v{version}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    (staging / str(version)).mkdir(parents=True)
-    for f in (onnx_path, Path(str(onnx_path) + ".data")):
-        if f.exists():
-            shutil.copy2(f, staging / str(version) / ("model.onnx" + f.name[len(onnx_path.name):]))
-    if s.backend == "python":
-        shutil.copy2(MODEL_PY, staging / str(version) / "model.py")
-    (staging / "config.pbtxt").write_text(config_text(s, onnx_path))
-    validate(staging / "config.pbtxt", onnx_path)
-    model_dir.mkdir(parents=True, exist_ok=True)
-    target = model_dir / str(version)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(staging / str(version), target)
-    os.replace(staging / "config.pbtxt", model_dir / "config.pbtxt")
+    for role, onnx_path in (("logits", a.logits_onnx), ("decoder", a.decoder_onnx)):
+        folder = staging / names[role] / str(version)
+        folder.mkdir(parents=True)
+        for f in (onnx_path, Path(str(onnx_path) + ".data")):
+            if f.exists():
+                shutil.copy2(f, folder / ("model.onnx" + f.name[len(onnx_path.name):]))
+        if s.backend == "python":
+            shutil.copy2(MODELS_PY / "onnx_model.py", folder / "model.py")
+        config = staging / names[role] / "config.pbtxt"
+        config.write_text(config_text(s, onnx_path, names[role], decoder=role == "decoder"))
+        validate(config, onnx_path)
+    inputs, _ = _graph_io(a.decoder_onnx)
+    empty_cache = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim][1::2]
+                   for v in inputs if v.name.startswith("past_key_values.")}
+    if any(0 in dims for dims in empty_cache.values()):
+        raise UsageError(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got {empty_cache}")
+    parameters = {"generate": {"models": json.dumps(names), "empty_cache": json.dumps(empty_cache),
+                               "eos_token_ids": json.dumps(a.eos_token_ids), "max_positions": str(a.max_positions),
+                               "default_max_new_tokens": str(a.default_max_new_tokens)}}
+    for role in ("tokenizer", "detokenizer", "generate"):
+        folder = staging / names[role] / str(version)
+        folder.mkdir(parents=True)
+        shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
+        if role != "generate":
+            for f in TOKENIZER_FILES:
+                if (a.tokenizer_dir / f).is_file():
+                    shutil.copy2(a.tokenizer_dir / f, folder / f)
+        config = staging / names[role] / "config.pbtxt"
+        config.write_text(text_model_config(role, names[role], s, parameters.get(role, {})))
+        validate_text_model(config)
+    placed = {}
+    for role, name in names.items():
+        target = repository / name / str(version)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging / name / str(version), target)
+        os.replace(staging / name / "config.pbtxt", repository / name / "config.pbtxt")
+        placed[role] = target
     shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return placed

@@ -1,8 +1,11 @@
-"""Triton python-backend model: runs the ONNX logits graph in its version folder with onnxruntime.
+"""Triton python-backend model: runs the ONNX graph in its version folder with onnxruntime (for Triton
+servers without the ONNX Runtime backend).
 
-Requests that Triton's dynamic batcher hands over together run as one onnxruntime call: sequences
-are right-padded to the longest (attention_mask 0 on the padding; with causal attention the real
-positions' logits are unchanged) and the outputs are cut back per request.
+The logits model (max_batch_size > 0): requests that the dynamic batcher hands over together run as one
+onnxruntime call; sequences are right-padded to the longest (attention_mask 0 on the padding; with causal
+attention the real positions' logits are unchanged) and the outputs are cut back per request.
+The decoder model with a key/value cache (max_batch_size 0): each request's tensors go to onnxruntime as
+they are, and every graph output comes back.
 """
 
 import json
@@ -21,16 +24,26 @@ class TritonPythonModel:
         opts = ort.SessionOptions()
         opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
         self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
+        self.input_names = [i.name for i in self.session.get_inputs()]
+        self.output_names = [o.name for o in self.session.get_outputs()]
         self.batched = config.get("max_batch_size", 0) > 0
 
     def execute(self, requests):
+        if self.batched:
+            return self._execute_padded(requests)
+        responses = []
+        for r in requests:
+            feeds = {n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.input_names}
+            values = self.session.run(self.output_names, feeds)
+            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, v) for n, v in zip(self.output_names, values)]))
+        return responses
+
+    def _execute_padded(self, requests):
         ids = [pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy() for r in requests]
         masks = []
         for r, x in zip(requests, ids):
             m = pb_utils.get_input_tensor_by_name(r, "attention_mask")
             masks.append(m.as_numpy() if m is not None else np.ones_like(x))
-        if not self.batched:
-            ids, masks = [x[None] for x in ids], [m[None] for m in masks]
         longest = max(x.shape[1] for x in ids)
         pad = lambda a: np.pad(a, ((0, 0), (0, longest - a.shape[1])))  # noqa: E731
         logits = self.session.run(["logits"], {"input_ids": np.concatenate([pad(x) for x in ids]).astype(np.int64),
@@ -39,6 +52,5 @@ class TritonPythonModel:
         for x in ids:
             out = logits[start:start + x.shape[0], :x.shape[1]]
             start += x.shape[0]
-            out = out if self.batched else out[0]
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("logits", np.ascontiguousarray(out))]))
         return responses

@@ -1,0 +1,222 @@
+"""The gateway's KServe v2 gRPC endpoint (inference.GRPCInferenceService).
+
+A grpc.aio server with one generic handler working on raw bytes: ModelInfer is decoded (tritonclient's
+service_pb2), answered from the cache or computed through the core; every other method, ModelStreamInfer
+included, is relayed to Triton's gRPC port byte for byte, so its answers and error codes are Triton's own.
+"""
+
+from __future__ import annotations
+
+import hmac
+import itertools
+import time
+
+import grpc
+from tritonclient.grpc import service_pb2
+
+from dstool.serve.gateway.core import GatewayCore
+from dstool.serve.gateway.metrics import Metrics
+from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
+from dstool.serve.gateway.upstream import UpstreamUnavailable
+
+SERVICE = "/inference.GRPCInferenceService/"
+HEALTH_METHODS = frozenset({SERVICE + m for m in ("ServerLive", "ServerReady", "ModelReady")})
+STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
+                404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
+                  "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
+                  "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
+                  "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+NOT_FORWARDED = frozenset({"authorization", "user-agent", "cache-control"})
+
+
+class _Passthrough(Exception):
+    """Shared-memory tensors: relayed to Triton as they are."""
+
+
+def _parameters(params) -> dict:
+    return {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in params.items() if p.WhichOneof("parameter_choice")}
+
+
+def _set_parameter(target, key: str, value) -> None:
+    p = target[key]
+    if isinstance(value, bool):
+        p.bool_param = value
+    elif isinstance(value, int):
+        p.int64_param = value
+    elif isinstance(value, float):
+        p.double_param = value
+    else:
+        p.string_param = str(value)
+
+
+def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
+    raw = msg.raw_input_contents
+    if raw and len(raw) != len(msg.inputs):
+        raise GatewayError(400, f"{len(raw)} raw_input_contents for {len(msg.inputs)} inputs")
+    if not msg.inputs:
+        raise GatewayError(400, "the request has no inputs")
+    inputs = []
+    for i, item in enumerate(msg.inputs):
+        params = _parameters(item.parameters)
+        if "shared_memory_region" in params:
+            raise _Passthrough()
+        if raw:
+            tensor = Tensor(item.name, item.datatype, tuple(item.shape), raw[i])
+            check_tensor(tensor)
+        else:
+            field = CONTENTS_FIELD.get(item.datatype)
+            if field is None:
+                raise GatewayError(400, f"input '{item.name}': {item.datatype} data must be sent in raw_input_contents")
+            tensor = from_values(item.name, item.datatype, item.shape, list(getattr(item.contents, field)))
+        inputs.append(tensor)
+    outputs = None
+    if msg.outputs:
+        outputs = []
+        for o in msg.outputs:
+            params = _parameters(o.parameters)
+            if "shared_memory_region" in params:
+                raise _Passthrough()
+            outputs.append((o.name, params))
+    return InferRequest(msg.model_name, msg.model_version, inputs, outputs, _parameters(msg.parameters), msg.id)
+
+
+def render_infer(result: InferResult, request_id: str) -> bytes:
+    response = service_pb2.ModelInferResponse(model_name=result.model_name, model_version=result.model_version,
+                                              id=request_id)
+    for t in result.outputs:
+        response.outputs.add(name=t.name, datatype=t.datatype, shape=t.shape)
+        response.raw_output_contents.append(t.raw)
+    for k, v in result.parameters.items():
+        _set_parameter(response.parameters, k, v)
+    return response.SerializeToString()
+
+
+class GrpcFrontend(grpc.GenericRpcHandler):
+    def __init__(self, core: GatewayCore, metrics: Metrics, upstream_targets: list[str], token: str | None,
+                 timeout: float):
+        self.core = core
+        self.metrics = metrics
+        self.token = f"Bearer {token}" if token else None
+        self.timeout = timeout
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        self.channels = [grpc.aio.insecure_channel(t, options=options) for t in upstream_targets]
+        self._turn = itertools.cycle(range(len(self.channels)))
+        self._handlers: dict[str, grpc.RpcMethodHandler] = {}
+
+    def service(self, details):
+        method = details.method
+        if not method.startswith(SERVICE):
+            return None
+        handler = self._handlers.get(method)
+        if handler is None:
+            if method == SERVICE + "ModelInfer":
+                handler = grpc.unary_unary_rpc_method_handler(self.model_infer)
+            elif method == SERVICE + "ModelStreamInfer":
+                handler = grpc.stream_stream_rpc_method_handler(self._stream_relay(method))
+            else:
+                handler = grpc.unary_unary_rpc_method_handler(self._unary_relay(method))
+            self._handlers[method] = handler
+        return handler
+
+    async def _check_token(self, context, method: str) -> None:
+        if self.token and method not in HEALTH_METHODS:
+            given = dict(context.invocation_metadata()).get("authorization", "")
+            if not hmac.compare_digest(given, self.token):
+                self.metrics.error("unauthorized")
+                await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
+
+    def _forwarded_metadata(self, context) -> tuple:
+        return tuple((k, v) for k, v in context.invocation_metadata()
+                     if k not in NOT_FORWARDED and not k.startswith(":") and not k.startswith("grpc-"))
+
+    def _unary_relay(self, method: str):
+        async def relay(raw: bytes, context) -> bytes:
+            await self._check_token(context, method)
+            return await self._relay_unary(method, raw, context)
+        return relay
+
+    async def _relay_unary(self, method: str, raw: bytes, context) -> bytes:
+        first = next(self._turn)
+        error = None
+        for i in range(len(self.channels)):
+            call = self.channels[(first + i) % len(self.channels)].unary_unary(method)
+            try:
+                return await call(raw, metadata=self._forwarded_metadata(context), timeout=self.timeout)
+            except grpc.aio.AioRpcError as e:
+                error = e
+                if e.code() != grpc.StatusCode.UNAVAILABLE:
+                    break
+        if error.code() == grpc.StatusCode.UNAVAILABLE:
+            self.metrics.error("upstream")
+        if method.endswith(("RepositoryModelLoad", "RepositoryModelUnload")):
+            self.core.deployments.invalidate()
+        await context.abort(error.code(), error.details() or "")
+
+    def _stream_relay(self, method: str):
+        async def relay(requests, context):
+            await self._check_token(context, method)
+            call = self.channels[next(self._turn)].stream_stream(method)(
+                requests, metadata=self._forwarded_metadata(context))
+            try:
+                async for response in call:
+                    yield response
+            except grpc.aio.AioRpcError as e:
+                await context.abort(e.code(), e.details() or "")
+        return relay
+
+    async def model_infer(self, raw: bytes, context) -> bytes:
+        started = time.perf_counter()
+        await self._check_token(context, SERVICE + "ModelInfer")
+        try:
+            msg = service_pb2.ModelInferRequest.FromString(raw)
+            request = decode_infer(msg)
+        except _Passthrough:
+            return await self._relay_infer(raw, context, started, msg.model_name)
+        except GatewayError as e:
+            self.metrics.error("bad_request")
+            await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
+        except Exception as e:  # protobuf DecodeError
+            self.metrics.error("bad_request")
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ModelInferRequest: {e}")
+        opt_out = any(k == "cache-control" and ("no-store" in v or "no-cache" in v)
+                      for k, v in context.invocation_metadata())
+        try:
+            key, version = await self.core.key(request, opt_out)
+            if key is None:
+                return await self._relay_infer(raw, context, started, request.model)
+            entry = await self.core.lookup(key)
+            outcome = "hit"
+            if entry is None:
+                result, entry = await self.core.compute(key, version, request)
+                outcome = "miss"
+            else:
+                result = entry.result
+        except (GatewayError, UpstreamUnavailable) as e:
+            status = e.status if isinstance(e, GatewayError) else 503
+            self.metrics.error("upstream" if status >= 500 else "bad_request")
+            self.metrics.observe(request.model, "grpc", "error", time.perf_counter() - started)
+            await context.abort(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL), str(e))
+        if entry is not None and not request.id:
+            body = entry.rendered.get("grpc")
+            if body is None:
+                body = entry.rendered["grpc"] = render_infer(result, "")
+        else:
+            body = render_infer(result, request.id)
+        self.metrics.observe(request.model, "grpc", outcome, time.perf_counter() - started,
+                             sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
+        return body
+
+    async def _relay_infer(self, raw: bytes, context, started: float, model: str) -> bytes:
+        try:
+            body = await self._relay_unary(SERVICE + "ModelInfer", raw, context)
+        except BaseException:
+            self.metrics.observe(model, "grpc", "error", time.perf_counter() - started)
+            raise
+        self.metrics.observe(model, "grpc", "bypass", time.perf_counter() - started)
+        return body
+
+    async def close(self) -> None:
+        for channel in self.channels:
+            await channel.close()

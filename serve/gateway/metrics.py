@@ -1,0 +1,44 @@
+"""Prometheus metrics of the gateway (served on the HTTP port at /metrics), in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class Metrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.hits = Counter("dstool_gateway_cache_hits", "Inference requests answered from the cache",
+                            ["model", "protocol"], registry=r)
+        self.misses = Counter("dstool_gateway_cache_misses", "Cacheable inference requests computed by Triton",
+                              ["model", "protocol"], registry=r)
+        self.bypassed = Counter("dstool_gateway_cache_bypassed",
+                                "Inference requests not cacheable (opt-out, sequence/decoupled model, shared memory)",
+                                ["model", "protocol"], registry=r)
+        self.errors = Counter("dstool_gateway_errors", "Errors by kind (redis, corrupt_entry, upstream, bad_request)",
+                              ["kind"], registry=r)
+        self.bytes = Counter("dstool_gateway_cache_bytes", "Output bytes served from the cache (hit) or stored (store)",
+                             ["model", "direction"], registry=r)
+        self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",
+                                 ["model", "protocol", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.redis_up = Gauge("dstool_gateway_redis_up", "1 while Redis answers, 0 while it is skipped", registry=r)
+
+    def error(self, kind: str) -> None:
+        self.errors.labels(kind).inc()
+
+    def observe(self, model: str, protocol: str, outcome: str, seconds: float, nbytes: int = 0) -> None:
+        """Count one inference request: outcome is hit, miss, bypass or error."""
+        if outcome == "hit":
+            self.hits.labels(model, protocol).inc()
+            self.bytes.labels(model, "hit").inc(nbytes)
+        elif outcome == "miss":
+            self.misses.labels(model, protocol).inc()
+        elif outcome == "bypass":
+            self.bypassed.labels(model, protocol).inc()
+        self.latency.labels(model, protocol, outcome).observe(seconds)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,130 @@
+"""The protocol-neutral form of a KServe v2 inference request and result.
+
+HTTP (JSON or binary tensor extension) and gRPC requests are decoded into `InferRequest`, results into
+`InferResult`: every tensor as name, datatype, shape and its raw little-endian bytes (BYTES tensors in
+Triton's 4-byte-length-prefixed layout). Cache keys are computed on this form and cached results are
+stored in it, so the two protocols share entries; each protocol renders it back in its own format.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass, field
+
+import numpy as np
+
+NUMPY_TYPES = {"BOOL": np.bool_, "UINT8": np.uint8, "UINT16": np.uint16, "UINT32": np.uint32, "UINT64": np.uint64,
+               "INT8": np.int8, "INT16": np.int16, "INT32": np.int32, "INT64": np.int64, "FP16": np.float16,
+               "FP32": np.float32, "FP64": np.float64}
+ITEM_SIZE = {name: np.dtype(t).itemsize for name, t in NUMPY_TYPES.items()} | {"BF16": 2}
+DATATYPES = frozenset(ITEM_SIZE) | {"BYTES"}
+
+
+class GatewayError(Exception):
+    """A request the gateway answers with an error: `status` is the HTTP status (mapped to a gRPC code)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass(slots=True)
+class Tensor:
+    name: str
+    datatype: str
+    shape: tuple[int, ...]
+    raw: bytes
+
+
+@dataclass(slots=True)
+class InferRequest:
+    model: str
+    version: str  # "" = whichever version Triton serves
+    inputs: list[Tensor]
+    outputs: list[tuple[str, dict]] | None  # requested outputs with their parameters; None = all
+    parameters: dict = field(default_factory=dict)
+    id: str = ""
+
+
+@dataclass(slots=True)
+class InferResult:
+    model_name: str
+    model_version: str
+    outputs: list[Tensor]
+    parameters: dict = field(default_factory=dict)
+
+
+def element_count(shape) -> int:
+    return math.prod(shape)
+
+
+def check_tensor(t: Tensor, what: str = "input") -> None:
+    """Raise a 400 GatewayError unless the tensor's bytes fit its datatype and shape."""
+    if t.datatype not in DATATYPES:
+        raise GatewayError(400, f"{what} '{t.name}': unknown datatype '{t.datatype}'")
+    if any(d < 0 for d in t.shape):
+        raise GatewayError(400, f"{what} '{t.name}': shape {list(t.shape)} has a negative dimension")
+    count = element_count(t.shape)
+    if t.datatype == "BYTES":
+        offset = 0
+        for _ in range(count):
+            if offset + 4 > len(t.raw):
+                raise GatewayError(400, f"{what} '{t.name}': BYTES data holds fewer than {count} elements")
+            offset += 4 + struct.unpack_from("<I", t.raw, offset)[0]
+        if offset != len(t.raw):
+            raise GatewayError(400, f"{what} '{t.name}': BYTES data does not fit shape {list(t.shape)}")
+    elif len(t.raw) != count * ITEM_SIZE[t.datatype]:
+        raise GatewayError(400, f"{what} '{t.name}': {len(t.raw)} bytes do not fit shape {list(t.shape)} "
+                                f"of {t.datatype} ({count * ITEM_SIZE[t.datatype]} bytes)")
+
+
+def from_values(name: str, datatype: str, shape, values) -> Tensor:
+    """A tensor from JSON `data` or gRPC typed contents (a flat or nested list of values)."""
+    try:
+        shape = tuple(int(d) for d in shape)
+    except (TypeError, ValueError):
+        raise GatewayError(400, f"input '{name}': shape must be a list of integers") from None
+    if datatype == "BYTES":
+        items = list(_flatten(values))
+        raw = b"".join(struct.pack("<I", len(b)) + b for b in
+                       (v if isinstance(v, bytes) else str(v).encode() for v in items))
+    elif datatype in NUMPY_TYPES:
+        try:
+            raw = np.asarray(values, dtype=NUMPY_TYPES[datatype]).tobytes()
+        except (TypeError, ValueError, OverflowError) as e:
+            raise GatewayError(400, f"input '{name}': data does not convert to {datatype}: {e}") from None
+    elif datatype in DATATYPES:
+        raise GatewayError(400, f"input '{name}': {datatype} data must be sent as binary (raw) data")
+    else:
+        raise GatewayError(400, f"input '{name}': unknown datatype '{datatype}'")
+    tensor = Tensor(name, datatype, shape, raw)
+    check_tensor(tensor)
+    return tensor
+
+
+def to_values(t: Tensor) -> list:
+    """The tensor's elements as a flat list (what KServe JSON `data` holds)."""
+    if t.datatype == "BYTES":
+        values, offset = [], 0
+        while offset < len(t.raw):
+            n = struct.unpack_from("<I", t.raw, offset)[0]
+            item = t.raw[offset + 4:offset + 4 + n]
+            try:
+                values.append(item.decode())
+            except UnicodeDecodeError:
+                values.append(item.decode("latin-1"))
+            offset += 4 + n
+        return values
+    if t.datatype not in NUMPY_TYPES:
+        raise GatewayError(400, f"output '{t.name}' is {t.datatype}, which JSON cannot carry: request binary_data")
+    return np.frombuffer(t.raw, dtype=NUMPY_TYPES[t.datatype]).tolist()
+
+
+def _flatten(values):
+    if isinstance(values, (list, tuple)):
+        for v in values:
+            yield from _flatten(v)
+    else:
+        yield values

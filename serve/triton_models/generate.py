@@ -1,0 +1,126 @@
+"""Triton python-backend model: the text-generation entry point (BLS).
+
+text_input (+ optional max_new_tokens, use_kv_cache) -> text_output, output_ids. Each request is tokenized
+by the tokenizer model; the requests the dynamic batcher hands over together are decoded greedily as one
+batch (right-padded, padding masked); the new ids go to the detokenizer model. Two decoding loops:
+  with the key/value cache (default)  one prefill call of the decoder model, then one call per new token
+                                       that feeds only that token and the cache returned by the call before;
+  without it (use_kv_cache=false)      one call of the logits model per new token on the whole sequence.
+Greedy, stopping at the end-of-sequence token, as `model.generate(do_sample=False)` in PyTorch.
+"""
+
+import json
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+class RequestError(ValueError):
+    """A request the model cannot serve (reported to that request only)."""
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
+        self.models = json.loads(params["models"])  # tokenizer, detokenizer, decoder, logits
+        self.empty_cache = json.loads(params["empty_cache"])  # cache input name -> [kv_heads, head_dim]
+        self.eos = set(json.loads(params["eos_token_ids"]))
+        self.default_new_tokens = int(params["default_max_new_tokens"])
+        self.max_positions = int(params["max_positions"])
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        jobs = {True: [], False: []}  # use_kv_cache -> [(request index, prompt ids, max new tokens)]
+        for i, r in enumerate(requests):
+            try:
+                jobs[self._flag(r, "use_kv_cache", True)].append((i, *self._prepare(r)))
+            except RequestError as e:
+                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+        for use_cache, batch in jobs.items():
+            if not batch:
+                continue
+            loop = self._generate_with_cache if use_cache else self._generate_without_cache
+            for (i, _, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [n for _, _, n in batch])):
+                ids = np.asarray(new_ids, dtype=np.int64)
+                text = self._infer(self.models["detokenizer"], {"output_ids": ids}, ["text_output"])[0]
+                responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text.reshape(1, 1)),
+                                                           pb_utils.Tensor("output_ids", ids[None])])
+        return responses
+
+    def _prepare(self, request):
+        text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)
+        if text.size != 1:
+            raise RequestError(f"send one prompt per request (got {text.size}); concurrent requests are batched "
+                               "by the server")
+        prompt = self._infer(self.models["tokenizer"], {"text_input": text.astype(np.object_)}, ["input_ids"])[0]
+        if prompt.size == 0:
+            raise RequestError("text_input is empty: send at least one token of text")
+        limit = pb_utils.get_input_tensor_by_name(request, "max_new_tokens")
+        new_tokens = int(limit.as_numpy().reshape(-1)[0]) if limit is not None else self.default_new_tokens
+        if new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be at least 1, got {new_tokens}")
+        if prompt.size + new_tokens > self.max_positions:
+            raise RequestError(f"prompt ({prompt.size} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
+                               f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
+        return prompt.reshape(-1).tolist(), new_tokens
+
+    @staticmethod
+    def _flag(request, name, default):
+        t = pb_utils.get_input_tensor_by_name(request, name)
+        return bool(t.as_numpy().reshape(-1)[0]) if t is not None else default
+
+    def _infer(self, model, inputs, outputs):
+        """One BLS call; returns the requested outputs as numpy arrays."""
+        response = pb_utils.InferenceRequest(model_name=model, requested_output_names=outputs,
+                                             inputs=[pb_utils.Tensor(k, v) for k, v in inputs.items()]).exec()
+        if response.has_error():
+            raise pb_utils.TritonModelException(f"{model}: {response.error().message()}")
+        return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
+
+    def _step(self, generated, done, next_ids, limits):
+        for b, token in enumerate(next_ids):
+            if not done[b]:
+                generated[b].append(int(token))
+                done[b] = int(token) in self.eos or len(generated[b]) >= limits[b]
+
+    def _generate_with_cache(self, prompts, limits):
+        batch, lengths = len(prompts), np.array([len(p) for p in prompts])
+        ids, mask = _right_padded(prompts)
+        positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
+        cache = {name: np.zeros((batch, heads, 0, dim), np.float32) for name, (heads, dim) in self.empty_cache.items()}
+        cache_outputs = [name.replace("past_key_values.", "cache.", 1) for name in cache]
+        generated, done = [[] for _ in prompts], [False] * batch
+        logits, *values = self._infer(self.models["decoder"], {"input_ids": ids, "attention_mask": mask,
+                                                               "position_ids": positions, **cache},
+                                      ["logits", *cache_outputs])
+        next_ids = logits[np.arange(batch), lengths - 1].argmax(-1)
+        for step in range(max(limits)):
+            self._step(generated, done, next_ids, limits)
+            if all(done):
+                break
+            cache = dict(zip(cache, values))
+            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
+            logits, *values = self._infer(self.models["decoder"], {
+                "input_ids": next_ids[:, None].astype(np.int64), "attention_mask": mask,
+                "position_ids": (lengths + step)[:, None].astype(np.int64), **cache}, ["logits", *cache_outputs])
+            next_ids = logits[:, -1].argmax(-1)
+        return generated
+
+    def _generate_without_cache(self, prompts, limits):
+        generated, done = [[] for _ in prompts], [False] * len(prompts)
+        while not all(done):
+            sequences = [p + g for p, g in zip(prompts, generated)]
+            ids, mask = _right_padded(sequences)
+            logits = self._infer(self.models["logits"], {"input_ids": ids, "attention_mask": mask}, ["logits"])[0]
+            self._step(generated, done, [logits[b, len(s) - 1].argmax() for b, s in enumerate(sequences)], limits)
+        return generated
+
+
+def _right_padded(sequences):
+    """[batch, longest] int64 ids and attention mask (0 on the padding)."""
+    longest = max(len(s) for s in sequences)
+    ids = np.zeros((len(sequences), longest), np.int64)
+    mask = np.zeros_like(ids)
+    for b, s in enumerate(sequences):
+        ids[b, :len(s)], mask[b, :len(s)] = s, 1
+    return ids, mask
