@@ -1,8 +1,8 @@
 """Talking to the Triton servers behind the gateway: a keep-alive HTTP/1.1 connection pool per server.
 
-Written on asyncio.Protocol + httptools rather than aiohttp: one round trip to Triton's health endpoint
-measured p50 62 µs this way against 240 µs with an aiohttp ClientSession on this 2-core machine (uvloop
-for both), and every cache miss pays it.
+Written on asyncio.Protocol + httptools rather than aiohttp: a round trip to Triton's health endpoint
+measured p50 33-59 µs this way against 92-110 µs with an aiohttp 3.14 ClientSession (2,000 sequential
+requests each, uvloop for both, this 2-core machine), and every cache miss pays it.
 """
 
 from __future__ import annotations
