@@ -117,30 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, or no value: "
                           "local Redis if it answers, else an in-process LRU")
     _add_gateway_options(srv)
-    srv.add_argument("--cache", nargs="?", const="auto", default=None, metavar="URL",
-                     help="put the caching gateway on --http-port/--grpc-port and Triton on internal ports: "
-                          "redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, or no value: "
-                          "local Redis if it answers, else an in-process LRU")
-    _add_gateway_options(srv)
     srv.set_defaults(func=_cmd_serve)
-
-    gw = sub.add_parser("gateway", help="KServe v2 HTTP/gRPC gateway with a Redis result cache in front of Triton",
-                        description="Serve the KServe v2 protocol (HTTP JSON/binary and gRPC) on its own ports, "
-                                    "answering repeated inference requests from a Redis cache and sending the rest "
-                                    "to the --upstream Triton servers.")
-    gw.add_argument("--upstream", action="append", required=True, metavar="HOST:PORT",
-                    help="a Triton HTTP endpoint (repeat for several servers, used in turn)")
-    gw.add_argument("--upstream-grpc", action="append", default=[], metavar="HOST:PORT",
-                    help="the matching Triton gRPC endpoint [default: the HTTP port + 1]")
-    gw.add_argument("--cache", default=None, metavar="URL",
-                    help="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH or memory [default: "
-                         "$DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0 if it answers, else an in-process LRU]")
-    gw.add_argument("--http-port", type=int, default=8000)
-    gw.add_argument("--grpc-port", type=int, default=8001)
-    gw.add_argument("--repository", default=None, help="the upstream's model repository, if readable here: "
-                                                       "version fingerprints then include its files")
-    _add_gateway_options(gw)
-    gw.set_defaults(func=_cmd_gateway)
 
     gw = sub.add_parser("gateway", help="KServe v2 HTTP/gRPC gateway with a Redis result cache in front of Triton",
                         description="Serve the KServe v2 protocol (HTTP JSON/binary and gRPC) on its own ports, "
@@ -231,59 +208,9 @@ def _cmd_gateway(ns: argparse.Namespace) -> int:
     return run_gateway(dataclasses.replace(config, repository=ns.repository))
 
 
-def _add_gateway_options(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--host", default="127.0.0.1", help="address the gateway binds [default: 127.0.0.1]")
-    parser.add_argument("--cache-ttl", type=float, default=3600.0, help="seconds an entry lives [default: 3600]")
-    parser.add_argument("--max-entry-bytes", type=int, default=16 << 20, help="larger results are not cached "
-                                                                              "[default: 16 MiB]")
-    parser.add_argument("--memory-cache-bytes", type=int, default=256 << 20,
-                        help="in-process LRU in front of Redis [default: 256 MiB]")
-    parser.add_argument("--redis-timeout", type=float, default=0.1,
-                        help="seconds before a Redis call counts as failed and Triton answers [default: 0.1]")
-    parser.add_argument("--max-request-bytes", type=int, default=64 << 20, help="[default: 64 MiB]")
-    parser.add_argument("--token-file", default=None,
-                        help="file holding a bearer token every request must carry ($DSTOOL_GATEWAY_TOKEN also works)")
-    parser.add_argument("--version-check-interval", type=float, default=1.0,
-                        help="seconds between checks of which model version Triton serves [default: 1]")
-
-
-def _gateway_config(ns: argparse.Namespace, upstreams: list[str], upstreams_grpc: list[str], cache: str | None):
-    import os
-
-    from dstool.serve.gateway import GatewayConfig
-
-    token = os.environ.get("DSTOOL_GATEWAY_TOKEN") or None
-    if ns.token_file:
-        try:
-            token = Path(ns.token_file).read_text().strip()
-        except OSError as e:
-            raise UsageError(f"--token-file {ns.token_file}: {e.strerror}") from None
-        if not token:
-            raise UsageError(f"--token-file {ns.token_file} is empty")
-    return GatewayConfig(upstreams=upstreams, upstreams_grpc=upstreams_grpc, cache=cache, host=ns.host,
-                         http_port=ns.http_port, grpc_port=ns.grpc_port, ttl=ns.cache_ttl,
-                         max_entry_bytes=ns.max_entry_bytes, memory_cache_bytes=ns.memory_cache_bytes,
-                         redis_timeout=ns.redis_timeout, max_request_bytes=ns.max_request_bytes, token=token,
-                         version_check_interval=ns.version_check_interval)
-
-
-def _cmd_gateway(ns: argparse.Namespace) -> int:
-    import dataclasses
-
-    from dstool.serve.gateway import run_gateway
-
-    config = _gateway_config(ns, ns.upstream, ns.upstream_grpc, ns.cache)
-    return run_gateway(dataclasses.replace(config, repository=ns.repository))
-
-
 def _cmd_serve(ns: argparse.Namespace) -> int:
     from dstool.serve.api import serve
 
-    if ns.cache is not None:
-        from dstool.serve.gateway.launch import serve_cached
-
-        return serve_cached(ns.repository, ns.metrics_port, ns.tritonserver, ns.log_file, ns.timeout,
-                            _gateway_config(ns, [], [], None if ns.cache == "auto" else ns.cache))
     if ns.cache is not None:
         from dstool.serve.gateway.launch import serve_cached
 
