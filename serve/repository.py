@@ -216,44 +216,46 @@ def write_repository(repository: Path, s: ModelSettings, a: Artefacts) -> dict[s
     version = s.version or max(existing, default=0) + 1
     staging = repository.parent / f".{repository.name}.{s.name}.v{version}.tmp"
     shutil.rmtree(staging, ignore_errors=True)
-    for role, onnx_path in (("logits", a.logits_onnx), ("decoder", a.decoder_onnx)):
-        folder = staging / names[role] / str(version)
-        folder.mkdir(parents=True)
-        for f in (onnx_path, Path(str(onnx_path) + ".data")):
-            if f.exists():
-                shutil.copy2(f, folder / ("model.onnx" + f.name[len(onnx_path.name):]))
-        if s.backend == "python":
-            shutil.copy2(MODELS_PY / "onnx_model.py", folder / "model.py")
-        config = staging / names[role] / "config.pbtxt"
-        config.write_text(config_text(s, onnx_path, names[role], decoder=role == "decoder"))
-        validate(config, onnx_path)
-    inputs, _ = _graph_io(a.decoder_onnx)
-    empty_cache = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim][1::2]
-                   for v in inputs if v.name.startswith("past_key_values.")}
-    if any(0 in dims for dims in empty_cache.values()):
-        raise UsageError(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got {empty_cache}")
-    parameters = {"generate": {"models": json.dumps(names), "empty_cache": json.dumps(empty_cache),
-                               "eos_token_ids": json.dumps(a.eos_token_ids), "max_positions": str(a.max_positions),
-                               "default_max_new_tokens": str(a.default_max_new_tokens)}}
-    for role in ("tokenizer", "detokenizer", "generate"):
-        folder = staging / names[role] / str(version)
-        folder.mkdir(parents=True)
-        shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
-        if role != "generate":
-            for f in TOKENIZER_FILES:
-                if (a.tokenizer_dir / f).is_file():
-                    shutil.copy2(a.tokenizer_dir / f, folder / f)
-        config = staging / names[role] / "config.pbtxt"
-        config.write_text(text_model_config(role, names[role], s, parameters.get(role, {})))
-        validate_text_model(config)
-    placed = {}
-    for role, name in names.items():
-        target = repository / name / str(version)
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(staging / name / str(version), target)
-        os.replace(staging / name / "config.pbtxt", repository / name / "config.pbtxt")
-        placed[role] = target
-    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        for role, onnx_path in (("logits", a.logits_onnx), ("decoder", a.decoder_onnx)):
+            folder = staging / names[role] / str(version)
+            folder.mkdir(parents=True)
+            for f in (onnx_path, Path(str(onnx_path) + ".data")):
+                if f.exists():
+                    shutil.copy2(f, folder / ("model.onnx" + f.name[len(onnx_path.name):]))
+            if s.backend == "python":
+                shutil.copy2(MODELS_PY / "onnx_model.py", folder / "model.py")
+            config = staging / names[role] / "config.pbtxt"
+            config.write_text(config_text(s, onnx_path, names[role], decoder=role == "decoder"))
+            validate(config, onnx_path)
+        inputs, _ = _graph_io(a.decoder_onnx)
+        empty_cache = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim][1::2]
+                       for v in inputs if v.name.startswith("past_key_values.")}
+        if any(0 in dims for dims in empty_cache.values()):
+            raise UsageError(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got {empty_cache}")
+        parameters = {"generate": {"models": json.dumps(names), "empty_cache": json.dumps(empty_cache),
+                                   "eos_token_ids": json.dumps(a.eos_token_ids), "max_positions": str(a.max_positions),
+                                   "default_max_new_tokens": str(a.default_max_new_tokens)}}
+        for role in ("tokenizer", "detokenizer", "generate"):
+            folder = staging / names[role] / str(version)
+            folder.mkdir(parents=True)
+            shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
+            if role != "generate":
+                for f in TOKENIZER_FILES:
+                    if (a.tokenizer_dir / f).is_file():
+                        shutil.copy2(a.tokenizer_dir / f, folder / f)
+            config = staging / names[role] / "config.pbtxt"
+            config.write_text(text_model_config(role, names[role], s, parameters.get(role, {})))
+            validate_text_model(config)
+        placed = {}
+        for role, name in names.items():
+            target = repository / name / str(version)
+            target.parent.mkdir(parents=True, exist_ok=True)
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(staging / name / str(version), target)
+            os.replace(staging / name / "config.pbtxt", repository / name / "config.pbtxt")
+            placed[role] = target
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
     return placed

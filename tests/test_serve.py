@@ -32,9 +32,18 @@ def server(repo, session_tmp):
     assert srv.stop() == 0  # a clean shutdown
 
 
+def _artefacts(repo: Path, trained: Path) -> repository.Artefacts:
+    """The fixture repository's graphs, to write other repositories without exporting again."""
+    return repository.Artefacts(logits_onnx=repo / "dstool_lm" / "1" / "model.onnx",
+                                decoder_onnx=repo / "dstool_lm_decoder" / "1" / "model.onnx",
+                                tokenizer_dir=trained, eos_token_ids=[0], max_positions=1024)
+
+
 def test_repository_layout_and_schema(repo):
     from tritonclient.grpc import model_config_pb2
 
+    assert sorted(p.name for p in repo.iterdir()) == ["dstool_lm", "dstool_lm_decoder", "dstool_lm_detokenizer",
+                                                      "dstool_lm_generate", "dstool_lm_tokenizer"]
     model = repo / "dstool_lm"
     assert sorted(p.name for p in (model / "1").iterdir()) == ["model.onnx", "model.onnx.data", "model.py"]
     cfg = repository.validate(model / "config.pbtxt", model / "1" / "model.onnx")
@@ -43,12 +52,33 @@ def test_repository_layout_and_schema(repo):
     assert list(cfg.dynamic_batching.preferred_batch_size) == [4, 8] and cfg.model_warmup
     assert all(t.allow_ragged_batch for t in cfg.input)  # mixed lengths batch together (the model pads)
 
+    decoder = repository.validate(repo / "dstool_lm_decoder" / "config.pbtxt", repo / "dstool_lm_decoder" / "1" / "model.onnx")
+    past = [t for t in decoder.input if t.name.startswith("past_key_values.")]
+    assert decoder.max_batch_size == 0 and len(past) == 8  # 4 layers x keys/values, [batch, kv heads 2, past, 32]
+    assert all(list(t.dims) == [-1, 2, -1, 32] for t in past)
+    generate = repository.validate_text_model(repo / "dstool_lm_generate" / "config.pbtxt")
+    assert [t.name for t in generate.input] == ["text_input", "max_new_tokens", "use_kv_cache"]
+    assert generate.dynamic_batching.max_queue_delay_microseconds > 0
+    assert (repo / "dstool_lm_tokenizer" / "1" / "tokenizer.json").is_file()
 
-def test_onnxruntime_platform_variant_validates(trained, tmp_path):
-    dstool("export", str(trained), "--repository", str(tmp_path / "r"), "--backend", "onnxruntime",
-           "--instances", "2", "--response-cache")
-    cfg = repository.validate(tmp_path / "r" / "dstool_lm" / "config.pbtxt", tmp_path / "r" / "dstool_lm" / "1" / "model.onnx")
+
+def test_decoder_graph_reuses_the_cache(repo, trained):
+    """One prefill then single-token steps on the exported decoder give PyTorch's logits for the whole text."""
+    from transformers import AutoModelForCausalLM
+
+    from dstool.onnx_export import decoder_parity
+
+    assert decoder_parity(AutoModelForCausalLM.from_pretrained(trained).eval(),
+                          repo / "dstool_lm_decoder" / "1" / "model.onnx") < 1e-3
+
+
+def test_onnxruntime_platform_variant_validates(repo, trained, tmp_path):
+    settings = repository.ModelSettings(name="dstool_lm", backend="onnxruntime", instances=2, response_cache=True)
+    placed = repository.write_repository(tmp_path / "r", settings, _artefacts(repo, trained))
+    cfg = repository.validate(placed["logits"].parent / "config.pbtxt", placed["logits"] / "model.onnx")
     assert cfg.platform == "onnxruntime_onnx" and cfg.instance_group[0].count == 2 and cfg.response_cache.enable
+    decoder = repository.validate(placed["decoder"].parent / "config.pbtxt", placed["decoder"] / "model.onnx")
+    assert decoder.platform == "onnxruntime_onnx" and not (placed["decoder"] / "model.py").exists()
 
 
 def test_config_that_disagrees_with_the_graph_is_refused(repo, tmp_path):
@@ -62,11 +92,17 @@ def test_config_that_disagrees_with_the_graph_is_refused(repo, tmp_path):
         repository.validate(bad, model / "1" / "model.onnx")
 
 
-def test_new_version_keeps_the_old_one(trained, tmp_path):
+def test_new_version_keeps_the_old_one(repo, trained, tmp_path):
     r = tmp_path / "r"
-    dstool("export", str(trained), "--repository", str(r))
-    dstool("export", str(trained), "--repository", str(r))
-    assert sorted(p.name for p in (r / "dstool_lm").iterdir()) == ["1", "2", "config.pbtxt"]
+    settings = repository.ModelSettings(name="dstool_lm")
+    repository.write_repository(r, settings, _artefacts(repo, trained))
+    broken = _artefacts(repo, trained)
+    broken.decoder_onnx = tmp_path / "missing.onnx"
+    with pytest.raises(Exception):
+        repository.write_repository(r, settings, broken)  # a version that fails to assemble never lands
+    repository.write_repository(r, settings, _artefacts(repo, trained))
+    for model in repository.model_names("dstool_lm").values():
+        assert sorted(p.name for p in (r / model).iterdir()) == ["1", "2", "config.pbtxt"]
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -167,3 +203,70 @@ def test_serve_reports_a_server_that_never_becomes_ready(tmp_path):
                   str(free_port()), "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "t.log"),
                   "--timeout", "60", check=False, timeout=180)
     assert proc.returncode == 2 and "last log lines" in proc.stderr, proc.stderr
+
+
+def _torch_greedy(trained: Path, prompt: str, new_tokens: int) -> tuple[str, list[int]]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(trained).eval().generate(
+            ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
+    return tokenizer.decode(out, skip_special_tokens=True), out.tolist()
+
+
+def test_generated_text_equals_pytorch_greedy(server, trained):
+    from dstool.serve.api import generate_text
+
+    prompt = "ROMEO:\nBut soft, what light"
+    expected = _torch_greedy(trained, prompt, 20)
+    for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
+        for use_kv_cache in (True, False):
+            assert generate_text(url, protocol, "dstool_lm", prompt, 20, use_kv_cache) == expected
+    proc = dstool("infer", prompt, "--max-new-tokens", "20", "--url", server.grpc_url, "--protocol", "grpc")
+    assert proc.stdout == prompt + expected[0] + "\n"
+
+
+def test_concurrent_prompts_are_batched_and_each_stays_exact(server, trained):
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http as http
+
+    prompts = [f"{name}:\n" + "Now is the winter " * (1 + i % 3) for i, name in
+               enumerate(["GLOUCESTER", "KING RICHARD", "QUEEN", "LADY ANNE", "BUCKINGHAM", "HASTINGS"])]
+
+    async def load() -> list[list[int]]:
+        client = grpc_aio.InferenceServerClient(server.grpc_url)
+
+        async def one(prompt: str) -> list[int]:
+            inputs = [grpc_aio.InferInput("text_input", [1, 1], "BYTES"),
+                      grpc_aio.InferInput("max_new_tokens", [1, 1], "INT32")]
+            inputs[0].set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+            inputs[1].set_data_from_numpy(np.array([[12]], dtype=np.int32))
+            return (await client.infer("dstool_lm_generate", inputs)).as_numpy("output_ids")[0].tolist()
+
+        try:
+            return await asyncio.gather(*(one(p) for p in prompts))
+        finally:
+            await client.close()
+
+    stats = http.InferenceServerClient(server.http_url)
+    try:
+        before = stats.get_inference_statistics("dstool_lm_generate")["model_stats"][0]
+        results = asyncio.run(load())
+        after = stats.get_inference_statistics("dstool_lm_generate")["model_stats"][0]
+    finally:
+        stats.close()
+    assert after["inference_count"] - before["inference_count"] == len(prompts)
+    assert after["execution_count"] - before["execution_count"] < len(prompts)  # decoded as batches
+    assert results == [_torch_greedy(trained, p, 12)[1] for p in prompts]
+
+
+def test_bad_generation_requests_are_one_line_errors(server):
+    proc = dstool("infer", "x", "--max-new-tokens", "5000", "--url", server.http_url, check=False)
+    assert proc.returncode == 2 and "exceed the model's 1024 positions" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    proc = dstool("infer", "--url", f"127.0.0.1:{free_port()}", "hello", check=False)
+    assert proc.returncode == 2 and "dstool serve" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    proc = dstool("infer", "hello", "--ids", "1,2", check=False)
+    assert proc.returncode == 2 and "one of the two" in proc.stderr
