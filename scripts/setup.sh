@@ -11,4 +11,9 @@ python=${PYTHON:-python3}
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==$torch_version" > .venv/constraints.txt
 DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" -c .venv/constraints.txt
+# The cache gateway's tests start their own redis-server (Debian's package) on a free port.
+if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get install -y -qq redis-server || { apt-get update -qq && apt-get install -y -qq redis-server; }; } >/dev/null \
+    || echo "warning: apt-get could not install redis-server; the gateway tests need it" >&2
+fi
 echo "dstool installed in .venv (torch $torch_version)"

@@ -1,0 +1,581 @@
+"""The cache gateway (issue #5) on real processes: a redis-server started here, a real Triton 2.51 on a
+repository made by `dstool export`, the gateway as its own process, and the unmodified tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import DSTOOL, dstool
+from dstool.serve import triton
+from dstool.train.launch import free_port
+
+MODEL = "dstool_lm"
+REDIS_SERVER = shutil.which("redis-server")
+API_GATEWAY = ("import json, sys; from dstool.serve.gateway import GatewayConfig, run_gateway; "
+               "sys.exit(run_gateway(GatewayConfig(**json.loads(sys.argv[1]))))")
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, password: str | None = None):
+        if REDIS_SERVER is None:
+            pytest.fail("redis-server is not installed: run `bash scripts/setup.sh` (or apt-get install redis-server)")
+        self.port, self.workdir, self.password = free_port(), workdir, password
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.start()
+
+    @property
+    def url(self) -> str:
+        return f"redis://{':' + self.password + '@' if self.password else ''}127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        extra = ["--requirepass", self.password] if self.password else []
+        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+                                      "--appendonly", "no", "--dir", str(self.workdir), *extra],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.time() + 10
+        while time.time() < deadline:
+            try:
+                if self.client().ping():
+                    return
+            except Exception:
+                time.sleep(0.05)
+        raise AssertionError("redis-server did not start")
+
+    def client(self):
+        import redis
+
+        return redis.Redis.from_url(self.url, socket_timeout=2)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait()
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+class GatewayProcess:
+    """`dstool gateway` (argv) or the Python API (config dict) in its own process."""
+
+    def __init__(self, log: Path, argv: list[str] | None = None, config: dict | None = None):
+        self.http_port, self.grpc_port = free_port(), free_port()
+        if argv is not None:
+            cmd = [*DSTOOL, "gateway", *argv, "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
+        else:
+            cmd = [sys.executable, "-c", API_GATEWAY,
+                   json.dumps({**config, "http_port": self.http_port, "grpc_port": self.grpc_port})]
+        self.log = log
+        self.out = open(log, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT,
+                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.time() + 60
+        while "ready" not in log.read_text():
+            assert self.proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.05)
+
+    http_url = property(lambda self: f"127.0.0.1:{self.http_port}")
+    grpc_url = property(lambda self: f"127.0.0.1:{self.grpc_port}")
+
+    def metric(self, name: str, **labels) -> float:
+        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=10)
+        conn.request("GET", "/metrics")
+        text = conn.getresponse().read().decode()
+        conn.close()
+        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        total = 0.0
+        for line in text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                got = line[len(name):].split(" ")[0].strip("{}")
+                if all(part in got.split(",") for part in want.split(",") if part):
+                    total += float(line.rsplit(" ", 1)[1])
+        return total
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(15)
+        self.out.close()
+
+
+@pytest.fixture(scope="module")
+def repo(trained, session_tmp) -> Path:
+    path = session_tmp / "gateway_repository"
+    dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8")
+    for model in path.iterdir():  # the tensor model is what the cache serves; fewer models start faster
+        if model.name != MODEL:
+            shutil.rmtree(model)
+    return path
+
+
+@pytest.fixture(scope="module")
+def server(repo, session_tmp):
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                       session_tmp / "gateway-triton.log",
+                       extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def redis_server(session_tmp):
+    r = RedisServer(session_tmp / "redis-main")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="module")
+def gateway(server, redis_server, session_tmp):
+    gw = GatewayProcess(session_tmp / "gateway-main.log",
+                        argv=["--upstream", server.http_url, "--upstream-grpc", server.grpc_url, "--cache",
+                              redis_server.url, "--cache-ttl", "600", "--max-request-bytes", str(1 << 20),
+                              "--version-check-interval", "0.5"])
+    yield gw
+    gw.stop()
+
+
+def api_gateway(server, log: Path, **config) -> GatewayProcess:
+    return GatewayProcess(log, config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
+                                       "version_check_interval": 0.5, **config})
+
+
+def ids_for(seed: int, length: int = 8) -> np.ndarray:
+    return (np.arange(length, dtype=np.int64)[None] * 37 + seed * 101) % 4000 + 1
+
+
+def make_inputs(client, ids: np.ndarray, binary: bool = True):
+    inputs = []
+    for name, value in (("input_ids", ids), ("attention_mask", np.ones_like(ids))):
+        t = client.InferInput(name, list(value.shape), "INT64")
+        if client.__name__.startswith("tritonclient.http"):
+            t.set_data_from_numpy(value, binary_data=binary)
+        else:
+            t.set_data_from_numpy(value)
+        inputs.append(t)
+    return inputs
+
+
+def infer(protocol: str, url: str, ids: np.ndarray, *, outputs: bool = True, **kwargs):
+    """(logits, model_version) from tritonclient; protocol is http-binary, http-json or grpc."""
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    client = grpc if protocol == "grpc" else http
+    binary = protocol != "http-json"
+    c = client.InferenceServerClient(url)
+    try:
+        wanted = None
+        if outputs:
+            wanted = [grpc.InferRequestedOutput("logits") if client is grpc
+                      else http.InferRequestedOutput("logits", binary_data=binary)]
+        result = c.infer(MODEL, make_inputs(client, ids, binary), outputs=wanted, **kwargs)
+        response = result.get_response(as_json=True) if client is grpc else result.get_response()
+        return result.as_numpy("logits"), str(response["model_version"])
+    finally:
+        c.close()
+
+
+def triton_inferences(server) -> int:
+    """Inferences Triton itself ran for the model (all versions), from its statistics."""
+    import tritonclient.http as http
+
+    c = http.InferenceServerClient(server.http_url)
+    try:
+        return sum(int(s["inference_count"]) for s in c.get_inference_statistics(MODEL)["model_stats"])
+    finally:
+        c.close()
+
+
+def test_gateway_matches_triton_and_repeats_are_hits_across_protocols(server, gateway):
+    ids = ids_for(1)
+    direct, _ = infer("http-binary", server.http_url, ids)
+    before = triton_inferences(server)
+    first, _ = infer("http-binary", gateway.http_url, ids)  # the miss
+    assert triton_inferences(server) == before + 1
+    for protocol, url in (("http-binary", gateway.http_url), ("http-json", gateway.http_url),
+                          ("grpc", gateway.grpc_url)):
+        for outputs in (True, False):  # naming no outputs means all of them: the same entry
+            logits, _ = infer(protocol, url, ids, outputs=outputs)
+            assert logits.dtype == np.float32 and np.array_equal(logits, direct), protocol
+    assert np.array_equal(first, direct)
+    assert triton_inferences(server) == before + 1  # every repeat, in every protocol, was a hit
+    assert gateway.metric("dstool_gateway_cache_hits_total", model=MODEL) >= 6
+    assert gateway.metric("dstool_gateway_cache_misses_total", model=MODEL, protocol="http") >= 1
+    infer("grpc", gateway.grpc_url, ids_for(2))  # new inputs: a miss
+    assert triton_inferences(server) == before + 2
+
+
+def test_everything_else_is_relayed_unchanged(server, gateway):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    for client, kind in ((http, "http"), (grpc, "grpc")):
+        direct = client.InferenceServerClient(getattr(server, f"{kind}_url"))
+        through = client.InferenceServerClient(getattr(gateway, f"{kind}_url"))
+        try:
+            assert through.is_server_live() and through.is_server_ready() and through.is_model_ready(MODEL)
+            as_json = {"as_json": True} if client is grpc else {}
+            for call, args in (("get_server_metadata", ()), ("get_model_metadata", (MODEL,)),
+                               ("get_model_config", (MODEL,)), ("get_model_repository_index", ())):
+                assert getattr(through, call)(*args, **as_json) == getattr(direct, call)(*args, **as_json), call
+            stats = through.get_inference_statistics(MODEL, **as_json)
+            assert stats["model_stats"][0]["name"] == MODEL
+            assert not through.is_model_ready("no_such_model")
+        finally:
+            direct.close()
+            through.close()
+
+
+def test_requests_that_opt_out_are_never_cached(server, gateway):
+    ids = ids_for(3)
+    before = triton_inferences(server)
+    for _ in range(2):
+        infer("http-binary", gateway.http_url, ids, headers={"Cache-Control": "no-store"})
+        infer("grpc", gateway.grpc_url, ids, headers={"cache-control": "no-cache"})
+    assert triton_inferences(server) == before + 4
+
+
+def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(server, gateway, redis_server,
+                                                                             session_tmp):
+    ids = ids_for(4)
+    expected, _ = infer("grpc", gateway.grpc_url, ids)  # stored by the main gateway
+    r = redis_server.client()
+    keys = r.keys("dstool:gw:1:dstool_lm:*")
+    assert keys and all(0 < r.ttl(k) <= 600 for k in keys)
+    second = api_gateway(server, session_tmp / "gateway-second.log", cache=redis_server.url)
+    try:
+        before = triton_inferences(server)
+        logits, _ = infer("http-json", second.http_url, ids)  # another process, same Redis: a hit
+        assert np.array_equal(logits, expected) and triton_inferences(server) == before
+        assert second.metric("dstool_gateway_cache_hits_total") == 1
+    finally:
+        second.stop()
+    for k in keys:  # damage every entry: garbage, and a truncated copy of a real one
+        value = r.get(k)
+        r.set(k, b"not an entry" if k == keys[0] else value[: len(value) // 2], keepttl=True)
+    third = api_gateway(server, session_tmp / "gateway-third.log", cache=redis_server.url)
+    try:
+        before = triton_inferences(server)
+        logits, _ = infer("grpc", third.grpc_url, ids)
+        assert np.array_equal(logits, expected) and triton_inferences(server) == before + 1  # recomputed
+        assert third.metric("dstool_gateway_errors_total", kind="corrupt_entry") >= 1
+        assert any(holds(r.get(k), expected) for k in r.keys("dstool:gw:1:dstool_lm:*"))  # replaced by a good entry
+    finally:
+        third.stop()
+
+
+def holds(value: bytes | None, expected: np.ndarray) -> bool:
+    """Whether a Redis value decodes to a result whose first output equals `expected`."""
+    from dstool.serve.gateway.cache import CorruptEntry, decode
+
+    try:
+        result = decode(value or b"")[0]
+    except CorruptEntry:
+        return False
+    return np.array_equal(np.frombuffer(result.outputs[0].raw, np.float32).reshape(expected.shape), expected)
+
+
+def test_entries_expire_after_the_ttl(server, redis_server, session_tmp):
+    gw = api_gateway(server, session_tmp / "gateway-ttl.log", cache=redis_server.url, ttl=1.0)
+    try:
+        ids = ids_for(5)
+        before = triton_inferences(server)
+        infer("http-binary", gw.http_url, ids)
+        infer("http-binary", gw.http_url, ids)
+        assert triton_inferences(server) == before + 1
+        time.sleep(1.3)
+        infer("http-binary", gw.http_url, ids)
+        assert triton_inferences(server) == before + 2
+    finally:
+        gw.stop()
+
+
+def test_without_redis_an_in_process_cache_with_a_warning(server, session_tmp):
+    dead = free_port()
+    log = session_tmp / "gateway-memory.log"
+    os.environ["DSTOOL_REDIS_URL"] = f"redis://127.0.0.1:{dead}/0"
+    try:
+        gw = api_gateway(server, log)
+    finally:
+        del os.environ["DSTOOL_REDIS_URL"]
+    try:
+        assert "in-process LRU cache" in log.read_text()
+        before = triton_inferences(server)
+        infer("grpc", gw.grpc_url, ids_for(6))
+        infer("http-binary", gw.http_url, ids_for(6))
+        assert triton_inferences(server) == before + 1
+    finally:
+        gw.stop()
+
+
+def test_redis_killed_or_frozen_under_load_fails_no_request(server, session_tmp):
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http.aio as http_aio
+
+    rds = RedisServer(session_tmp / "redis-failing", password="s3cret")  # a password URL, too
+    gw = api_gateway(server, session_tmp / "gateway-failing.log", cache=rds.url, redis_timeout=0.05)
+    sequences = [ids_for(100 + i, 4 + i % 5) for i in range(40)]
+    reference = {i: infer("grpc", server.grpc_url, s)[0] for i, s in enumerate(sequences)}
+
+    async def load(n: int, on_progress) -> list[tuple[int, np.ndarray]]:
+        grpc_client = grpc_aio.InferenceServerClient(gw.grpc_url)
+        http_client = http_aio.InferenceServerClient(gw.http_url)
+        done, results = 0, []
+        gate = asyncio.Semaphore(12)
+
+        async def one(k: int):
+            nonlocal done
+            i = k % len(sequences)
+            client, module = (grpc_client, grpc_aio) if k % 2 else (http_client, http_aio)
+            async with gate:
+                result = await client.infer(MODEL, make_inputs(module, sequences[i]))
+            results.append((i, result.as_numpy("logits")))
+            done += 1
+            on_progress(done)
+
+        try:
+            await asyncio.gather(*(one(k) for k in range(n)))
+        finally:
+            await grpc_client.close()
+            await http_client.close()
+        return results
+
+    try:
+        killed = []
+        results = asyncio.run(load(240, lambda done: done == 60 and not killed and (rds.kill(), killed.append(1))))
+        assert killed and len(results) == 240
+        assert all(np.array_equal(logits, reference[i]) for i, logits in results)
+        assert gw.metric("dstool_gateway_errors_total", kind="redis") >= 1
+
+        rds.start()  # back on the same port: the gateway reconnects by itself
+        deadline, n = time.time() + 15, 0
+        while rds.client().dbsize() == 0:
+            assert time.time() < deadline, "the gateway did not write to Redis again"
+            infer("http-binary", gw.http_url, ids_for(200 + n))
+            n += 1
+            time.sleep(0.2)
+
+        fresh = [ids_for(300 + k) for k in range(10)]  # not in the gateway's front LRU: each asks Redis first
+        expected = [infer("grpc", server.grpc_url, s)[0] for s in fresh]
+        os.kill(rds.proc.pid, signal.SIGSTOP)  # a Redis that stops answering: timeouts, not failures
+        try:
+            started = time.perf_counter()
+            for k, s in enumerate(fresh):
+                logits, _ = infer("grpc" if k % 2 else "http-binary", gw.grpc_url if k % 2 else gw.http_url, s)
+                assert np.array_equal(logits, expected[k])
+            assert time.perf_counter() - started < 10
+        finally:
+            os.kill(rds.proc.pid, signal.SIGCONT)
+    finally:
+        gw.stop()
+        rds.stop()
+
+
+def test_two_hundred_malformed_requests_get_4xx_kserve_errors(server, gateway):
+    import grpc
+    import tritonclient.grpc as tgrpc
+    from tritonclient.grpc import service_pb2
+
+    good_header = {"inputs": [{"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "data": [1, 2, 3, 4]},
+                              {"name": "attention_mask", "shape": [1, 4], "datatype": "INT64", "data": [1, 1, 1, 1]}]}
+    raw = np.arange(4, dtype=np.int64).tobytes()
+    binary_header = json.dumps({"inputs": [
+        {"name": "input_ids", "shape": [1, 4], "datatype": "INT64", "parameters": {"binary_data_size": 32}},
+        {"name": "attention_mask", "shape": [1, 4], "datatype": "INT64", "parameters": {"binary_data_size": 32}}]})
+
+    def variant(i: int) -> tuple[str, bytes, dict]:
+        path = f"/v2/models/{MODEL}/infer"
+        kind = i % 10
+        if kind == 0:
+            return path, b'{"inputs": [' + str(i).encode(), {}  # bad JSON
+        if kind == 1:
+            h = json.loads(json.dumps(good_header))
+            h["inputs"][0]["shape"] = [1, 3 + i % 4 * 2]  # data count does not fit the shape
+            return path, json.dumps(h).encode(), {}
+        if kind == 2:
+            h = json.loads(json.dumps(good_header))
+            for t in h["inputs"]:
+                t["datatype"] = ["INT32", "FP32", "BOOL"][i % 3]  # a dtype the model does not take
+            return path, json.dumps(h).encode(), {}
+        if kind == 3:  # truncated binary payload
+            body = binary_header.encode() + raw + raw[: i % 31]
+            return path, body, {"Inference-Header-Content-Length": str(len(binary_header))}
+        if kind == 4:  # header length pointing past the body
+            return path, binary_header.encode(), {"Inference-Header-Content-Length": str(10_000 + i)}
+        if kind == 5:
+            return path, b"x" * ((1 << 20) + 1 + i), {}  # over --max-request-bytes
+        if kind == 6:
+            return f"/v2/models/no_such_model_{i}/infer", json.dumps(good_header).encode(), {}
+        if kind == 7:
+            return path, json.dumps({"inputs": []}).encode(), {}
+        if kind == 8:
+            h = json.loads(json.dumps(good_header))
+            h["inputs"][0]["data"] = ["a", "b", "c", "d"]  # strings for INT64
+            return path, json.dumps(h).encode(), {}
+        h = json.loads(json.dumps(good_header))
+        h["inputs"][1]["shape"] = [1, -4]
+        return path, json.dumps(h).encode(), {}
+
+    for i in range(200):
+        path, body, headers = variant(i)
+        conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
+        conn.request("POST", path, body, headers)
+        response = conn.getresponse()
+        payload = json.loads(response.read())
+        conn.close()
+        assert 400 <= response.status < 500, (i, response.status, payload)
+        assert isinstance(payload.get("error"), str) and payload["error"], (i, payload)
+
+    channel = grpc.insecure_channel(gateway.grpc_url)
+    model_infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    bad_shape = service_pb2.ModelInferRequest(model_name=MODEL)
+    bad_shape.inputs.add(name="input_ids", datatype="INT64", shape=[1, 5])
+    bad_shape.raw_input_contents.append(raw)
+    unknown = service_pb2.ModelInferRequest(model_name="no_such_model")
+    unknown.inputs.add(name="x", datatype="INT64", shape=[1, 4])
+    unknown.raw_input_contents.append(raw)
+    for payload in [b"\xff\x00garbage" * (1 + k) for k in range(10)] + [bad_shape.SerializeToString(),
+                                                                        unknown.SerializeToString()] * 5:
+        with pytest.raises(grpc.RpcError) as e:
+            model_infer(payload, timeout=30)
+        assert e.value.code() in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), e.value
+    channel.close()
+
+    assert gateway.proc.poll() is None  # still serving
+    logits, _ = infer("http-json", gateway.http_url, ids_for(7))
+    assert logits.shape == (1, 8, 4096)
+    c = tgrpc.InferenceServerClient(gateway.grpc_url)
+    assert c.is_server_ready()
+    c.close()
+
+
+def test_bearer_token_on_both_protocols(server, redis_server, session_tmp):
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+    from tritonclient.utils import InferenceServerException
+
+    gw = api_gateway(server, session_tmp / "gateway-token.log", cache=redis_server.url, token="t0ken")
+    try:
+        for protocol, url in (("http-binary", gw.http_url), ("grpc", gw.grpc_url)):
+            with pytest.raises(InferenceServerException, match="bearer token"):
+                infer(protocol, url, ids_for(8))
+            with pytest.raises(InferenceServerException, match="bearer token"):
+                infer(protocol, url, ids_for(8), headers={"authorization": "Bearer wrong"})
+            logits, _ = infer(protocol, url, ids_for(8), headers={"authorization": "Bearer t0ken"})
+            assert logits.shape == (1, 8, 4096)
+        for client, url in ((http, gw.http_url), (grpc, gw.grpc_url)):  # health stays open for probes
+            c = client.InferenceServerClient(url)
+            assert c.is_server_ready()
+            with pytest.raises(InferenceServerException):
+                c.get_model_metadata(MODEL)
+            c.close()
+    finally:
+        gw.stop()
+
+
+def test_bad_gateway_options_are_one_line_errors(server, gateway):
+    from dstool.errors import UsageError
+    from dstool.serve.gateway import GatewayConfig
+
+    for cache, needle in (("memcached://127.0.0.1:1", "unknown scheme"), ("redis://:pw@/0", "names no host"),
+                          ("redis://127.0.0.1:6379/x", "database")):
+        with pytest.raises(UsageError, match=needle):
+            GatewayConfig(upstreams=[server.http_url], cache=cache).check()
+    for args, needle in ((["--cache", "redis://127.0.0.1:notaport/0"], "port"),
+                         (["--cache", "memory", "--http-port", str(gateway.http_port)], "already in use")):
+        proc = dstool("gateway", "--upstream", server.http_url, *args, check=False, timeout=60)
+        assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+            proc.stderr
+
+
+def test_serve_with_cache_then_dstool_infer(repo, redis_server, session_tmp):
+    http_port, grpc_port = free_port(), free_port()
+    log = session_tmp / "serve-cache.log"
+    out = open(log, "w")
+    proc = subprocess.Popen([*DSTOOL, "serve", "--repository", str(repo), "--cache", redis_server.url, "--http-port",
+                             str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
+                             "--log-file", str(session_tmp / "serve-cache-triton.log")],
+                            stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    try:
+        deadline = time.time() + 120
+        while "gateway: ready" not in log.read_text():
+            assert proc.poll() is None and time.time() < deadline, log.read_text()
+            time.sleep(0.2)
+        internal = log.read_text().split("internal ports — HTTP ")[1].split(",")[0]
+        import tritonclient.http as http
+
+        c = http.InferenceServerClient(internal)
+        before = sum(int(s["inference_count"]) for s in c.get_inference_statistics(MODEL)["model_stats"])
+        answers = [dstool("infer", "--ids", "5,17,300,42", "--protocol", protocol, "--url",
+                          f"127.0.0.1:{port}").stdout for protocol, port in (("http", http_port), ("grpc", grpc_port))]
+        assert answers[0] == answers[1] and "greedy next token" in answers[0]
+        # Triton, behind the gateway, ran the request once
+        assert sum(int(s["inference_count"]) for s in c.get_inference_statistics(MODEL)["model_stats"]) == before + 1
+        c.close()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+        out.close()
+    assert "Triton stopped (exit code 0)" in log.read_text()
+
+
+def test_a_new_model_version_misses(server, gateway, repo):
+    import tritonclient.http as http
+
+    ids = ids_for(9)
+    _, version = infer("http-binary", gateway.http_url, ids)
+    infer("http-binary", gateway.http_url, ids)
+    new = str(int(version) + 1)
+    shutil.copytree(repo / MODEL / version, repo / MODEL / new)  # deploy the next version
+    c = http.InferenceServerClient(gateway.http_url)
+    try:
+        c.load_model(MODEL)  # through the gateway, like any repository call
+        assert c.get_model_metadata(MODEL)["versions"] == [new]
+    finally:
+        c.close()
+    before = triton_inferences(server)
+    logits, served = infer("grpc", gateway.grpc_url, ids)
+    assert served == new and triton_inferences(server) == before + 1  # not the old version's entry
+    infer("http-json", gateway.http_url, ids)
+    assert triton_inferences(server) == before + 1
+
+
+def test_triton_down_is_503_and_unavailable(server, gateway):
+    import grpc
+
+    server.proc.kill()  # Triton gone at once
+    server.proc.wait()
+    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
+    body = json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "data": [9, 9]},
+                                  {"name": "attention_mask", "shape": [1, 2], "datatype": "INT64", "data": [1, 1]}]})
+    for method, path, payload in (("POST", f"/v2/models/{MODEL}/infer", body), ("GET", "/v2/health/ready", None),
+                                  ("GET", f"/v2/models/{MODEL}", None)):
+        conn.request(method, path, payload)
+        response = conn.getresponse()
+        assert response.status == 503 and "error" in json.loads(response.read()), path
+    conn.close()
+    channel = grpc.insecure_channel(gateway.grpc_url)
+    from tritonclient.grpc import service_pb2
+
+    request = service_pb2.ModelInferRequest(model_name=MODEL)
+    request.inputs.add(name="input_ids", datatype="INT64", shape=[1, 2])
+    request.raw_input_contents.append(np.array([9, 9], dtype=np.int64).tobytes())
+    for method, payload in (("ModelInfer", request.SerializeToString()), ("ServerReady", b"")):
+        with pytest.raises(grpc.RpcError) as e:
+            channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(payload, timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, method
+    channel.close()
+    assert gateway.proc.poll() is None
