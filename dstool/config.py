@@ -33,6 +33,8 @@ class TrainConfig(BaseModel):
     master_port: int | None = Field(None, ge=1, le=65535, description="rendezvous port (free port when single-node)")
     launcher: Literal["auto", "torchrun", "deepspeed"] = "auto"
     env: dict[str, str] = Field(default_factory=dict, description="environment for every rank, e.g. NCCL_SOCKET_IFNAME")
+    max_restarts: int = Field(0, ge=0, description="torchrun elastic restarts when a rank dies; each resumes from "
+                              "the last valid checkpoint")
 
     # Optimisation
     zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage")

@@ -64,7 +64,7 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
         if not (out / "data" / "meta.json").is_file():
             data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
-        resume = _resume_point(cfg, out, echo)
+        resume = _resume_point(cfg, out, topo.world, len(tokenizer), echo)
         write_manifest(out, RUN_KIND, hash_files=False, data_fingerprint=fingerprint)
 
     meta = json.loads((out / "data" / "meta.json").read_text())
@@ -132,16 +132,48 @@ class _lock:
         self.f.close()
 
 
-def _resume_point(cfg: TrainConfig, out: Path, echo) -> Path | None:
+def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, echo) -> Path | None:
+    """The checkpoint to continue from, checked against this model; converted to DeepSpeed's
+    universal format when it was saved on another world size (the ranks then load that)."""
     root = out / "checkpoints"
     if cfg.resume == "none":
         if checkpoint.complete_tags(root):
             raise UsageError(f"output {out} already has checkpoints and --resume none would overwrite them: "
                              "use --resume auto or a new --output")
         return None
-    if cfg.resume == "auto":
-        return checkpoint.find_resume(root, warn=echo)
-    return checkpoint.resolve_explicit(cfg.resume)
+    tag = checkpoint.find_resume(root, warn=echo) if cfg.resume == "auto" else checkpoint.resolve_explicit(cfg.resume)
+    if tag is None:
+        return None
+    _check_same_model(tag, cfg.model, vocab_size)
+    saved_world = checkpoint.saved_world_size(tag)
+    if checkpoint.needs_universal(tag, world):
+        if cfg.lr_scaling == "linear":
+            echo(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "
+                 "use --lr-scaling none to keep it")
+        try:
+            checkpoint.universal(tag, echo)
+        except RuntimeError as e:
+            raise TrainingFailed(str(e), 1) from None
+    return tag
+
+
+def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
+    """Refuse, before any rank starts, a checkpoint whose parameter shapes are not this model's."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    saved = (read_manifest(tag) or {}).get("model_shapes")
+    if not saved:  # written before shapes were recorded
+        return
+    hf_config = (models.preset_config(model_ref, vocab_size, {}) if models.is_preset(model_ref)
+                 else AutoConfig.from_pretrained(model_ref))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    ours = checkpoint.model_shapes(model)
+    if ours != saved:
+        diff = next((n for n in ours if saved.get(n) != ours[n]), None) or next(n for n in saved if n not in ours)
+        raise UsageError(f"checkpoint {tag} holds another model shape ({diff}: saved {saved.get(diff)}, "
+                         f"--model {model_ref} has {ours.get(diff)}): resume with the model it was trained from "
+                         "or use a new --output")
 
 
 def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:

@@ -4,19 +4,25 @@ Layout: checkpoints/step-00000100/ is a genuine DeepSpeed tag folder (every rank
 dstool.json sha256 manifest; checkpoints/latest names the newest complete tag, as DeepSpeed's own
 `latest` file does. A tag is written as .partial-step-…, hashed, then renamed, and only then does
 `latest` move: a crash mid-save leaves a partial folder that is never resumed from.
+
+A checkpoint saved on another world size is loaded through DeepSpeed's universal format:
+`universal()` converts it once (ds_to_universal) into checkpoints/universal/step-…, atomically.
 """
 
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import torch.distributed as dist
 
 from dstool.errors import UsageError
-from dstool.manifest import ManifestError, verify_manifest, write_manifest, write_text_atomic
+from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_manifest, write_text_atomic
 
 KIND = "deepspeed-checkpoint"
+UNIVERSAL_KIND = "deepspeed-universal-checkpoint"
 PARTIAL = ".partial-"
 
 
@@ -28,20 +34,29 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int) -> Path:
     """Every rank writes its shard under a partial tag; rank 0 hashes, renames, moves `latest`, prunes."""
     tag = tag_for(step)
     partial = PARTIAL + tag
+    if dist.get_rank() == 0:  # a partial folder left by a killed attempt may hold other ranks' stale shards
+        shutil.rmtree(root / partial, ignore_errors=True)
+    dist.barrier()
     engine.save_checkpoint(str(root), tag=partial, client_state=client_state, save_latest=False)
     dist.barrier()
     final = root / tag
     if dist.get_rank() == 0:
         write_manifest(root / partial, KIND, step=step, world_size=dist.get_world_size(),
-                       zero_stage=engine.zero_optimization_stage())
+                       zero_stage=engine.zero_optimization_stage(), model_shapes=model_shapes(engine.module))
         if final.exists():
             shutil.rmtree(final)
         (root / partial).rename(final)
         write_text_atomic(root / "latest", tag)
         for old in complete_tags(root)[:-keep]:
             shutil.rmtree(root / old, ignore_errors=True)
+            shutil.rmtree(universal_dir(root / old), ignore_errors=True)
     dist.barrier()
     return final
+
+
+def model_shapes(module) -> dict[str, list[int]]:
+    """Every parameter's full shape (ZeRO-3 keeps it in ds_shape), to refuse a checkpoint of another model."""
+    return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
 
 
 def complete_tags(root: Path) -> list[str]:
@@ -76,3 +91,54 @@ def resolve_explicit(path: str) -> Path:
     except ManifestError as e:
         raise UsageError(f"refusing to resume from a damaged checkpoint: {e}") from None
     return p
+
+
+def saved_world_size(tag_dir: Path) -> int:
+    return int((read_manifest(tag_dir) or {}).get("world_size", 0))
+
+
+def universal_dir(tag_dir: Path) -> Path:
+    return tag_dir.parent / "universal" / tag_dir.name
+
+
+def needs_universal(tag_dir: Path, world: int) -> bool:
+    """ZeRO-1/2/3 optimizer shards are split by world size; a different world loads the universal form."""
+    manifest = read_manifest(tag_dir) or {}
+    return manifest.get("zero_stage", 0) > 0 and saved_world_size(tag_dir) != world
+
+
+def universal(tag_dir: Path, echo=print) -> Path:
+    """Convert a verified checkpoint to DeepSpeed's universal format (once; temp folder + rename)."""
+    target = universal_dir(tag_dir)
+    try:
+        verify_manifest(target, UNIVERSAL_KIND)
+        return target
+    except ManifestError:
+        pass
+    tmp = target.with_name(PARTIAL + target.name)
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.parent.mkdir(parents=True, exist_ok=True)
+    echo(f"  converting {tag_dir.name} (saved on {saved_world_size(tag_dir)} ranks) to a universal checkpoint")
+    # --inject_missing_state: plain (non-Megatron) ZeRO-1/2 checkpoints lack the universal info block.
+    proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
+                           "--output_folder", str(tmp), "--inject_missing_state", "--num_extract_workers", "2",
+                           "--num_merge_workers", "1"], capture_output=True, text=True)
+    if proc.returncode != 0:
+        shutil.rmtree(tmp, ignore_errors=True)
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        raise RuntimeError(f"ds_to_universal failed on {tag_dir}: {tail[0]}")
+    source = read_manifest(tag_dir) or {}
+    write_manifest(tmp, UNIVERSAL_KIND, step=source.get("step"), world_size=source.get("world_size"),
+                   zero_stage=source.get("zero_stage"), model_shapes=source.get("model_shapes"))
+    shutil.rmtree(target, ignore_errors=True)
+    tmp.rename(target)
+    return target
+
+
+def load_source(tag_dir: Path, world: int) -> tuple[Path, bool]:
+    """(folder to load, whether it is universal) for resuming `tag_dir` on `world` ranks."""
+    if not needs_universal(tag_dir, world):
+        return tag_dir, False
+    target = universal_dir(tag_dir)
+    verify_manifest(target, UNIVERSAL_KIND)  # written by `train()` before the ranks started
+    return target, True

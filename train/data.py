@@ -154,6 +154,8 @@ class GlobalOrder:
             self._perm, self._epoch = torch.randperm(self.n, generator=g), epoch
         return int(self._perm[i])
 
-    def micro_batch(self, step: int, micro_step: int, rank: int, world: int, micro: int, accum: int) -> list[int]:
-        start = step * micro * accum * world + (micro_step * world + rank) * micro
+    def micro_batch(self, step: int, micro_step: int, rank: int, world: int, micro: int, accum: int,
+                    offset: int = 0) -> list[int]:
+        """`offset` shifts every position: set on resume when the global batch changed with the world size."""
+        start = offset + step * micro * accum * world + (micro_step * world + rank) * micro
         return [self.sample_at(start + k) for k in range(micro)]

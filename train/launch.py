@@ -74,6 +74,9 @@ def plan(cfg: TrainConfig) -> Topology:
         nodes, per_node = cfg.num_nodes, cfg.nproc
         if nodes > 1 and cfg.node_rank is None:
             raise UsageError("several nodes without a hostfile: start each node with --node-rank and --master-addr")
+    if cfg.max_restarts and launcher == "deepspeed":
+        raise UsageError("--max-restarts runs under torchrun's elastic agent: add --launcher torchrun (start each "
+                         "node with --node-rank) or drop --max-restarts")
     port = cfg.master_port or (free_port() if nodes == 1 else 29500)
     return Topology(launcher, nodes, per_node, nodes * per_node, hosts, port)
 
@@ -91,9 +94,15 @@ def command(cfg: TrainConfig, topo: Topology, run_file: Path) -> list[str]:
         else:
             cmd += ["--num_gpus", str(topo.procs_per_node)]
         return cmd + worker
-    return [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={topo.procs_per_node}",
-            f"--nnodes={topo.nodes}", f"--node_rank={cfg.node_rank or 0}", f"--master_addr={cfg.master_addr}",
-            f"--master_port={topo.master_port}", "-m", *worker]
+    cmd = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={topo.procs_per_node}",
+           f"--nnodes={topo.nodes}", f"--max_restarts={cfg.max_restarts}"]
+    if cfg.max_restarts and topo.nodes > 1:  # every node's agent must restart together: c10d rendezvous
+        cmd += ["--rdzv_backend=c10d", f"--rdzv_endpoint={cfg.master_addr}:{topo.master_port}",
+                f"--rdzv_id=dstool-{Path(cfg.output).name}"]
+    else:
+        cmd += [f"--node_rank={cfg.node_rank or 0}", f"--master_addr={cfg.master_addr}",
+                f"--master_port={topo.master_port}"]
+    return cmd + ["-m", *worker]
 
 
 def _single_local_host(hosts: dict[str, int] | None) -> bool:

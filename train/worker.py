@@ -57,6 +57,10 @@ def main(run_file: str) -> None:
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    resume, universal = _resume_source(run, out, world, restarts)
+    if universal:  # saved on another world size: DeepSpeed re-partitions the universal form
+        ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
 
     # --- model --------------------------------------------------------------------------------
     hf_ds_config = HfDeepSpeedConfig(ds_config)  # while alive, ZeRO-3 builds the model already partitioned
@@ -82,12 +86,13 @@ def main(run_file: str) -> None:
     order = data.GlobalOrder(len(train_split), cfg.seed)
 
     # --- resume -------------------------------------------------------------------------------
-    start_step = 0
-    if run["resume"]:
-        tag_dir = Path(run["resume"])
-        _, client = engine.load_checkpoint(str(tag_dir.parent), tag=tag_dir.name)
+    start_step, data_offset = 0, 0
+    if resume:
+        _, client = engine.load_checkpoint(str(resume.parent), tag=resume.name)
         start_step = client["step"]
-        assert client["samples_consumed"] == start_step * micro * accum * world, "data position mismatch"
+        # Zero unless the global batch changed with the world size: the data position is samples consumed.
+        data_offset = client["samples_consumed"] - start_step * micro * accum * world
+    failed_at = _last_heartbeat(out) if restarts and rank == 0 else None
     log = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
     trace = open(out / f"samples.rank{rank}.jsonl", "a", buffering=1) if cfg.trace_samples else None
 
@@ -102,17 +107,17 @@ def main(run_file: str) -> None:
         print(f"dstool: {total_params:,} parameters ({active_params:,} active per token); MFU against a declared "
               f"peak of {peak:g} TFLOP/s per rank", flush=True)
         if start_step:
-            print(f"dstool: resumed at step {start_step} from {run['resume']}", flush=True)
+            print(f"dstool: resumed at step {start_step} from {resume}", flush=True)
 
     progress = _progress(rank, start_step, cfg.max_steps)
     window_t, window_steps = 0.0, 0
     window_loss = torch.zeros((), device=engine.device)  # summed locally, all-reduced once per log window
-    last_saved = start_step if run["resume"] else -1
+    last_saved = start_step if resume else -1
     step = start_step
 
     def save(at: int) -> None:  # the data position is one number: samples consumed globally
-        checkpoint.save(engine, out / "checkpoints", at, {"step": at, "samples_consumed": at * micro * accum * world},
-                        cfg.keep_checkpoints)
+        checkpoint.save(engine, out / "checkpoints", at,
+                        {"step": at, "samples_consumed": data_offset + at * micro * accum * world}, cfg.keep_checkpoints)
 
     def diverged(what: str) -> NonFiniteLoss:
         return NonFiniteLoss(f"{what} at step {step}; the last good checkpoint is kept "
@@ -123,7 +128,7 @@ def main(run_file: str) -> None:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
             for m in range(accum):
-                ids = order.micro_batch(step, m, rank, world, micro, accum)
+                ids = order.micro_batch(step, m, rank, world, micro, accum, data_offset)
                 batch = torch.stack([train_split[i] for i in ids]).to(engine.device)
                 loss = engine(input_ids=batch, labels=batch).loss
                 engine.backward(loss)
@@ -142,6 +147,11 @@ def main(run_file: str) -> None:
                 raise diverged(f"gradient norm became {grad_norm}")
             window_t, window_steps = window_t + time.perf_counter() - t0, window_steps + 1
             progress.update()
+            if rank == 0:
+                _heartbeat(out, step)
+                if failed_at:
+                    _log_recovery(log, failed_at, restarts, start_step, step)
+                    failed_at = None
 
             saving = step % cfg.save_every == 0 or step == cfg.max_steps
             if step % cfg.log_every == 0 or saving:
@@ -193,6 +203,41 @@ def _zero_masks(module) -> dict:
 def _apply_masks(masks: dict) -> None:
     for param, mask in masks.items():
         param.mul_(mask)
+
+
+def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Path | None, bool]:
+    """(checkpoint folder to load, whether universal): the run plan's choice, or after an elastic
+    restart (torchrun --max-restarts) the newest checkpoint that passes its manifest check."""
+    tag = Path(run["resume"]) if run["resume"] else None
+    if restarts:
+        tag = checkpoint.find_resume(out / "checkpoints", warn=lambda m: print(f"dstool: {m}", flush=True)) or tag
+    return checkpoint.load_source(tag, world) if tag else (None, False)
+
+
+def _heartbeat(out: Path, step: int) -> None:
+    """Rank 0's last finished step and its wall time (a restarted run measures its recovery from it)."""
+    tmp = out / ".heartbeat.tmp"
+    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
+    os.replace(tmp, out / "heartbeat.json")
+
+
+def _last_heartbeat(out: Path) -> dict | None:
+    try:
+        return json.loads((out / "heartbeat.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _log_recovery(log: MetricsLog, failed_at: dict, restarts: int, start_step: int, step: int) -> None:
+    """One metrics row per elastic restart: seconds from the last step before the failure to the first after."""
+    now = time.time()
+    row = {"event": "restart", "restart": restarts, "failed_after_step": failed_at["step"],
+           "resumed_from_step": start_step, "steps_lost": failed_at["step"] - start_step,
+           "recovery_s": now - failed_at["time"], "time": now}
+    log.write(step, **row)
+    print(f"dstool: restart {restarts}: failed after step {failed_at['step']}, resumed from step {start_step} "
+          f"({row['steps_lost']} steps redone); first step after resume {row['recovery_s']:.1f} s after the "
+          "last step before the failure", flush=True)
 
 
 def _grad_norm(engine) -> float | None:
