@@ -2,8 +2,11 @@
 cache; every other route (health, metadata, config, statistics, repository, shared memory, ...) relayed to
 Triton unchanged; /metrics for Prometheus.
 
-The server is an asyncio.Protocol on httptools' parser rather than aiohttp (MEASURED-HTTP). A hit whose
-model version was checked recently is answered synchronously in data_received, without creating a task.
+The server is an asyncio.Protocol on httptools' parser rather than aiohttp: with the same HttpFrontend
+behind both, a cache hit (1-token request, 16 KB of logits; wrk, 1 connection) measured p50 59-117 µs here
+against 135-179 µs behind an aiohttp 3.14 web.Application, and 7,700 against 7,400 requests/s with 16
+connections (2 shared cores, loaded; uvloop for both). A hit whose model version was checked recently is
+answered synchronously in data_received, without creating a task.
 """
 
 from __future__ import annotations
