@@ -35,7 +35,7 @@ def _compressed_graph(model_dir: Path) -> Path | None:
 
 def _quantized_like(reference: Path, fp32: Path, out: Path) -> Path:
     """Quantize the decoder graph `fp32` as `dstool compress` quantized the logits graph `reference`: same
-    format (int8 / 4-bit), and the weights compress kept in fp32 (matched by name) stay fp32 here too."""
+    format (int8 / 4-bit), and the weights compress kept in fp32 stay fp32 here too."""
     import onnx
 
     from dstool.compress import quantize
@@ -46,12 +46,24 @@ def _quantized_like(reference: Path, fp32: Path, out: Path) -> Path:
         return quantize.quantize_int4(fp32, out)
     if not ops & {"MatMulInteger", "DynamicQuantizeMatMul"}:
         return fp32  # pruned / sparse only: the fp32 graph is the artefact
-    float_weights = {i.name for i in graph.initializer if i.data_type == onnx.TensorProto.FLOAT}
-    kept = {n.input[1] for n in graph.node if n.op_type == "MatMul" and n.input[1] in float_weights}
-    decoder = onnx.load(str(fp32), load_external_data=False).graph
     choice = quantize.int8_choice_for_this_cpu()
-    choice.excluded_nodes = [n.name for n in decoder.node if n.op_type == "MatMul" and n.input[1:2] and n.input[1] in kept]
+    kept = _matmul_weights(reference, float_only=True)
+    if kept:  # matched by content: the two graphs name their constants differently
+        choice.excluded_nodes = [node for node, digest in _matmul_weights(fp32).items() if digest in set(kept.values())]
     return quantize.quantize_int8(fp32, out, choice)
+
+
+def _matmul_weights(onnx_path: Path, float_only: bool = False) -> dict[str, str]:
+    """MatMul node name -> sha256 of its weight initializer (fp32 weights only with `float_only`)."""
+    import hashlib
+
+    import onnx
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(onnx_path)).graph
+    weights = {i.name: i for i in graph.initializer if not float_only or i.data_type == onnx.TensorProto.FLOAT}
+    return {n.name: hashlib.sha256(numpy_helper.to_array(weights[n.input[1]]).tobytes()).hexdigest()
+            for n in graph.node if n.op_type == "MatMul" and n.input[1:2] and n.input[1] in weights}
 
 
 def export(model_dir: str, repo: str, settings: ModelSettings, echo=print) -> dict[str, Path]:

@@ -270,3 +270,24 @@ def test_bad_generation_requests_are_one_line_errors(server):
     assert proc.returncode == 2 and "dstool serve" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = dstool("infer", "hello", "--ids", "1,2", check=False)
     assert proc.returncode == 2 and "one of the two" in proc.stderr
+
+
+def test_decoder_of_a_compressed_model_is_quantized_like_its_logits_graph(repo, tmp_path):
+    """A `dstool compress` output: the decoder gets the same int8 layout, fp32 exclusions included (the
+    graphs name their constants differently, so weights are matched by content)."""
+    import onnx
+
+    from dstool.compress import quantize
+    from dstool.serve.api import _matmul_weights, _quantized_like
+
+    logits, decoder = repo / "dstool_lm" / "1" / "model.onnx", repo / "dstool_lm_decoder" / "1" / "model.onnx"
+    choice = quantize.int8_choice_for_this_cpu()
+    choice.excluded_nodes = quantize.weight_matmuls(logits)[-1:]  # lm_head kept in fp32, as compress may choose
+    reference = quantize.quantize_int8(logits, tmp_path / "logits.int8.onnx", choice)
+    quantized = _quantized_like(reference, decoder, tmp_path / "decoder.int8.onnx")
+
+    def layout(path):  # (integer matmuls, the fp32 matmul weights by content)
+        g = onnx.load(str(path), load_external_data=False).graph
+        return sum(n.op_type == "MatMulInteger" for n in g.node), sorted(_matmul_weights(path, float_only=True).values())
+
+    assert layout(quantized) == layout(reference) and layout(reference)[0] > 0 and len(layout(reference)[1]) == 1
