@@ -44,11 +44,13 @@ class CompressConfig(BaseModel):
     model: str = Field(description="Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)")
     output: str = Field(description="folder for model/, onnx/ and report.{json,md,png}")
     bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
-    prune: float | None = Field(None, description="structured pruning ratio for both heads and MLP channels")
+    prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
+                                "key/value groups, query heads and MLP channels is chosen by calibration loss")
     prune_heads: float | None = Field(None, description="share of query heads removed per key/value group")
     prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed")
     sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4")
     recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
+    distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
     calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and recovery")
     max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less than this %")
     allow_slower: bool = Field(False, description="accept a quantized model that measures slower than fp32")
@@ -75,15 +77,9 @@ class CompressConfig(BaseModel):
             raise ValueError("nothing to do: give --bits, --prune (or --prune-heads/--prune-mlp) or --sparsity")
         if self.recover_steps and not (self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
             raise ValueError("--recover-steps needs pruning or sparsity to recover from")
+        if self.distill and not self.recover_steps:
+            raise ValueError("--distill needs --recover-steps (it is the recovery fine-tuning's loss)")
         return self
-
-    @property
-    def head_ratio(self) -> float:
-        return self.prune_heads if self.prune_heads is not None else (self.prune or 0.0)
-
-    @property
-    def mlp_ratio(self) -> float:
-        return self.prune_mlp if self.prune_mlp is not None else (self.prune or 0.0)
 
 
 def _check_input(cfg: CompressConfig) -> Path:
@@ -121,14 +117,14 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
         echo(f"[baseline] perplexity {before['perplexity']:.3f}, {before['onnx_bytes'] / 1e6:.2f} MB")
 
         choices: dict[str, str] = {}
-        structural = cfg.head_ratio or cfg.mlp_ratio or cfg.sparsity
-        if structural:
-            model, masks = _structural(model, cfg, calib, choices, echo)
+        pruning, torchao_figures = {}, {}
+        if cfg.prune or cfg.prune_heads or cfg.prune_mlp or cfg.sparsity:
+            model, masks, pruning = _structural(model, cfg, calib, choices, echo)
             model.save_pretrained(stage / "model", safe_serialization=True)
             tokenizer.save_pretrained(stage / "model")
             _gate_reload(model, stage / "model")
             if cfg.recover_steps:  # --- recover
-                model = _recover(stage / "model", cfg, work, masks, choices, echo)
+                model = _recover(stage / "model", src, cfg, work, masks, choices, echo)
         else:
             shutil.copytree(src, stage / "model", ignore=shutil.ignore_patterns("dstool.json"))
 
@@ -138,19 +134,24 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
         deploy = fp32.path
         if cfg.bits == 8 and cfg.engine == "onnxruntime":  # --- quantize
             choice, _, trials = quantize.choose_int8_exclusions(
-                fp32.path, work, heldout, before["perplexity"], cfg.max_ppl_increase / 100, layers, echo)
+                fp32.path, work, calib, measure.perplexity_onnx(fp32.path, calib), cfg.max_ppl_increase / 100,
+                layers, echo)
             deploy = quantize.quantize_int8(fp32.path, stage / "onnx" / "model.int8.onnx", choice)
-            choices["int8 format"] = (f"dynamic, MatMul weights {choice.weight_type} per-channel={choice.per_channel} "
-                                      f"reduce_range={choice.reduce_range}, activations {choice.activation_type}")
+            choices["int8 format"] = (f"dynamic (QOperator, MatMulInteger), MatMul weights {choice.weight_type} "
+                                      f"symmetric per-channel={choice.per_channel} reduce_range={choice.reduce_range}, "
+                                      f"activations {choice.activation_type} asymmetric per-tensor, embedding int8")
             choices["int8 reasoning"] = choice.reason
-            choices["int8 trials (perplexity)"] = "; ".join(
-                f"{'+'.join(t['excluded']) or 'all int8'}: {t['perplexity']:.3f}" for t in trials)
+            choices["int8 trials (calibration perplexity)"] = "; ".join(
+                f"{'+'.join(t['excluded']) or 'all int8'}"
+                f"{' (+activation MatMuls)' if t.get('activation_matmuls') else ''}: {t['perplexity']:.3f}"
+                for t in trials)
         elif cfg.bits == 4:
             deploy = quantize.quantize_int4(fp32.path, stage / "onnx" / "model.int4.onnx")
             choices["4-bit format"] = ("weight-only: MatMul -> MatMulNBits and embedding Gather -> GatherBlockQuantized, "
                                        "block 32, symmetric, fp32 compute")
         elif cfg.bits == 8 and cfg.engine == "torchao":
-            choices.update(_torchao_int8(model, heldout, stage / "torchao", echo))
+            torchao_figures = _torchao_int8(stage / "model", model, heldout, stage / "torchao", echo)
+            choices["torchao int8"] = torchao_figures["summary"]
         if cfg.bits and cfg.engine == "onnxruntime":
             _gate_integer_ops(deploy)
             for f in (fp32.path, Path(str(fp32.path) + ".data")):  # the quantized file is the artefact
@@ -161,7 +162,7 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
         for batch in (1, 8):
             before[f"latency_ms_batch{batch}"], after[f"latency_ms_batch{batch}"] = measure.latency_ms(
                 [base.path, deploy], vocab, batch, repeats=cfg.latency_repeats)
-        rep = _report(cfg, before, after, choices, deploy, stage)
+        rep = _report(cfg, before, after, choices, deploy, stage, pruning, torchao_figures)
         report.write(rep, stage)
         speed_gate(cfg, before, after)
         write_manifest(stage, KIND, hash_files=True, source=str(src), settings=rep["settings"])
@@ -191,16 +192,31 @@ def _measure(onnx_path: Path, model, heldout) -> dict:
 
 
 def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
+    """Prune and/or sparsify `model` in place; returns it, the N:M masks (or None) and the pruning details."""
     from dstool.compress import prune
 
-    masks = None
-    if cfg.head_ratio or cfg.mlp_ratio:
-        batch = torch.from_numpy(measure.windows(calib, 128, 16))
-        result = prune.prune_structured(model, cfg.head_ratio, cfg.mlp_ratio, calibration=batch)
-        choices["pruning"] = (f"query heads per layer {result.heads_before} -> {result.heads_after} "
-                              f"({result.kv_heads} key/value heads kept), MLP channels {result.intermediate_before} -> "
-                              f"{result.intermediate_after}; ranked by activations on 16 x 128 calibration tokens")
+    masks, details = None, {}
+    if cfg.prune or cfg.prune_heads or cfg.prune_mlp:
+        rows = torch.from_numpy(measure.windows(calib, 128, 24))
+        ranking, selection = rows[:16], rows[16:]
+        if cfg.prune:
+            result = prune.prune_to_ratio(model, cfg.prune, calibration=ranking, selection=selection)
+            how = (f"layout chosen by cross-entropy on {len(selection)} x 128 other calibration tokens among "
+                   f"{len(result.candidates)}: " + ", ".join(
+                       f"{c['kv_groups']}x{c['heads_per_group']} heads/{c['channels']} ch {c['calibration_loss']:.3f}"
+                       for c in result.candidates))
+        else:
+            result = prune.prune_structured(model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0, calibration=ranking)
+            how = "ratios as given"
+        choices["pruning"] = (f"{result.decoder_fraction_removed:.1%} of decoder-layer parameters removed "
+                              f"({1 - result.params_after / result.params_before:.1%} of all): per layer key/value "
+                              f"groups {result.kv_heads_before} -> {result.kv_heads_after}, query heads "
+                              f"{result.heads_before} -> {result.heads_after}, MLP channels {result.intermediate_before}"
+                              f" -> {result.intermediate_after}; ranked by activations on {len(ranking)} x 128 "
+                              f"calibration tokens; {how}")
         echo(f"[prune] {choices['pruning']}")
+        details = {"decoder_fraction_removed": result.decoder_fraction_removed,
+                   "removed_per_layer": result.removed, "candidates": result.candidates}
     if cfg.sparsity:
         n, m = map(int, cfg.sparsity.split(":"))
         masks = prune.apply_n_m_sparsity(model, n, m)
@@ -209,7 +225,7 @@ def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
         choices["sparsity"] = (f"{cfg.sparsity} magnitude masks on {len(masks)} decoder Linear weights (verified); "
                                f"sparse kernels: {'used (to_sparse_semi_structured)' if sparse_kernels else 'not used — no GPU semi-structured kernels here, so latency is dense'}")
         echo(f"[sparsity] {choices['sparsity']}")
-    return model, masks
+    return model, masks, details
 
 
 def _semi_structured_available() -> bool:
@@ -227,20 +243,29 @@ def _gate_reload(model, folder: Path) -> None:
         raise RuntimeError(f"saved compressed model reloads differently (max |logit diff| {diff:.3g})")
 
 
-def _recover(folder: Path, cfg: CompressConfig, work: Path, masks, choices: dict, echo):
+def _recover(folder: Path, original: Path, cfg: CompressConfig, work: Path, masks, choices: dict, echo):
+    """Fine-tune the saved compressed model with the `dstool train` engine (optionally distilling from
+    `original`'s logits); the result replaces the folder's weights."""
     from transformers import AutoModelForCausalLM
 
     from dstool.config import TrainConfig
     from dstool.train import train
+    from dstool.train.metrics import read_metrics
 
-    echo(f"[recover] fine-tuning {cfg.recover_steps} steps with the dstool training engine")
+    echo(f"[recover] fine-tuning {cfg.recover_steps} steps with the dstool training engine"
+         + (", distilling from the original model's logits" if cfg.distill else ""))
     run = work / "recover"
     result = train(TrainConfig(model=str(folder), data=cfg.calibration, output=str(run), nproc=1, zero=0,
                                max_steps=cfg.recover_steps, save_every=cfg.recover_steps, lr=2e-4,
                                keep_zero_weights=masks is not None, tensorboard=False,
+                               distill_from=str(original) if cfg.distill else None,
                                log_every=max(1, cfg.recover_steps // 5)), echo=lambda *_: None)
     choices["recovery"] = (f"{cfg.recover_steps} steps, lr 2e-4, ZeRO-0, final train loss {result.train_loss:.4f}"
                            + ("; N:M masks held fixed" if masks is not None else ""))
+    if cfg.distill:
+        kl = [r["distill_kl"] for r in read_metrics(run) if "distill_kl" in r]
+        choices["recovery"] += (f"; distilled from the original model (loss = cross-entropy + KL to its logits), "
+                                f"KL {kl[0]:.4f} -> {kl[-1]:.4f}")
     for f in result.model_dir.iterdir():
         if f.name != "dstool.json":
             shutil.copy2(f, folder / f.name)
@@ -255,21 +280,42 @@ def _gate_integer_ops(path: Path) -> None:
     measure.ort_session(path)  # loads in ONNX Runtime
 
 
-def _torchao_int8(model, heldout, folder: Path, echo) -> dict:
-    """PyTorch-side int8: torchao's dynamic int8 activations x int8 weights on every Linear."""
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig, quantize_
+def _torchao_int8(model_dir: Path, model, heldout, folder: Path, echo) -> dict:
+    """PyTorch-side int8: transformers' TorchAoConfig with torchao's Int8DynamicActivationInt8WeightConfig
+    (decoder Linear layers; embeddings and lm_head stay fp32, transformers' default), saved as a Hugging Face
+    folder that `AutoModelForCausalLM.from_pretrained(folder)` reloads quantized. Gate: the reloaded model holds
+    int8 weights and gives the quantized model's logits."""
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
 
-    ppl_fp32 = measure.perplexity_torch(model, heldout)
-    quantized = copy.deepcopy(model)
-    quantize_(quantized, Int8DynamicActivationInt8WeightConfig())
-    ppl_int8 = measure.perplexity_torch(quantized, heldout)
-    folder.mkdir(parents=True, exist_ok=True)
-    torch.save(quantized.state_dict(), folder / "model_int8_torchao.pt")
-    echo(f"[torchao] int8 perplexity {ppl_int8:.3f} (PyTorch fp32 {ppl_fp32:.3f})")
-    return {"torchao int8": f"Int8DynamicActivationInt8WeightConfig; PyTorch perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f}"}
+    quantized = AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32,
+        quantization_config=TorchAoConfig(Int8DynamicActivationInt8WeightConfig())).eval()
+    quantized.save_pretrained(folder, safe_serialization=True)
+    AutoTokenizer.from_pretrained(model_dir).save_pretrained(folder)
+    reloaded = AutoModelForCausalLM.from_pretrained(folder).eval()
+    int8 = [name for name, p in reloaded.named_parameters() if "Int8" in type(p).__name__]
+    ids = torch.randint(0, model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        diff = (reloaded(input_ids=ids).logits - quantized(input_ids=ids).logits).abs().max().item()
+    if not int8 or diff > 1e-4:
+        raise RuntimeError(f"torchao folder reloads wrongly ({len(int8)} int8 weights, max |logit diff| {diff:.3g})")
+    ppl_fp32, ppl_int8 = measure.perplexity_torch(model, heldout), measure.perplexity_torch(reloaded, heldout)
+    fp32_ms, int8_ms = measure.latency_torch_ms([model, reloaded], model.config.vocab_size, batch=8)
+    figures = {"folder": folder.name, "int8_weights": len(int8), "bytes": measure.safetensors_bytes(folder),
+               "fp32_bytes": measure.safetensors_bytes(model_dir), "perplexity_fp32": ppl_fp32,
+               "perplexity_int8": ppl_int8, "latency_ms_batch8_fp32": fp32_ms, "latency_ms_batch8_int8": int8_ms}
+    figures["summary"] = (f"Int8DynamicActivationInt8WeightConfig via TorchAoConfig on {len(int8)} Linear weights "
+                          f"(embeddings, lm_head fp32) in {folder.name}/ (AutoModelForCausalLM.from_pretrained reloads "
+                          f"it quantized; needs torchao); weights {figures['bytes'] / figures['fp32_bytes']:.3f}x; "
+                          f"PyTorch perplexity {ppl_fp32:.3f} -> {ppl_int8:.3f}; PyTorch CPU batch 8 x 128: "
+                          f"{fp32_ms:.1f} -> {int8_ms:.1f} ms")
+    echo(f"[torchao] {figures['summary']}")
+    return figures
 
 
-def _report(cfg: CompressConfig, before: dict, after: dict, choices: dict, deploy: Path, stage: Path) -> dict:
+def _report(cfg: CompressConfig, before: dict, after: dict, choices: dict, deploy: Path, stage: Path,
+            pruning: dict, torchao_figures: dict) -> dict:
     return {
         "model": cfg.model,
         "settings": cfg.model_dump(exclude={"model", "output", "latency_repeats"}),
@@ -281,5 +327,7 @@ def _report(cfg: CompressConfig, before: dict, after: dict, choices: dict, deplo
         "latency_seq_len": 128,
         "onnx": str(deploy.relative_to(stage)),
         "choices": choices,
+        **({"pruning": pruning} if pruning else {}),
+        **({"torchao": torchao_figures} if torchao_figures else {}),
         "machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, onnxruntime CPU provider",
     }

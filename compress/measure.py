@@ -84,6 +84,26 @@ def latency_ms(onnx_paths: list[Path], vocab: int, batch: int, seq_len: int = 12
     return [1000 * statistics.median(t) for t in times]
 
 
+@torch.no_grad()
+def latency_torch_ms(models: list, vocab: int, batch: int, seq_len: int = 128, repeats: int = 5) -> list[float]:
+    """As latency_ms, for PyTorch models (eval mode, CPU): median of `repeats` forwards, in alternation."""
+    ids = torch.from_numpy(np.random.default_rng(0).integers(0, vocab, (batch, seq_len)))
+    for m in models:
+        m(input_ids=ids)
+    times: list[list[float]] = [[] for _ in models]
+    for _ in range(repeats):
+        for m, t in zip(models, times):
+            t0 = time.perf_counter()
+            m(input_ids=ids)
+            t.append(time.perf_counter() - t0)
+    return [1000 * statistics.median(t) for t in times]
+
+
+def safetensors_bytes(folder: Path) -> int:
+    """Bytes of a Hugging Face folder's weight files."""
+    return sum(f.stat().st_size for f in Path(folder).glob("*.safetensors"))
+
+
 def onnx_bytes(onnx_path: Path) -> int:
     """The model file plus its external-data sidecar, if any."""
     sidecar = Path(str(onnx_path) + ".data")

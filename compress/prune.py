@@ -1,14 +1,22 @@
-"""Structured pruning (attention query heads, MLP channels) and N:M sparsity for Llama-style causal LMs.
+"""Structured pruning (key/value groups, query heads, MLP channels) and N:M sparsity for Llama-style causal LMs.
 
-`prune_structured` physically shrinks the projections and rewrites the config, so the pruned model
-saves and reloads with `AutoModelForCausalLM.from_pretrained` as an ordinary, smaller Llama.
+`prune_structured` (explicit ratios) and `prune_to_ratio` (a share of the decoder's parameters, split by
+measurement) physically shrink the projections and rewrite the config, so the pruned model saves and
+reloads with `AutoModelForCausalLM.from_pretrained` as an ordinary, smaller Llama.
 `apply_n_m_sparsity` zeroes weights in place (2:4 by default) and returns the masks that
 `reapply_masks` re-imposes after each optimizer step of recovery fine-tuning.
+
+Own code rather than torch-pruning: the result must be the same layout in every layer, expressible as a
+transformers config (num_attention_heads, num_key_value_heads, intermediate_size) with query heads kept in
+their key/value group; here that is an index_select on seven Linear layers per decoder layer, while
+torch-pruning's dependency graph prunes per module and leaves the config and GQA grouping to the caller.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import copy
+import math
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -19,64 +27,188 @@ MLP = ("gate_proj", "up_proj", "down_proj")
 
 @dataclass
 class PruneResult:
-    """Per-layer counts before and after pruning, and whole-model parameter counts."""
+    """Per-layer counts before and after pruning, parameter counts, and what was removed.
+
+    `removed[i]` holds layer i's removed key/value groups, query heads and MLP channels as indices into the
+    unpruned model; `candidates` (prune_to_ratio only) every layout tried with its calibration loss.
+    """
 
     heads_before: int
     heads_after: int
-    kv_heads: int
+    kv_heads_before: int
+    kv_heads_after: int
     intermediate_before: int
     intermediate_after: int
     params_before: int
     params_after: int
+    decoder_params_before: int
+    decoder_params_after: int
+    removed: list[dict[str, list[int]]] = field(default_factory=list, repr=False)
+    candidates: list[dict] = field(default_factory=list, repr=False)
+
+    @property
+    def decoder_fraction_removed(self) -> float:
+        return 1 - self.decoder_params_after / self.decoder_params_before
 
 
-def prune_structured(model, heads_ratio: float, mlp_ratio: float,
-                     calibration: torch.Tensor | None = None) -> PruneResult:
-    """Remove the least important query heads (the same number in every key/value group) and MLP channels.
+@dataclass(frozen=True)
+class Layout:
+    """What every decoder layer keeps: key/value groups, query heads per group, MLP channels."""
 
-    Importance is measured on `calibration` token ids [batch, seq] when given, otherwise from weight norms.
-    A ratio of 0 leaves that part as it is; ratios must lie in [0, 1).
+    kv_groups: int
+    heads_per_group: int
+    channels: int
+
+
+def prune_structured(model, heads_ratio: float, mlp_ratio: float, calibration: torch.Tensor | None = None,
+                     kv_ratio: float = 0.0) -> PruneResult:
+    """Remove the least important key/value groups (each with its query heads), query heads (the same number
+    in every kept group) and MLP channels.
+
+    `kv_ratio` is the share of key/value groups removed, `heads_ratio` the share of query heads removed inside
+    each kept group, `mlp_ratio` the share of MLP intermediate channels removed; 0 leaves that part as it is,
+    ratios must lie in [0, 1). Importance is measured on `calibration` token ids [batch, seq] when given,
+    otherwise from weight norms.
     """
-    for name, ratio in (("heads_ratio", heads_ratio), ("mlp_ratio", mlp_ratio)):
+    for name, ratio in (("heads_ratio", heads_ratio), ("mlp_ratio", mlp_ratio), ("kv_ratio", kv_ratio)):
         if not 0.0 <= ratio < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {ratio}")
+    _decoder_layers(model)  # raises for a model that is not Llama-style
+    config = model.config
+    kv_heads, group, intermediate = config.num_key_value_heads, _group_size(model), config.intermediate_size
+    layout = Layout(kv_groups=kv_heads if kv_ratio == 0 else max(1, kv_heads - round(kv_ratio * kv_heads)),
+                    heads_per_group=group if heads_ratio == 0 else max(1, group - round(heads_ratio * group)),
+                    channels=intermediate if mlp_ratio == 0 else _round_channels(round((1 - mlp_ratio) * intermediate)))
+    return _apply_layout(model, layout, importance_scores(model, calibration))
+
+
+def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
+                   selection: torch.Tensor | None = None) -> PruneResult:
+    """Remove at least `ratio` of the decoder layers' parameters, choosing the split by measurement.
+
+    Every attention layout (key/value groups kept x query heads kept per group) is paired with the MLP width
+    that brings the removed share to `ratio` (channels rounded down to a multiple of 8, so slightly more may
+    go); each candidate is pruned on a copy and its loss measured on `selection` token ids (default:
+    `calibration`); the lowest-loss layout is applied to `model`.
+    """
+    if not 0.0 < ratio < 1.0:
+        raise ValueError(f"ratio must be in (0, 1), got {ratio}")
     layers = _decoder_layers(model)
     config = model.config
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    head_dim, intermediate = layers[0].self_attn.head_dim, config.intermediate_size
-    group = heads // kv_heads
-    keep_per_group = group if heads_ratio == 0 else max(1, group - round(heads_ratio * group))
-    keep_channels = intermediate if mlp_ratio == 0 else _round_channels(round((1 - mlp_ratio) * intermediate))
-    params_before = sum(p.numel() for p in model.parameters())
+    kv_heads, group, intermediate = config.num_key_value_heads, _group_size(model), config.intermediate_size
+    per_head, per_group, per_channel = _unit_sizes(layers[0], config.num_attention_heads, kv_heads, intermediate)
+    target = ratio * sum(p.numel() for p in layers[0].parameters())
+    scores = importance_scores(model, calibration)
+    probe = selection if selection is not None else calibration
+    candidates = []
+    for kv_groups in range(kv_heads, 0, -1):
+        for heads_per_group in range(group, 0, -1):
+            attention = (kv_heads * group - kv_groups * heads_per_group) * per_head + (kv_heads - kv_groups) * per_group
+            channels = _round_channels(intermediate - max(0, math.ceil((target - attention) / per_channel)))
+            if attention > target * 1.05 or not 0 < channels <= intermediate:
+                continue
+            layout = Layout(kv_groups, heads_per_group, channels)
+            loss = None
+            if probe is not None:
+                trial = copy.deepcopy(model)
+                _apply_layout(trial, layout, scores)
+                loss = _calibration_loss(trial, probe)
+            candidates.append({"kv_groups": kv_groups, "heads_per_group": heads_per_group, "channels": channels,
+                               "calibration_loss": loss})
+    if not candidates:
+        raise ValueError(f"no layout removes {ratio:.0%} of the decoder parameters (too few MLP channels)")
+    best = min(candidates, key=lambda c: (c["calibration_loss"] or 0.0, -c["kv_groups"] * c["heads_per_group"]))
+    result = _apply_layout(model, Layout(best["kv_groups"], best["heads_per_group"], best["channels"]), scores)
+    result.candidates = candidates
+    return result
 
+
+def importance_scores(model, calibration: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per decoder layer (query-head scores, MLP-channel scores): activations on `calibration` token ids when
+    given, weight norms otherwise."""
+    layers = _decoder_layers(model)
+    heads = model.config.num_attention_heads
     if calibration is None:
-        scores = [(_head_weight_scores(layer.self_attn, heads), _channel_weight_scores(layer.mlp))
-                  for layer in layers]
-    else:
-        scores = _activation_scores(model, layers, calibration, heads)
+        return [(_head_weight_scores(layer.self_attn, heads), _channel_weight_scores(layer.mlp)) for layer in layers]
+    return _activation_scores(model, layers, calibration, heads)
 
+
+def _apply_layout(model, layout: Layout, scores) -> PruneResult:
+    """Shrink every decoder layer to `layout`, keeping the highest-scoring groups, heads and channels."""
+    layers = _decoder_layers(model)
+    config = model.config
+    heads, kv_heads, intermediate = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
+    group, head_dim = heads // kv_heads, layers[0].self_attn.head_dim
+    params_before = sum(p.numel() for p in model.parameters())
+    decoder_before = sum(p.numel() for p in layers.parameters())
+    removed = []
     for layer, (head_scores, channel_scores) in zip(layers, scores):
         attn, mlp = layer.self_attn, layer.mlp
-        if keep_per_group < group:
-            kept = head_scores.view(kv_heads, group).topk(keep_per_group, dim=1).indices.sort(dim=1).values
-            kept_heads = (kept + group * torch.arange(kv_heads, device=kept.device)[:, None]).flatten()
-            rows = (kept_heads[:, None] * head_dim + torch.arange(head_dim, device=kept.device)).flatten()
-            attn.q_proj = _shrink(attn.q_proj, rows, dim=0)
-            attn.o_proj = _shrink(attn.o_proj, rows, dim=1)
-            attn.num_key_value_groups = keep_per_group
-        if keep_channels < intermediate:
-            channels = channel_scores.topk(keep_channels).indices.sort().values
+        by_group = head_scores.view(kv_heads, group)
+        groups = by_group.sum(dim=1).topk(layout.kv_groups).indices.sort().values
+        in_group = by_group[groups].topk(layout.heads_per_group, dim=1).indices.sort(dim=1).values
+        kept_heads = (in_group + group * groups[:, None]).flatten()
+        if len(kept_heads) < heads:
+            attn.q_proj = _shrink(attn.q_proj, _rows(kept_heads, head_dim), dim=0)
+            attn.o_proj = _shrink(attn.o_proj, _rows(kept_heads, head_dim), dim=1)
+            attn.num_key_value_groups = layout.heads_per_group
+        if len(groups) < kv_heads:
+            attn.k_proj = _shrink(attn.k_proj, _rows(groups, head_dim), dim=0)
+            attn.v_proj = _shrink(attn.v_proj, _rows(groups, head_dim), dim=0)
+        channels = channel_scores.topk(layout.channels).indices.sort().values
+        if layout.channels < intermediate:
             mlp.gate_proj = _shrink(mlp.gate_proj, channels, dim=0)
             mlp.up_proj = _shrink(mlp.up_proj, channels, dim=0)
             mlp.down_proj = _shrink(mlp.down_proj, channels, dim=1)
-            mlp.intermediate_size = keep_channels
+            mlp.intermediate_size = layout.channels
+        removed.append({"kv_groups": _complement(groups, kv_heads), "query_heads": _complement(kept_heads, heads),
+                        "mlp_channels": _complement(channels, intermediate)})
 
     config.head_dim = head_dim  # pinned first: a derived head_dim would change with num_attention_heads
-    config.num_attention_heads = keep_per_group * kv_heads
-    config.intermediate_size = keep_channels
-    return PruneResult(heads_before=heads, heads_after=keep_per_group * kv_heads, kv_heads=kv_heads,
-                       intermediate_before=intermediate, intermediate_after=keep_channels,
-                       params_before=params_before, params_after=sum(p.numel() for p in model.parameters()))
+    config.num_attention_heads = layout.kv_groups * layout.heads_per_group
+    config.num_key_value_heads = layout.kv_groups
+    config.intermediate_size = layout.channels
+    return PruneResult(heads_before=heads, heads_after=config.num_attention_heads, kv_heads_before=kv_heads,
+                         kv_heads_after=layout.kv_groups, intermediate_before=intermediate,
+                         intermediate_after=layout.channels, params_before=params_before,
+                         params_after=sum(p.numel() for p in model.parameters()), decoder_params_before=decoder_before,
+                         decoder_params_after=sum(p.numel() for p in layers.parameters()), removed=removed)
+
+
+def _group_size(model) -> int:
+    config = model.config
+    return config.num_attention_heads // config.num_key_value_heads
+
+
+def _rows(heads: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """Row indices of a projection's output that belong to `heads`."""
+    return (heads[:, None] * head_dim + torch.arange(head_dim, device=heads.device)).flatten()
+
+
+def _complement(kept: torch.Tensor, total: int) -> list[int]:
+    return sorted(set(range(total)) - set(kept.tolist()))
+
+
+def _unit_sizes(layer: nn.Module, heads: int, kv_heads: int, intermediate: int) -> tuple[float, float, float]:
+    """Parameters one query head, one key/value head and one MLP channel hold in a decoder layer."""
+    def size(linear: nn.Linear, with_bias: bool = True) -> int:
+        return linear.weight.numel() + (linear.bias.numel() if with_bias and linear.bias is not None else 0)
+
+    attn, mlp = layer.self_attn, layer.mlp
+    return ((size(attn.q_proj) + size(attn.o_proj, with_bias=False)) / heads,
+            (size(attn.k_proj) + size(attn.v_proj)) / kv_heads,
+            (size(mlp.gate_proj) + size(mlp.up_proj) + size(mlp.down_proj, with_bias=False)) / intermediate)
+
+
+@torch.no_grad()
+def _calibration_loss(model, ids: torch.Tensor) -> float:
+    """Mean next-token cross-entropy on token ids [batch, seq] (eval mode, mode restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        return float(model(input_ids=ids, labels=ids).loss)
+    finally:
+        model.train(was_training)
 
 
 def apply_n_m_sparsity(model, n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:

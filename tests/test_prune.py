@@ -9,7 +9,8 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dstool.compress.prune import PruneResult, apply_n_m_sparsity, check_n_m, prune_structured, reapply_masks
+from dstool.compress.prune import (PruneResult, apply_n_m_sparsity, check_n_m, prune_structured, prune_to_ratio,
+                                   reapply_masks)
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 96, 128, 6, 2, 16, 2
 
@@ -37,9 +38,15 @@ def test_prune_heads_and_mlp_shapes_config_and_reload(tmp_path):
     result = prune_structured(model, heads_ratio=1 / 3, mlp_ratio=0.5)
 
     removed = LAYERS * (2 * 2 * HEAD_DIM * HIDDEN + 3 * 64 * HIDDEN)  # per layer: 2 q/o heads, 64 MLP channels
-    assert result == PruneResult(heads_before=6, heads_after=4, kv_heads=2, intermediate_before=128,
-                                 intermediate_after=64, params_before=result.params_before,
-                                 params_after=result.params_before - removed)
+    assert result == PruneResult(heads_before=6, heads_after=4, kv_heads_before=2, kv_heads_after=2,
+                                 intermediate_before=128, intermediate_after=64, params_before=result.params_before,
+                                 params_after=result.params_before - removed,
+                                 decoder_params_before=result.decoder_params_before,
+                                 decoder_params_after=result.decoder_params_before - removed, removed=result.removed)
+    for layer_removed in result.removed:
+        assert layer_removed["kv_groups"] == [] and len(layer_removed["mlp_channels"]) == 64
+        heads = layer_removed["query_heads"]
+        assert len(heads) == 2 and sorted(h // 3 for h in heads) == [0, 1]  # one query head from each group
     assert result.params_after == sum(p.numel() for p in model.parameters())
     c = model.config
     assert (c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.intermediate_size) == (4, 2, 16, 64)
@@ -103,6 +110,65 @@ def test_kept_query_heads_stay_with_their_kv_group(calibrated, attention):
         assert torch.equal(attn.k_proj.weight, old["k_proj"]) and torch.equal(attn.v_proj.weight, old["v_proj"])
     ids = token_batch(seed=2)
     torch.testing.assert_close(logits(model, ids), logits(silenced, ids), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
+def test_removing_a_key_value_group_takes_its_query_heads(attention, tmp_path):
+    """Group 0 (query heads 0-2, kv head 0) is made negligible: pruning half the groups must remove exactly it,
+    and the pruned model must equal the original with those heads silenced (kv head 1 still serves 3-5)."""
+    model = tiny_llama(attention=attention)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.view(HIDDEN, HEADS, HEAD_DIM)[:, :3] *= 1e-3
+    silenced = copy.deepcopy(model)
+    with torch.no_grad():
+        for layer in silenced.model.layers:
+            layer.self_attn.o_proj.weight.view(HIDDEN, HEADS, HEAD_DIM)[:, :3] = 0
+    k_before = [layer.self_attn.k_proj.weight.clone() for layer in model.model.layers]
+
+    result = prune_structured(model, heads_ratio=0.0, mlp_ratio=0.0, calibration=token_batch(), kv_ratio=0.5)
+
+    assert (result.kv_heads_after, result.heads_after) == (1, 3)
+    assert all(r == {"kv_groups": [0], "query_heads": [0, 1, 2], "mlp_channels": []} for r in result.removed)
+    for layer, k in zip(model.model.layers, k_before):
+        assert torch.equal(layer.self_attn.k_proj.weight, k[HEAD_DIM:])  # the kept group's key head
+    ids = token_batch(seed=2)
+    torch.testing.assert_close(logits(model, ids), logits(silenced, ids), rtol=1e-5, atol=1e-5)
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert (loaded.config.num_attention_heads, loaded.config.num_key_value_heads) == (3, 1)
+    torch.testing.assert_close(logits(loaded, ids), logits(model, ids), rtol=1e-5, atol=1e-5)  # reloads as sdpa
+    assert model.generate(ids[:, :4], max_new_tokens=3, do_sample=False).shape == (2, 7)  # KV cache of 1 head
+
+
+def test_prune_to_ratio_removes_that_share_with_the_best_measured_layout(tmp_path):
+    model = tiny_llama()
+    ranking, selection = token_batch(seed=3), token_batch(seed=4)
+
+    result = prune_to_ratio(model, 0.4, calibration=ranking, selection=selection)
+
+    decoder = sum(p.numel() for p in model.model.layers.parameters())
+    assert decoder == result.decoder_params_after and 0.4 <= result.decoder_fraction_removed < 0.45
+    layouts = {(c["kv_groups"], c["heads_per_group"]) for c in result.candidates}
+    assert layouts == {(2, 3), (2, 2), (2, 1), (1, 3), (1, 2), (1, 1)}  # every GQA layout was measured
+    best = min(result.candidates, key=lambda c: c["calibration_loss"])
+    assert (result.kv_heads_after, result.heads_after // result.kv_heads_after, result.intermediate_after) == (
+        best["kv_groups"], best["heads_per_group"], best["channels"])
+    for candidate in result.candidates:  # each layout's MLP width brings its removed share to >= 40 %
+        trial = tiny_llama()
+        prune_structured(trial, 1 - candidate["heads_per_group"] / 3, 1 - candidate["channels"] / INTERMEDIATE,
+                         kv_ratio=1 - candidate["kv_groups"] / 2)
+        kept = sum(p.numel() for p in trial.model.layers.parameters())
+        assert 0.4 <= 1 - kept / result.decoder_params_before < 0.45
+    for layer_removed in result.removed:
+        assert len(layer_removed["query_heads"]) == HEADS - result.heads_after
+        assert len(layer_removed["kv_groups"]) == KV_HEADS - result.kv_heads_after
+        assert len(layer_removed["mlp_channels"]) == INTERMEDIATE - result.intermediate_after
+    model.save_pretrained(tmp_path)
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert torch.equal(logits(loaded, selection), logits(model, selection))
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\)"):
+        prune_to_ratio(tiny_llama(), 1.0)
 
 
 def test_calibration_keeps_a_dominant_mlp_channel():
