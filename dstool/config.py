@@ -65,6 +65,8 @@ class TrainConfig(BaseModel):
     trace_samples: bool = Field(False, description="write each rank's sample ids per step (data audit)")
     deepspeed_config: str | None = Field(None, description="DeepSpeed JSON merged over the generated config")
     keep_zero_weights: bool = Field(False, description="hold weights that start at exactly zero at zero (N:M sparsity)")
+    distill_from: str | None = Field(None, description="teacher model folder: loss = cross-entropy + KL(teacher || "
+                                     "student) on the logits (knowledge distillation)")
 
     @model_validator(mode="after")
     def _consistent(self) -> "TrainConfig":

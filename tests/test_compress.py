@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import onnx
@@ -50,20 +51,42 @@ def test_int4_cli(trained, tmp_path):
     assert rep["compression_ratio"] < 0.25 and abs(rep["perplexity_change_pct"]) < 5
 
 
-def test_structured_pruning_with_recovery(trained, tmp_path):
+def _decoder_params(model) -> int:
+    return sum(p.numel() for p in model.model.layers.parameters())
+
+
+def test_structured_pruning_with_distilled_recovery(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "pruned"
-    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--output", str(out))
+    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--distill", "--output", str(out))
     original = AutoModelForCausalLM.from_pretrained(trained)
     pruned = AutoModelForCausalLM.from_pretrained(out / "model")
     cfg = pruned.config
-    assert cfg.num_attention_heads == 4 and cfg.num_key_value_heads == 2  # 1 of 3 query heads per KV group
-    assert cfg.intermediate_size < original.config.intermediate_size
-    assert pruned.num_parameters() < 0.85 * original.num_parameters()
+    assert cfg.num_attention_heads % cfg.num_key_value_heads == 0  # GQA: whole groups of query heads
+    assert 0.40 <= 1 - _decoder_params(pruned) / _decoder_params(original) < 0.45
     rep = _report(out)
-    assert rep["after"]["parameters"] == pruned.num_parameters() and "recovery" in rep["choices"]
+    assert rep["after"]["parameters"] == pruned.num_parameters() < rep["before"]["parameters"]
     assert rep["after"]["onnx_bytes"] < rep["before"]["onnx_bytes"]
+    for removed in rep["pruning"]["removed_per_layer"]:  # what was removed, as indices of the original model
+        assert len(removed["kv_groups"]) == 2 - cfg.num_key_value_heads
+        assert len(removed["query_heads"]) == 6 - cfg.num_attention_heads
+        assert len(removed["mlp_channels"]) == 512 - cfg.intermediate_size
+    chosen = min(rep["pruning"]["candidates"], key=lambda c: c["calibration_loss"])
+    assert (chosen["kv_groups"], chosen["channels"]) == (cfg.num_key_value_heads, cfg.intermediate_size)
+    kl = re.search(r"KL ([\d.]+) -> ([\d.]+)", rep["choices"]["recovery"])
+    assert "distilled from the original model" in rep["choices"]["recovery"] and kl and float(kl.group(1)) > 0
+
+
+def test_explicit_head_and_mlp_ratios(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "ratios"
+    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--latency-repeats", "3",
+           "--output", str(out))
+    cfg = AutoModelForCausalLM.from_pretrained(out / "model").config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (4, 2, 256)
+    assert "ratios as given" in _report(out)["choices"]["pruning"]
 
 
 def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
@@ -79,12 +102,19 @@ def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
     assert "sparse kernels: not used" in _report(out)["choices"]["sparsity"]
 
 
-def test_torchao_int8(trained, tmp_path):
+def test_torchao_int8_folder_reloads_quantized(trained, tmp_path):
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "torchao"
-    dstool("compress", str(trained), "--bits", "8", "--engine", "torchao", "--output", str(out))
-    assert "Int8DynamicActivationInt8WeightConfig" in _report(out)["choices"]["torchao int8"]
-    state = torch.load(out / "torchao" / "model_int8_torchao.pt", weights_only=False)
-    assert "int8" in repr(state["model.layers.0.mlp.down_proj.weight"]).lower()
+    dstool("compress", str(trained), "--bits", "8", "--engine", "torchao", "--latency-repeats", "3",
+           "--output", str(out))
+    rep = _report(out)
+    assert "Int8DynamicActivationInt8WeightConfig" in rep["choices"]["torchao int8"]
+    model = AutoModelForCausalLM.from_pretrained(out / "torchao")  # a plain from_pretrained, as a user would
+    assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
+    figures = rep["torchao"]
+    assert figures["int8_weights"] == 4 * 7 and figures["bytes"] < 0.8 * figures["fp32_bytes"]
+    assert abs(figures["perplexity_int8"] / figures["perplexity_fp32"] - 1) < 0.02
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -94,6 +124,7 @@ def test_torchao_int8(trained, tmp_path):
     (["--sparsity", "2-4"], "N:M pattern"),
     (["--sparsity", "4:2"], "N:M pattern"),
     ([], "nothing to do"),
+    (["--bits", "8", "--distill"], "--distill needs --recover-steps"),
 ])
 def test_bad_options(trained, tmp_path, args, needle):
     proc = dstool("compress", str(trained), *args, "--output", str(tmp_path / "o"), check=False)

@@ -51,6 +51,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     on_gpu = torch.cuda.is_available()
     precision = _precision(cfg, on_gpu)
     models.check_model_ref(cfg.model)
+    if cfg.distill_from:
+        models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
     ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
     out = Path(cfg.output)

@@ -79,6 +79,7 @@ def main(run_file: str) -> None:
     del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
     masks = _zero_masks(engine.module) if cfg.keep_zero_weights else {}
+    teacher = _teacher(cfg.distill_from, engine) if cfg.distill_from else None
 
     # --- data ---------------------------------------------------------------------------------
     train_split = data.open_split(out / "data", "train", cfg.seq_len)
@@ -112,6 +113,7 @@ def main(run_file: str) -> None:
     progress = _progress(rank, start_step, cfg.max_steps)
     window_t, window_steps = 0.0, 0
     window_loss = torch.zeros((), device=engine.device)  # summed locally, all-reduced once per log window
+    window_kl = torch.zeros((), device=engine.device)
     last_saved = start_step if resume else -1
     step = start_step
 
@@ -130,7 +132,12 @@ def main(run_file: str) -> None:
             for m in range(accum):
                 ids = order.micro_batch(step, m, rank, world, micro, accum, data_offset)
                 batch = torch.stack([train_split[i] for i in ids]).to(engine.device)
-                loss = engine(input_ids=batch, labels=batch).loss
+                outputs = engine(input_ids=batch, labels=batch)
+                loss = outputs.loss
+                if teacher is not None:
+                    kl = distill_kl(outputs.logits, teacher, batch)
+                    loss = loss + kl
+                    window_kl += kl.detach().float() / accum
                 engine.backward(loss)
                 engine.step()
                 if masks and engine.is_gradient_accumulation_boundary():
@@ -163,6 +170,10 @@ def main(run_file: str) -> None:
                 row = {"loss": mean_loss, "lr": scheduler.get_last_lr()[0], "grad_norm": grad_norm,
                        "tokens_per_s": tok_s, "mfu": tok_s * flops_tok / world / (peak * 1e12),
                        "step_time_s": window_t / window_steps}
+                if teacher is not None:
+                    dist.all_reduce(window_kl)
+                    row["distill_kl"] = window_kl.item() / (world * window_steps)
+                    window_kl.zero_()
                 if log:
                     log.write(step, **row)
                     progress.line(step, row)
@@ -203,6 +214,29 @@ def _zero_masks(module) -> dict:
 def _apply_masks(masks: dict) -> None:
     for param, mask in masks.items():
         param.mul_(mask)
+
+
+def _teacher(folder: str, engine):
+    """The frozen teacher for distillation, in the engine's compute dtype, on its device."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = next(engine.module.parameters()).dtype
+    teacher = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).to(engine.device).eval()
+    if teacher.config.vocab_size != engine.module.config.vocab_size:
+        raise ValueError(f"teacher {folder} has vocabulary {teacher.config.vocab_size}, the student "
+                         f"{engine.module.config.vocab_size}: distillation needs the same tokenizer")
+    teacher.config.use_cache = False
+    teacher.requires_grad_(False)
+    return teacher
+
+
+def distill_kl(student_logits: torch.Tensor, teacher, ids: torch.Tensor) -> torch.Tensor:
+    """Mean per-token KL(teacher || student) of the next-token distributions, computed in fp32."""
+    with torch.no_grad():
+        target = torch.log_softmax(teacher(input_ids=ids).logits.float(), dim=-1)
+    log_probs = torch.log_softmax(student_logits.float(), dim=-1)
+    return torch.nn.functional.kl_div(log_probs.flatten(0, -2), target.flatten(0, -2), log_target=True,
+                                      reduction="batchmean")
 
 
 def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Path | None, bool]:
