@@ -137,6 +137,27 @@ def build_parser() -> argparse.ArgumentParser:
     _add_gateway_options(gw)
     gw.set_defaults(func=_cmd_gateway)
 
+    pipe = sub.add_parser("pipeline", help="the whole job on the embedded default: train -> compress -> export -> "
+                                           "serve (Triton + cache gateway) -> infer",
+                          description="Train the tiny model, compress it (int8 and a pruned variant), export the int8 "
+                                      "model to a Triton repository, serve it behind the cache gateway, send prompts "
+                                      "over HTTP and gRPC, print the answers, the compression table and the cache hit "
+                                      "rate, and shut down.")
+    pipe.add_argument("--output", default="runs/pipeline", help="[default: runs/pipeline]")
+    pipe.add_argument("--repository", default="model_repository", help="[default: model_repository]")
+    pipe.add_argument("--nproc", type=int, default=2, help="training ranks [default: 2]")
+    pipe.add_argument("--train-steps", type=int, default=300, help="[default: 300]")
+    pipe.add_argument("--prune", type=float, default=0.3, help="pruned variant's ratio [default: 0.3]")
+    pipe.add_argument("--recover-steps", type=int, default=30, help="[default: 30]")
+    pipe.add_argument("--cache", default=None, metavar="URL",
+                      help="gateway cache [default: local Redis if it answers, else an in-process LRU]")
+    pipe.add_argument("--http-port", type=int, default=8000)
+    pipe.add_argument("--grpc-port", type=int, default=8001)
+    pipe.add_argument("--metrics-port", type=int, default=8002)
+    pipe.add_argument("--max-new-tokens", type=int, default=24, help="[default: 24]")
+    pipe.add_argument("--prompt", action="append", default=None, help="a prompt (repeat; default: three built in)")
+    pipe.set_defaults(func=_cmd_pipeline)
+
     inf = sub.add_parser("infer", help="generate text (or send token ids) through a served model with tritonclient",
                          description="Send PROMPT to the text-generation entry point (MODEL_generate) and print the "
                                      "generated text; or send token ids (--ids) to the tensor model MODEL and print "
@@ -151,6 +172,25 @@ def build_parser() -> argparse.ArgumentParser:
     inf.add_argument("--model", default="dstool_lm")
     inf.set_defaults(func=_cmd_infer)
     return parser
+
+
+def _cmd_pipeline(ns: argparse.Namespace) -> int:
+    from dstool.pipeline import PipelineConfig, PipelineFailed, run_pipeline
+
+    for name in ("nproc", "train_steps", "max_new_tokens"):
+        if getattr(ns, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
+    cfg = PipelineConfig(output=ns.output, repository=ns.repository, nproc=ns.nproc, train_steps=ns.train_steps,
+                         prune=ns.prune, recover_steps=ns.recover_steps, cache=ns.cache, http_port=ns.http_port,
+                         grpc_port=ns.grpc_port, metrics_port=ns.metrics_port, max_new_tokens=ns.max_new_tokens)
+    if ns.prompt:
+        cfg.prompts = ns.prompt
+    try:
+        run_pipeline(cfg)
+    except PipelineFailed as e:
+        print(f"dstool pipeline: {e}", file=sys.stderr)
+        return 1
+    return 0
 
 
 def _cmd_export(ns: argparse.Namespace) -> int:

@@ -1,0 +1,57 @@
+"""`dstool pipeline` end to end on the real components: DeepSpeed (2 ranks), compress, export, a real Triton
+behind the cache gateway with a real Redis, tritonclient over HTTP and gRPC."""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import pytest
+
+from conftest import dstool
+from dstool.train.launch import free_port
+
+
+@pytest.fixture
+def redis_url(tmp_path):
+    binary = shutil.which("redis-server")
+    if binary is None:
+        pytest.fail("redis-server is not installed: run `bash scripts/setup.sh` (or apt-get install redis-server)")
+    port = free_port()
+    proc = subprocess.Popen([binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+                             "--dir", str(tmp_path)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=0.5).close()
+            break
+        except OSError:
+            time.sleep(0.1)
+    yield f"redis://127.0.0.1:{port}/0"
+    proc.terminate()
+    proc.wait(timeout=10)
+
+
+def test_pipeline_runs_end_to_end(tmp_path, redis_url):
+    proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--repository", str(tmp_path / "repo"),
+                  "--train-steps", "20", "--recover-steps", "4", "--cache", redis_url, "--max-new-tokens", "8",
+                  "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+                  timeout=1200)
+    out = proc.stdout
+    for step in ("1/7 train", "2/7 compress", "3/7 export", "4/7 serve", "5/7 infer", "6/7 report", "7/7 shutdown"):
+        assert f"[pipeline {step}]" in out
+    assert "| int8 |" in out and "| prune 0.3 |" in out
+    assert "cache: 6 hits, 3 misses, hit rate 67%" in out  # each of 3 prompts: computed once, then 2 hits
+    assert out.count("' -> '") == 3 and "[pipeline] done" in out
+    assert (tmp_path / "repo" / "dstool_lm_generate" / "1" / "model.py").is_file()
+
+
+def test_pipeline_refuses_a_busy_port_before_training(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--http-port", str(port), check=False)
+    assert proc.returncode == 2 and "already in use" in proc.stderr and not (tmp_path / "run").exists()
