@@ -85,21 +85,25 @@ def build_parser() -> argparse.ArgumentParser:
     comp.set_defaults(func=_cmd_compress)
 
     exp = sub.add_parser("export", help="Triton model repository from a Hugging Face folder or a compress output",
-                         description="Export to ONNX (parity-checked) and write a Triton model repository; every "
-                                     "config.pbtxt is validated with Triton's protobuf schema and the ONNX graph.")
+                         description="Export to ONNX (a logits model and a key/value-cache decoder, both parity-checked "
+                                     "against PyTorch) and write a Triton model repository: NAME (token ids -> logits), "
+                                     "NAME_decoder, NAME_tokenizer, NAME_detokenizer and the text-generation entry point "
+                                     "NAME_generate. Every config.pbtxt is validated with Triton's protobuf schema and "
+                                     "the ONNX graphs.")
     exp.add_argument("model", metavar="MODEL_DIR", help="Hugging Face causal-LM folder or a dstool compress output")
     exp.add_argument("--repository", default="model_repository", help="repository folder [default: model_repository]")
     exp.add_argument("--name", default="dstool_lm", help="model name in the repository [default: dstool_lm]")
     exp.add_argument("--version", type=int, help="version folder (default: the next one)")
     exp.add_argument("--max-batch-size", type=int, default=8, help="[default: 8]; 0 = no batching")
     exp.add_argument("--instances", type=int, default=1, help="model instances (instance_group count) [default: 1]")
-    exp.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="KIND_CPU or KIND_GPU [default: cpu]")
+    exp.add_argument("--device", choices=["cpu", "gpu"], default="cpu", help="gpu: KIND_GPU for the onnxruntime_onnx models (python-backend models run on "
+                                                          "the CPU) [default: cpu]")
     exp.add_argument("--backend", choices=["python", "onnxruntime"], default="python",
                      help="python: python backend running onnxruntime (any Triton); onnxruntime: platform "
                           "onnxruntime_onnx (Triton with the ONNX Runtime backend) [default: python]")
     exp.add_argument("--dynamic-batching", action=argparse.BooleanOptionalAction, default=True,
                      help="dynamic_batching block [default: on]")
-    exp.add_argument("--response-cache", action="store_true", help="enable Triton's response cache for the model")
+    exp.add_argument("--response-cache", action="store_true", help="enable Triton's response cache for NAME and NAME_generate")
     exp.set_defaults(func=_cmd_export)
 
     srv = sub.add_parser("serve", help="start a real Triton server on a model repository",
