@@ -2,14 +2,16 @@
 
     .venv/bin/python bench/serve.py [--requests 160] [--seq-len 32] [--new-tokens 64]
 
-1. builds the embedded default (`--size tiny`, 3 M parameters, the model the README's pipeline serves)
-   or a ~40 M-parameter Llama-architecture model (`--size 40m`, as bench/compress.py); weights untrained:
+1. builds a ~40 M-parameter Llama-architecture model (`--size 40m`, as bench/compress.py) or the embedded
+   default (`--size tiny`, 3 M parameters, the model the README's pipeline serves); weights untrained:
    speed does not depend on them. Exports it with `dstool export`; the same ONNX graph is written a
    second time as a model without dynamic batching;
 2. starts Triton (nvidia-pytriton's 2.51) and drives the tensor model (token ids -> logits) with
    tritonclient's asyncio gRPC client at concurrency 1, 4 and 16, with and without dynamic batching
    (throughput and p50/p99 latency), and with `wrk` over HTTP as an outside load generator;
-3. generates NEW_TOKENS tokens from the text-generation entry point with and without the key/value cache.
+3. drives the text-generation entry point the same way (BATCH_TOKENS tokens per request; requests,
+   tokens/s, p50/p99) with and without dynamic batching;
+4. generates NEW_TOKENS tokens from one stream with and without the key/value cache.
 Targets (issue #4): dynamic batching >= 3x throughput at concurrency 16; the cache >= 3x faster generation.
 """
 
@@ -80,6 +82,39 @@ def tensor_load(url: str, model: str, concurrency: int, requests: int, seq_len: 
     return {"throughput_rps": requests / wall, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
 
 
+def generation_load(url: str, model: str, concurrency: int, requests: int, prompt: str, new_tokens: int) -> dict:
+    """`requests` text-generation requests from `concurrency` concurrent gRPC asyncio tasks."""
+    import tritonclient.grpc.aio as grpc_aio
+
+    async def run() -> tuple[list[float], int, float]:
+        client = grpc_aio.InferenceServerClient(url)
+        latencies, tokens, queue = [], [0], list(range(requests))
+
+        async def worker():
+            while queue:
+                queue.pop()
+                inputs = [grpc_aio.InferInput("text_input", [1, 1], "BYTES"),
+                          grpc_aio.InferInput("max_new_tokens", [1, 1], "INT32")]
+                inputs[0].set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
+                inputs[1].set_data_from_numpy(np.array([[new_tokens]], dtype=np.int32))
+                t = time.perf_counter()
+                result = await client.infer(model, inputs)
+                latencies.append(time.perf_counter() - t)
+                tokens[0] += result.as_numpy("output_ids").shape[1]
+
+        try:
+            start = time.perf_counter()
+            await asyncio.gather(*(worker() for _ in range(concurrency)))
+            return latencies, tokens[0], time.perf_counter() - start
+        finally:
+            await client.close()
+
+    latencies, tokens, wall = asyncio.run(run())
+    ms = np.array(latencies) * 1e3
+    return {"throughput_rps": requests / wall, "tokens_per_s": tokens / wall, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}
+
+
 def wrk_load(url: str, model: str, concurrency: int, seq_len: int, seconds: int, work: Path) -> dict | None:
     """The same request over HTTP (JSON in, binary logits out) from `wrk`, an outside load generator."""
     if not shutil.which("wrk"):
@@ -117,10 +152,12 @@ def generation(url: str, model: str, prompt: str, new_tokens: int, use_kv_cache:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=["tiny", "40m"], default="tiny", help="model size [default: tiny]")
+    parser.add_argument("--size", choices=["tiny", "40m"], default="40m", help="model size [default: 40m]")
     parser.add_argument("--requests", type=int, default=160, help="tensor-model requests per measurement")
     parser.add_argument("--seq-len", type=int, default=32, help="tokens per tensor-model request")
     parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per text request")
+    parser.add_argument("--gen-requests", type=int, default=16, help="text requests per concurrency level")
+    parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per text request under load")
     parser.add_argument("--wrk-seconds", type=int, default=5)
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
@@ -139,7 +176,7 @@ def main() -> None:
         repository.write_repository(repo, repository.ModelSettings(name="lm_unbatched", max_batch_size=16,
                                                                    dynamic_batching=False),
                                     repository.Artefacts(placed["logits"] / "model.onnx", placed["decoder"] / "model.onnx",
-                                                         work / "model", [-1], 1024))
+                                                         work / "model", [-1], 1024))  # no end-of-sequence: full length
         ports = [free_port() for _ in range(3)]
         server = triton.start(repo, triton.find_tritonserver(), *ports, work / "triton.log", timeout=300)
         try:
@@ -156,6 +193,14 @@ def main() -> None:
                     print(f"[tensor] wrk HTTP  batching {batching:3} c=16: {w['throughput_rps']:7.1f} req/s, "
                           f"p50 {w['p50_ms']:7.2f} ms, non-2xx {w['non_2xx']}", flush=True)
             prompt = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet"
+            for batching, model in (("on", "lm_generate"), ("off", "lm_unbatched_generate")):
+                for concurrency in (1, 4, 16):
+                    r = generation_load(server.grpc_url, model, concurrency, max(concurrency, args.gen_requests),
+                                        prompt, args.batch_tokens)
+                    rows.append({"client": "generate", "dynamic_batching": batching, "concurrency": concurrency, **r})
+                    print(f"[generate] {args.batch_tokens} tokens, batching {batching:3} c={concurrency:2}: "
+                          f"{r['throughput_rps']:6.2f} req/s = {r['tokens_per_s']:7.1f} tokens/s, p50 {r['p50_ms']:7.0f} ms, "
+                          f"p99 {r['p99_ms']:7.0f} ms", flush=True)
             gen = {kv: generation(server.grpc_url, "lm", prompt, args.new_tokens, kv, rounds=3) for kv in (True, False)}
             for kv, g in gen.items():
                 print(f"[generate] key/value cache {'on ' if kv else 'off'}: {g['tokens']} tokens in "
@@ -172,6 +217,8 @@ def main() -> None:
         if any(r["client"].startswith("wrk") for r in rows):
             print(f"  dynamic batching at concurrency 16 (wrk HTTP): "
                   f"{rps('wrk (HTTP)', 'on', 16) / rps('wrk (HTTP)', 'off', 16):.2f}x throughput")
+        print(f"  dynamic batching at concurrency 16 (text generation): "
+              f"{rps('generate', 'on', 16) / rps('generate', 'off', 16):.2f}x throughput")
         print(f"  key/value cache, {args.new_tokens} new tokens: "
               f"{gen[True]['tokens_per_s'] / gen[False]['tokens_per_s']:.2f}x tokens/s")
     finally:
