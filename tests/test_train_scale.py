@@ -47,10 +47,17 @@ def _rewind(src: Path, dst: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def world_changes(session_tmp):
-    """Uninterrupted 2-rank run; resumed from its step 4 on 1 rank; that run resumed from its step 6 on 2 ranks."""
+def reference(session_tmp):
+    """An uninterrupted 2-rank run of SCALE."""
     ref = session_tmp / "scale_ref2"
     dstool("train", "--output", str(ref), "--nproc", "2", *SCALE)
+    return ref
+
+
+@pytest.fixture(scope="module")
+def world_changes(reference, session_tmp):
+    """The reference resumed from its step 4 on 1 rank; that run resumed from its step 6 on 2 ranks."""
+    ref = reference
     on_one = _rewind(ref, session_tmp / "scale_2to1", 4)
     to_one = dstool("train", "--output", str(on_one), "--nproc", "1", *SCALE)
     on_two = _rewind(on_one, session_tmp / "scale_1to2", 6)
@@ -80,3 +87,35 @@ def test_resume_on_another_world_size_keeps_the_data_order(world_changes, case):
     assert a == b  # every step read exactly the uninterrupted run's global batch
     seen = [i for s in sorted(a) for i in a[s]]
     assert len(seen) == len(set(seen)) == 8 * 8  # no sample twice, none skipped
+
+
+def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
+    """The training ranks under a `dstool train` process, by global rank (torchrun's agent has no RANK)."""
+    procs = psutil.Process(launcher.pid).children(recursive=True)
+    return {int(p.environ()["RANK"]): p for p in procs if "RANK" in p.environ()}
+
+
+def test_rank_killed_while_saving_restarts_and_continues(reference, tmp_path):
+    """kill -9 rank 0 while checkpoint step 4 is being written: torchrun restarts the ranks, they resume
+    from the newest checkpoint that verifies, and the loss curve is the uninterrupted one."""
+    out = tmp_path / "restart"
+    proc = subprocess.Popen([*DSTOOL, "train", "--output", str(out), "--nproc", "2", "--max-restarts", "1", *SCALE],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    partial = out / "checkpoints" / (checkpoint.PARTIAL + checkpoint.tag_for(4))
+    deadline = time.time() + 300
+    while not partial.exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before saving step 4"
+        time.sleep(0.001)
+    _ranks(proc)[0].kill()
+    stdout = proc.communicate(timeout=600)[0]
+    assert proc.returncode == 0, stdout[-3000:]
+    restart = next(r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if "event" in r)
+    assert restart["restart"] == 1 and restart["resumed_from_step"] in (2, 4), restart
+    assert 0 <= restart["steps_lost"] <= 2 and 0 < restart["recovery_s"] < 300
+    assert "dstool: restart 1: failed after step" in stdout
+    root = out / "checkpoints"
+    for tag in checkpoint.complete_tags(root):  # whatever the kill interrupted, no damaged tag is in place
+        verify_manifest(root / tag, "deepspeed-checkpoint")
+    assert not list(root.glob(checkpoint.PARTIAL + "*"))  # the interrupted save was redone
+    a, b = losses(out), losses(reference)
+    assert sorted(a) == list(range(1, 9)) and all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b), (a, b)

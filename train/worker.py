@@ -54,10 +54,11 @@ def main(run_file: str) -> None:
         # Measured on this CPU: the first init_distributed() JIT-builds deepspeed_shm_comm (~65 s); that op
         # serves only inference all-reduce, training all-reduces go through gloo.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    _init_process_group(accelerator.communication_backend_name(), restarts)
+    deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())  # adopts the group above
     rank, world = dist.get_rank(), dist.get_world_size()
     torch.manual_seed(cfg.seed)
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
     resume, universal = _resume_source(run, out, world, restarts)
     if universal:  # saved on another world size: DeepSpeed re-partitions the universal form
         ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
@@ -237,6 +238,17 @@ def distill_kl(student_logits: torch.Tensor, teacher, ids: torch.Tensor) -> torc
     log_probs = torch.log_softmax(student_logits.float(), dim=-1)
     return torch.nn.functional.kl_div(log_probs.flatten(0, -2), target.flatten(0, -2), log_target=True,
                                       reduction="batchmean")
+
+
+def _init_process_group(backend: str, restarts: int) -> None:
+    """Under torchrun the ranks share the agent's store, which outlives a restart: a restarted rank
+    could read a dead rank's gloo address from it and hang, so each attempt gets its own key prefix."""
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
+        return
+    world = int(os.environ["WORLD_SIZE"])
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
+    dist.init_process_group(backend, store=dist.PrefixStore(f"dstool/attempt-{restarts}", store),
+                            rank=int(os.environ["RANK"]), world_size=world)
 
 
 def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Path | None, bool]:
