@@ -75,7 +75,24 @@ def build_parser() -> argparse.ArgumentParser:
                                        "the effective config is printed and saved under --output.")
     train.add_argument("--config", help="YAML file of options (keys as below, with underscores)")
     _add_model_options(train, TrainConfig)
+    train.add_argument("--emit", choices=["k8s"], help="print a Kubeflow PyTorchJob manifest (YAML) for this run "
+                       "instead of running it")
+    train.add_argument("--image", default="dstool:latest", help="container image for --emit k8s [default: dstool:latest]")
+    train.add_argument("--pvc", default="dstool-checkpoints", help="PersistentVolumeClaim shared by the pods, mounted "
+                       "at /checkpoints (--emit k8s) [default: dstool-checkpoints]")
     train.set_defaults(func=_cmd_train)
+
+    doc = sub.add_parser("doctor", help="preflight checks before a launch: versions, ssh, port, interfaces, GPUs, "
+                         "output folder, all-reduce",
+                         description="One line per check with pass/FAIL and the fix. Exit code 0 when all pass, 1 "
+                                     "when one fails, 2 for bad usage.")
+    doc.add_argument("--hostfile", help="DeepSpeed hostfile to check every node of (default: this machine)")
+    doc.add_argument("--master-addr", default="127.0.0.1")
+    doc.add_argument("--master-port", type=int, default=29500, help="[default: 29500]")
+    doc.add_argument("--output", default="runs/train", help="the run folder to check [default: runs/train]")
+    doc.add_argument("--nproc", type=int, default=2, help="local processes for the all-reduce test [default: 2]")
+    doc.add_argument("--env", action="append", metavar="KEY=VALUE", help="as for train, e.g. NCCL_SOCKET_IFNAME=eth0")
+    doc.set_defaults(func=_cmd_doctor)
 
     comp = sub.add_parser("compress", help="int8/4-bit quantization, structured pruning, N:M sparsity, measured report",
                           description="Compress a Hugging Face causal LM; writes model/, onnx/ and a measured "
@@ -160,6 +177,8 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--metrics-port", type=int, default=8002)
     pipe.add_argument("--max-new-tokens", type=int, default=24, help="[default: 24]")
     pipe.add_argument("--prompt", action="append", default=None, help="a prompt (repeat; default: three built in)")
+    pipe.add_argument("--latency-repeats", type=int, default=20, help="timed runs per latency figure in the "
+                                                                     "compression reports [default: 20]")
     pipe.set_defaults(func=_cmd_pipeline)
 
     inf = sub.add_parser("infer", help="generate text (or send token ids) through a served model with tritonclient",
@@ -181,12 +200,13 @@ def build_parser() -> argparse.ArgumentParser:
 def _cmd_pipeline(ns: argparse.Namespace) -> int:
     from dstool.pipeline import PipelineConfig, PipelineFailed, run_pipeline
 
-    for name in ("nproc", "train_steps", "max_new_tokens"):
+    for name in ("nproc", "train_steps", "max_new_tokens", "latency_repeats"):
         if getattr(ns, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     cfg = PipelineConfig(output=ns.output, repository=ns.repository, nproc=ns.nproc, train_steps=ns.train_steps,
                          prune=ns.prune, recover_steps=ns.recover_steps, cache=ns.cache, http_port=ns.http_port,
-                         grpc_port=ns.grpc_port, metrics_port=ns.metrics_port, max_new_tokens=ns.max_new_tokens)
+                         grpc_port=ns.grpc_port, metrics_port=ns.metrics_port, max_new_tokens=ns.max_new_tokens,
+                         latency_repeats=ns.latency_repeats)
     if ns.prompt:
         cfg.prompts = ns.prompt
     try:
@@ -297,10 +317,32 @@ def _cmd_compress(ns: argparse.Namespace) -> int:
     return 0
 
 
+def _emit_k8s(cfg: TrainConfig, image: str, pvc: str) -> int:
+    import yaml
+
+    from dstool.train import deepspeed_config, k8s, launch
+
+    topo = launch.plan(cfg.model_copy(update={"hostfile": None, "node_rank": 0 if cfg.num_nodes > 1 else None}))
+    if cfg.hostfile:
+        hosts = launch.parse_hostfile(cfg.hostfile)
+        topo.nodes, topo.procs_per_node = len(hosts), next(iter(hosts.values()))
+    deepspeed_config.batch_plan(cfg, topo.nodes * topo.procs_per_node)  # the batch must divide on that world
+    print(yaml.safe_dump(k8s.pytorchjob(cfg, topo.nodes, topo.procs_per_node, image, pvc), sort_keys=False), end="")
+    return 0
+
+
+def _cmd_doctor(ns: argparse.Namespace) -> int:
+    from dstool.train import doctor
+
+    return doctor.run(ns.hostfile, ns.master_addr, ns.master_port, ns.output, ns.nproc, doctor.parse_env(ns.env))
+
+
 def _cmd_train(ns: argparse.Namespace) -> int:
     from dstool.train import train
 
     cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))
+    if ns.emit == "k8s":
+        return _emit_k8s(cfg, ns.image, ns.pvc)
     result = train(cfg)
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     print(f"dstool train: done at step {result.step}, train loss {result.train_loss:.4f}{val}; model: {result.model_dir}")

@@ -43,6 +43,7 @@ class PipelineConfig:
     grpc_port: int = 8001
     metrics_port: int = 8002
     max_new_tokens: int = 24
+    latency_repeats: int = 20  # timed ONNX Runtime runs per latency figure in the compression reports
     prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
     ready_timeout: float = 300.0
 
@@ -70,11 +71,11 @@ def run_pipeline(cfg: PipelineConfig, echo=print) -> dict:
     echo(f"    held-out loss {result.val_loss:.3f}; model: {result.model_dir}")
 
     clock.step("compress", "int8 (ONNX Runtime), and a pruned variant with recovery")
-    reports = {"int8": compress(CompressConfig(model=str(result.model_dir), output=str(out / "int8"), bits=8),
-                                echo=_indented(echo)),
+    reports = {"int8": compress(CompressConfig(model=str(result.model_dir), output=str(out / "int8"), bits=8,
+                                               latency_repeats=cfg.latency_repeats), echo=_indented(echo)),
                f"prune {cfg.prune:g}": compress(CompressConfig(
                    model=str(result.model_dir), output=str(out / "pruned"), prune=cfg.prune,
-                   recover_steps=cfg.recover_steps), echo=_indented(echo))}
+                   recover_steps=cfg.recover_steps, latency_repeats=cfg.latency_repeats), echo=_indented(echo))}
 
     clock.step("export", f"the int8 model -> {cfg.repository}/ (tensor model, decoder with cache, text models)")
     placed = export(str(out / "int8"), cfg.repository, ModelSettings(name="dstool_lm"), echo=_indented(echo))
