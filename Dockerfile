@@ -10,6 +10,14 @@
 ARG PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3
 
+# ---- the project's source, copied into both images
+FROM scratch AS source
+COPY pyproject.toml README.md /src/
+COPY dstool/ /src/dstool/
+COPY train/ /src/train/
+COPY compress/ /src/compress/
+COPY serve/ /src/serve/
+
 # ---- train: NGC PyTorch (CUDA, NCCL, nvcc for DeepSpeed's JIT-built fused ops) + dstool + DeepSpeed 0.19.8
 FROM ${PYTORCH_IMAGE} AS train
 ENV DS_BUILD_OPS=0 \
@@ -17,11 +25,7 @@ ENV DS_BUILD_OPS=0 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PYTHONUNBUFFERED=1
 WORKDIR /opt/dstool
-COPY pyproject.toml README.md ./
-COPY dstool/ dstool/
-COPY train/ train/
-COPY compress/ compress/
-COPY serve/ serve/
+COPY --from=source /src/ ./
 # The image's own torch satisfies dstool's torch>=2.4: it is kept, not replaced by a PyPI build.
 RUN python -m pip install --no-cache-dir . \
     && python -c "import dstool, deepspeed, torch; print('dstool', dstool.__version__, 'torch', torch.__version__)"
@@ -36,11 +40,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
 WORKDIR /opt/dstool
-COPY pyproject.toml README.md ./
-COPY dstool/ dstool/
-COPY train/ train/
-COPY compress/ compress/
-COPY serve/ serve/
+COPY --from=source /src/ ./
 # Triton's python backend runs the tokenizer, detokenizer and generation models with this Python, so
 # dstool's dependencies (transformers, onnxruntime, numpy<2) go into the system interpreter. torch is
 # the CPU build: nothing in serving needs CUDA torch.

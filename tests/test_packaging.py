@@ -35,7 +35,7 @@ def test_hadolint_catches_a_bad_dockerfile(tmp_path):
 def test_dockerfile_targets_and_pinned_bases():
     text = (ROOT / "Dockerfile").read_text()
     stages = re.findall(r"^FROM\s+(\S+)\s+AS\s+(\S+)", text, flags=re.M)
-    assert [name for _, name in stages] == ["train", "serve"]
+    assert [name for _, name in stages] == ["source", "train", "serve"]
     for arg in re.findall(r"^ARG \w+_IMAGE=(\S+)", text, flags=re.M):
         assert re.search(r":\d", arg), f"base image {arg} is not pinned to a version tag"
 
