@@ -92,3 +92,30 @@ def test_deepspeed_json_with_inconsistent_batch(tmp_path):
     (tmp_path / "ds.json").write_text(json.dumps({"train_batch_size": 999}))
     _expect_usage_error(["train", "--deepspeed-config", str(tmp_path / "ds.json"), "--output", str(tmp_path / "run")],
                         "batch sizes disagree", tmp_path)
+
+
+def test_hostfile_naming_an_unreachable_host(tmp_path):
+    (tmp_path / "hostfile").write_text("no-such-host.invalid slots=1\nlocalhost slots=1\n")
+    _expect_usage_error(["train", "--hostfile", str(tmp_path / "hostfile"), "--output", str(tmp_path / "run")],
+                        "host no-such-host.invalid does not resolve", tmp_path)
+    assert not (tmp_path / "run").exists()
+
+
+def test_world_size_the_batch_cannot_divide(tmp_path):
+    (tmp_path / "hostfile").write_text("node0 slots=3\nnode1 slots=3\n")
+    _expect_usage_error(["train", "--hostfile", str(tmp_path / "hostfile"), "--node-rank", "0",
+                         "--global-batch-size", "8", "--micro-batch-size", "1", "--output", str(tmp_path / "run")],
+                        "x world size 6", tmp_path)
+
+
+def test_checkpoint_of_another_model_shape(trained, tmp_path):
+    tag = trained.parent / "checkpoints" / "step-00000040"
+    _expect_usage_error(["train", "--model", "tiny-moe", "--resume", str(tag), "--output", str(tmp_path / "run"),
+                         "--seq-len", "64"], "holds another model shape", tmp_path)
+    assert not list((tmp_path / "run").glob("checkpoints/*")) and not (tmp_path / "run" / "run.json").exists()
+
+
+def test_max_restarts_needs_torchrun(tmp_path):
+    (tmp_path / "hostfile").write_text("localhost slots=2\n")
+    _expect_usage_error(["train", "--hostfile", str(tmp_path / "hostfile"), "--max-restarts", "1",
+                         "--output", str(tmp_path / "run")], "--launcher torchrun", tmp_path)

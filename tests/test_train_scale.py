@@ -119,3 +119,79 @@ def test_rank_killed_while_saving_restarts_and_continues(reference, tmp_path):
     assert not list(root.glob(checkpoint.PARTIAL + "*"))  # the interrupted save was redone
     a, b = losses(out), losses(reference)
     assert sorted(a) == list(range(1, 9)) and all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b), (a, b)
+
+
+def _doctor(*args: str) -> tuple[int, dict[str, str]]:
+    """Exit code and {check name: its line} of `dstool doctor`."""
+    proc = dstool("doctor", *args, check=False, timeout=300)
+    lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
+    return proc.returncode, {l.split("] ", 1)[1].split(":", 1)[0]: l for l in lines}
+
+
+def test_doctor_passes_on_this_machine(tmp_path):
+    port = _free_port()
+    code, checks = _doctor("--output", str(tmp_path / "run"), "--master-port", str(port))
+    assert code == 0, checks
+    assert all(l.startswith("[pass]") for l in checks.values())
+    assert "no GPU visible" in checks["GPUs"] and "passwordless" not in checks["ssh localhost"]
+    assert "GB/s" in checks["all-reduce (2 local gloo processes)"]
+
+
+def test_doctor_reports_each_misconfiguration(tmp_path):
+    import socket
+
+    (tmp_path / "hostfile").write_text("localhost slots=2\nno-such-host.invalid slots=2\n")
+    (tmp_path / "a-file").write_text("x")
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, checks = _doctor("--hostfile", str(tmp_path / "hostfile"), "--master-port", str(port),
+                               "--output", str(tmp_path / "a-file" / "run"), "--env", "NCCL_SOCKET_IFNAME=nosuchif0")
+    assert code == 1
+    failed = {name for name, line in checks.items() if line.startswith("[FAIL]")}
+    assert failed == {"ssh no-such-host.invalid", f"master port {port}", "NCCL_SOCKET_IFNAME",
+                      f"output {tmp_path / 'a-file' / 'run'}"}, checks
+    assert "does not resolve" in checks["ssh no-such-host.invalid"] and "fix:" in checks["ssh no-such-host.invalid"]
+    assert "in use" in checks[f"master port {port}"] and "--master-port" in checks[f"master port {port}"]
+    assert "nosuchif0" in checks["NCCL_SOCKET_IFNAME"] and "lo" in checks["NCCL_SOCKET_IFNAME"]
+    assert "not writable" in checks[f"output {tmp_path / 'a-file' / 'run'}"]
+
+
+def test_doctor_usage_error_exits_2(tmp_path):
+    proc = dstool("doctor", "--hostfile", str(tmp_path / "missing"), check=False)
+    assert proc.returncode == 2 and proc.stderr.strip().count("\n") == 0 and "does not exist" in proc.stderr
+
+
+def _free_port() -> int:
+    from dstool.train.launch import free_port
+
+    return free_port()
+
+
+def test_emit_k8s_is_a_valid_pytorchjob(tmp_path):
+    import jsonschema
+    import yaml
+
+    schema = json.loads((Path(__file__).parent / "schemas" / "pytorchjob-v1.schema.json").read_text())
+    proc = dstool("train", "--emit", "k8s", "--num-nodes", "3", "--nproc", "8", "--zero", "3", "--output",
+                  str(tmp_path / "Big_Run"), "--image", "registry.example/dstool:0.1", "--pvc", "shared-ckpt",
+                  "--env", "NCCL_IB_DISABLE=1", "--max-restarts", "2")
+    job = yaml.safe_load(proc.stdout)
+    jsonschema.validate(job, schema)
+    assert not (tmp_path / "Big_Run").exists()  # emitted, not run
+    specs = job["spec"]["pytorchReplicaSpecs"]
+    assert specs["Master"]["replicas"] == 1 and specs["Worker"]["replicas"] == 2
+    pod = specs["Worker"]["template"]["spec"]
+    c = pod["containers"][0]
+    assert c["image"] == "registry.example/dstool:0.1" and c["resources"]["limits"]["nvidia.com/gpu"] == 8
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["NCCL_IB_DISABLE"] == "1" and env["NCCL_SOCKET_IFNAME"] == "eth0"
+    run_cfg = yaml.safe_load(env["DSTOOL_CONFIG"])
+    assert run_cfg["num_nodes"] == 3 and run_cfg["nproc"] == 8 and run_cfg["zero"] == 3
+    assert run_cfg["output"] == "/checkpoints/Big_Run" and run_cfg["max_restarts"] == 2
+    assert {"name": "checkpoints", "persistentVolumeClaim": {"claimName": "shared-ckpt"}} in pod["volumes"]
+    broken = json.loads(json.dumps(job))
+    broken["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] = "Sometimes"
+    with pytest.raises(jsonschema.ValidationError):  # the schema check can fail
+        jsonschema.validate(broken, schema)

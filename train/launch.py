@@ -77,6 +77,11 @@ def plan(cfg: TrainConfig) -> Topology:
     if cfg.max_restarts and launcher == "deepspeed":
         raise UsageError("--max-restarts runs under torchrun's elastic agent: add --launcher torchrun (start each "
                          "node with --node-rank) or drop --max-restarts")
+    if launcher == "deepspeed" and hosts and cfg.node_rank is None and not _single_local_host(hosts):
+        for host in hosts:  # the DeepSpeed launcher will ssh to every host: fail now, in one line
+            if reason := unreachable(host):
+                raise UsageError(f"{reason}, named in hostfile {cfg.hostfile}: fix the hostfile (or DNS) or run "
+                                 f"'dstool doctor --hostfile {cfg.hostfile}'")
     port = cfg.master_port or (free_port() if nodes == 1 else 29500)
     return Topology(launcher, nodes, per_node, nodes * per_node, hosts, port)
 
@@ -103,6 +108,19 @@ def command(cfg: TrainConfig, topo: Topology, run_file: Path) -> list[str]:
         cmd += [f"--node_rank={cfg.node_rank or 0}", f"--master_addr={cfg.master_addr}",
                 f"--master_port={topo.master_port}"]
     return cmd + ["-m", *worker]
+
+
+def unreachable(host: str, port: int = 22, timeout: float = 3.0) -> str | None:
+    """Why `host` cannot be reached for ssh (name does not resolve, port closed), or None."""
+    try:
+        socket.getaddrinfo(host, port)
+    except socket.gaierror:
+        return f"host {host} does not resolve"
+    try:
+        socket.create_connection((host, port), timeout=timeout).close()
+    except OSError as e:
+        return f"host {host} does not answer on port {port} ({e.strerror or 'timed out'})"
+    return None
 
 
 def _single_local_host(hosts: dict[str, int] | None) -> bool:

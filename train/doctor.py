@@ -1,0 +1,251 @@
+"""`dstool doctor`: preflight checks for a training launch, one line each with pass/fail and the fix.
+
+Versions equal on every node, passwordless ssh to remote hosts, the master port free, the network
+interfaces named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME present, GPUs matching the hostfile
+slots, the output folder writable from every node, and a gloo all-reduce across local processes with
+its measured bandwidth.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import shlex
+import socket
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+
+from dstool.errors import UsageError
+from dstool.train import launch
+
+VERSION_PROBE = ("import sys, torch, deepspeed; "
+                 "print(sys.version.split()[0], torch.__version__, deepspeed.__version__)")
+ALLREDUCE_MB = 16
+
+
+@dataclass
+class Check:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+
+    def line(self) -> str:
+        return f"[{'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}" + (f" -> fix: {self.fix}" if self.fix else "")
+
+
+def is_local(host: str) -> bool:
+    return host in ("localhost", "127.0.0.1", "::1", socket.gethostname(), socket.getfqdn())
+
+
+def _ssh(host: str, command: str, timeout: float = 15) -> subprocess.CompletedProcess:
+    return subprocess.run(["ssh", "-o", "BatchMode=yes", "-o", "ConnectTimeout=5", host, command],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def check_ssh(host: str) -> Check:
+    name = f"ssh {host}"
+    if is_local(host):
+        return Check(name, True, "local host, no ssh needed")
+    reason = launch.unreachable(host)
+    if reason:
+        return Check(name, False, reason, f"fix the name in the hostfile (or /etc/hosts, DNS) and check {host} is up")
+    try:
+        proc = _ssh(host, "true")
+    except FileNotFoundError:
+        return Check(name, False, "no ssh client on this machine", "install openssh-client")
+    except subprocess.TimeoutExpired:
+        return Check(name, False, "ssh timed out", f"check that sshd runs on {host} and a firewall lets port 22 through")
+    if proc.returncode != 0:
+        err = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+        return Check(name, False, f"passwordless ssh failed ({err})",
+                     f"ssh-keygen -t ed25519 (once), then ssh-copy-id {host}, then 'ssh {host} true' once to accept "
+                     "its host key")
+    return Check(name, True, "passwordless ssh works")
+
+
+def check_versions(hosts: list[str], reachable: set[str]) -> Check:
+    local = f"{platform.python_version()} {_torch_version()} {_deepspeed_version()}"
+    found = {h: local for h in hosts if is_local(h)}
+    for h in hosts:
+        if h in found or h not in reachable:
+            continue
+        proc = _ssh(h, f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")
+        found[h] = proc.stdout.strip() if proc.returncode == 0 else f"(no {sys.executable} there)"
+    detail = "; ".join(f"{h}: python/torch/deepspeed {v}" for h, v in found.items()) or f"local: {local}"
+    if len(set(found.values())) > 1:
+        return Check("versions", False, detail, f"install the same versions on every node (this node: {local}), "
+                     "e.g. one venv on a shared path")
+    return Check("versions", True, detail or local)
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
+
+
+def _deepspeed_version() -> str:
+    from importlib.metadata import version
+
+    return version("deepspeed")
+
+
+def check_port(addr: str, port: int) -> Check:
+    name = f"master port {port}"
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1" if is_local(addr) else "0.0.0.0", port))
+        except OSError as e:
+            users = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid]
+            who = f" by pid {users[0]}" if users else ""
+            return Check(name, False, f"in use{who} ({e.strerror})", f"pass --master-port with a free port, or stop "
+                         "the process holding it")
+    return Check(name, True, "free")
+
+
+def check_interfaces(env: dict[str, str]) -> list[Check]:
+    present = sorted(psutil.net_if_addrs())
+    checks = []
+    for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
+        value = env.get(var)
+        if not value:
+            checks.append(Check(var, True, "not set (the library picks an interface)"))
+            continue
+        missing = [w for w in _interface_patterns(value) if not any(_if_matches(w, i) for i in present)]
+        if missing:
+            checks.append(Check(var, False, f"{var}={value}: no interface matches {', '.join(missing)} "
+                                f"(here: {', '.join(present)})", f"set {var} to one of: {', '.join(present)}"))
+        else:
+            checks.append(Check(var, True, f"{var}={value} matches an interface here"))
+    return checks
+
+
+def _interface_patterns(value: str) -> list[str]:
+    """NCCL syntax: comma list of prefixes, '=' for an exact name; '^' excludes (nothing to check)."""
+    return [w for w in (p.strip() for p in value.split(",")) if w and not w.startswith("^")]
+
+
+def _if_matches(pattern: str, name: str) -> bool:
+    return name == pattern[1:] if pattern.startswith("=") else name.startswith(pattern)
+
+
+def check_gpus(slots: int | None) -> Check:
+    import torch
+
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if count == 0:
+        return Check("GPUs", True, "no GPU visible: training runs on CPU with gloo")
+    if slots is not None and slots > count:
+        return Check("GPUs", False, f"{count} GPU(s) visible, the hostfile gives this node slots={slots}",
+                     f"set slots={count} in the hostfile, or check CUDA_VISIBLE_DEVICES")
+    return Check("GPUs", True, f"{count} visible" + (f", hostfile slots={slots}" if slots else ""))
+
+
+def check_output(output: str, hosts: list[str], reachable: set[str]) -> list[Check]:
+    """Write, rename and remove a file in the output folder (and over ssh from every remote host)."""
+    folder = Path(output).absolute()
+    name = f"output {folder}"
+    probe = f".dstool-doctor-{uuid.uuid4().hex[:8]}"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / (probe + ".tmp")).write_text("ok")
+        os.replace(folder / (probe + ".tmp"), folder / probe)
+        (folder / probe).unlink()
+    except OSError as e:
+        return [Check(name, False, f"not writable here ({e.strerror}: {e.filename})",
+                      "choose a folder you can write (on a filesystem every node mounts) with --output")]
+    checks = [Check(name, True, "writable here")]
+    for h in hosts:
+        if is_local(h) or h not in reachable:
+            continue
+        q = shlex.quote(str(folder / probe))
+        proc = _ssh(h, f"mkdir -p {shlex.quote(str(folder))} && touch {q} && rm {q}")
+        checks.append(Check(f"output from {h}", proc.returncode == 0, "writable" if proc.returncode == 0 else
+                            "not writable there", "" if proc.returncode == 0 else
+                            f"mount the same shared folder at {folder} on {h}"))
+    return checks
+
+
+def check_allreduce(procs: int, timeout: float = 120) -> Check:
+    """`procs` local gloo processes all-reduce a 16 MB tensor; bus bandwidth as in nccl-tests."""
+    name = f"all-reduce ({procs} local gloo processes)"
+    port = launch.free_port()
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(procs), OMP_NUM_THREADS="1")
+    workers = [subprocess.Popen([sys.executable, "-m", "dstool.train.doctor", "--allreduce-rank", str(r)],
+                                env=dict(env, RANK=str(r)), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+               for r in range(procs)]
+    try:
+        results = [w.communicate(timeout=timeout) for w in workers]
+    except subprocess.TimeoutExpired:
+        for w in workers:
+            w.kill()
+        return Check(name, False, f"no result within {timeout:.0f} s", "check that localhost TCP is not firewalled")
+    if any(w.returncode for w in workers):
+        err = next(r[1] for r, w in zip(results, workers) if w.returncode).strip().splitlines()[-1:]
+        return Check(name, False, f"failed: {err[0] if err else 'no output'}", "see the error above; check "
+                     "GLOO_SOCKET_IFNAME and that torch.distributed works")
+    seconds = float(results[0][0].split()[0])
+    nbytes = ALLREDUCE_MB * 2**20
+    bus = 2 * (procs - 1) / procs * nbytes / seconds / 1e9
+    return Check(name, True, f"{ALLREDUCE_MB} MB in {seconds * 1e3:.1f} ms: bus bandwidth {bus:.2f} GB/s")
+
+
+def _allreduce_worker(rank: int) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=int(os.environ["WORLD_SIZE"]))
+    x = torch.ones(ALLREDUCE_MB * 2**20 // 4)
+    dist.all_reduce(x)  # warm-up: connections and buffers
+    if x[0].item() != dist.get_world_size():
+        raise SystemExit(f"all-reduce gave {x[0].item()}, expected {dist.get_world_size()}")
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        times.append(time.perf_counter() - t0)
+    print(sorted(times)[1])
+    dist.destroy_process_group()
+
+
+def run(hostfile: str | None, master_addr: str, master_port: int, output: str, nproc: int, env: dict[str, str],
+        echo=print) -> int:
+    """Run every check, print one line each; 0 when all pass, 1 otherwise."""
+    hosts = launch.parse_hostfile(hostfile) if hostfile else {"localhost": nproc}
+    checks = [check_ssh(h) for h in hosts]
+    reachable = {c.name.split(" ", 1)[1] for c in checks if c.ok}
+    checks.append(check_versions(list(hosts), reachable))
+    checks.append(check_port(master_addr, master_port))
+    checks += check_interfaces({**os.environ, **env})
+    local_slots = next((s for h, s in hosts.items() if is_local(h)), None)
+    checks.append(check_gpus(local_slots if hostfile else None))
+    checks += check_output(output, list(hosts), reachable)
+    checks.append(check_allreduce(max(2, min(nproc, os.cpu_count() or 2))))
+    for c in checks:
+        echo(c.line())
+    failed = [c for c in checks if not c.ok]
+    echo(f"doctor: {len(checks) - len(failed)}/{len(checks)} checks pass" + (f", {len(failed)} fail" if failed else ""))
+    return 1 if failed else 0
+
+
+def parse_env(pairs: list[str] | None) -> dict[str, str]:
+    out = {}
+    for item in pairs or []:
+        if "=" not in item:
+            raise UsageError(f"--env takes KEY=VALUE, got '{item}'")
+        k, v = item.split("=", 1)
+        out[k] = v
+    return out
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--allreduce-rank":
+        _allreduce_worker(int(sys.argv[2]))
