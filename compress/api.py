@@ -206,7 +206,11 @@ def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
                        f"{c['kv_groups']}x{c['heads_per_group']} heads/{c['channels']} ch {c['calibration_loss']:.3f}"
                        for c in result.candidates))
         else:
-            result = prune.prune_structured(model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0, calibration=ranking)
+            try:
+                result = prune.prune_structured(model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0,
+                                                calibration=ranking)
+            except ValueError as e:
+                raise UsageError(str(e)) from None
             how = "ratios as given"
         choices["pruning"] = (f"{result.decoder_fraction_removed:.1%} of decoder-layer parameters removed "
                               f"({1 - result.params_after / result.params_before:.1%} of all): per layer key/value "

@@ -103,6 +103,8 @@ def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
     candidates = []
     for kv_groups in range(kv_heads, 0, -1):
         for heads_per_group in range(group, 0, -1):
+            if config.hidden_size % (kv_groups * heads_per_group):
+                continue  # transformers' configs require hidden_size divisible by num_attention_heads
             attention = (kv_heads * group - kv_groups * heads_per_group) * per_head + (kv_heads - kv_groups) * per_group
             channels = _round_channels(intermediate - max(0, math.ceil((target - attention) / per_channel)))
             if attention > target * 1.05 or not 0 < channels <= intermediate:
@@ -139,6 +141,10 @@ def _apply_layout(model, layout: Layout, scores) -> PruneResult:
     config = model.config
     heads, kv_heads, intermediate = config.num_attention_heads, config.num_key_value_heads, config.intermediate_size
     group, head_dim = heads // kv_heads, layers[0].self_attn.head_dim
+    if config.hidden_size % (layout.kv_groups * layout.heads_per_group):
+        raise ValueError(f"{layout.kv_groups} key/value groups x {layout.heads_per_group} query heads would leave "
+                         f"{layout.kv_groups * layout.heads_per_group} attention heads, which do not divide hidden size "
+                         f"{config.hidden_size} (transformers rejects such a config): choose other ratios")
     params_before = sum(p.numel() for p in model.parameters())
     decoder_before = sum(p.numel() for p in layers.parameters())
     removed = []

@@ -171,6 +171,23 @@ def test_prune_to_ratio_removes_that_share_with_the_best_measured_layout(tmp_pat
         prune_to_ratio(tiny_llama(), 1.0)
 
 
+def test_layouts_transformers_would_reject_are_skipped(tmp_path):
+    """8 query heads in 4 groups, hidden 128: 6 or 3 heads do not divide the hidden size (LlamaConfig refuses)."""
+    def build() -> LlamaForCausalLM:
+        torch.manual_seed(0)
+        return LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=128, intermediate_size=256,
+                                            num_hidden_layers=1, num_attention_heads=8, num_key_value_heads=4)).eval()
+
+    model = build()
+    result = prune_to_ratio(model, 0.4, calibration=token_batch())
+    heads = {c["kv_groups"] * c["heads_per_group"] for c in result.candidates}
+    assert heads and not heads & {3, 6} and all(128 % h == 0 for h in heads)
+    model.save_pretrained(tmp_path)  # the chosen layout is a config transformers saves and loads
+    assert AutoModelForCausalLM.from_pretrained(tmp_path).config.num_attention_heads == result.heads_after
+    with pytest.raises(ValueError, match="do not divide hidden size 128"):
+        prune_structured(build(), 0.0, 0.0, kv_ratio=0.25)  # 3 groups x 2 heads
+
+
 def test_calibration_keeps_a_dominant_mlp_channel():
     model = tiny_llama().train()
     with torch.no_grad():
