@@ -40,6 +40,10 @@ class TrainConfig(BaseModel):
     zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage")
     offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU")
     offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU")
+    pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages (DeepSpeed PipelineModule; Llama "
+                                 "models, zero 0 or 1); data-parallel size = world / stages")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP); "
+                                 "data-parallel size = world / tensor_parallel")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
     micro_batch_size: int = Field(8, ge=1, description="sequences per rank per micro-step")
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-steps per optimizer step")
@@ -72,6 +76,14 @@ class TrainConfig(BaseModel):
     def _consistent(self) -> "TrainConfig":
         if self.keep_zero_weights and self.zero == 3:
             raise ValueError("keep_zero_weights needs zero 0, 1 or 2 (ranks must hold whole weights)")
+        if self.pipeline_stages > 1 and self.zero > 1:
+            raise ValueError(f"pipeline_stages {self.pipeline_stages} needs zero 0 or 1 (DeepSpeed pipelines cannot "
+                             "partition gradients or weights): add --zero 1")
+        if self.pipeline_stages > 1 and self.tensor_parallel > 1:
+            raise ValueError("pipeline_stages and tensor_parallel cannot be combined: choose one of them")
+        if (self.pipeline_stages > 1 or self.tensor_parallel > 1) and (self.distill_from or self.keep_zero_weights):
+            raise ValueError("distill_from and keep_zero_weights need data parallelism only: drop them or set "
+                             "pipeline_stages and tensor_parallel to 1")
         if self.offload_params and self.zero != 3:
             raise ValueError("offload_params needs zero: 3")
         if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:

@@ -22,7 +22,7 @@ from dstool import models
 from dstool.config import TrainConfig, dump_yaml
 from dstool.errors import UsageError
 from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_json_atomic, write_manifest
-from dstool.train import checkpoint, data, deepspeed_config, launch
+from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline
 from dstool.train.metrics import read_metrics
 
 RUN_KIND = "train-run"
@@ -51,6 +51,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     on_gpu = torch.cuda.is_available()
     precision = _precision(cfg, on_gpu)
     models.check_model_ref(cfg.model)
+    if cfg.pipeline_stages > 1:
+        pipeline.check_model(cfg.model)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
@@ -70,7 +72,8 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
         write_manifest(out, RUN_KIND, hash_files=False, data_fingerprint=fingerprint)
 
     meta = json.loads((out / "data" / "meta.json").read_text())
-    if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * topo.world:
+    replicas = deepspeed_config.data_parallel_size(cfg, topo.world)
+    if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * replicas:
         raise UsageError(f"data has {meta['train_tokens']} training tokens, fewer than one global micro-batch "
                          f"of {cfg.seq_len}-token sequences: add data or lower --seq-len/--micro-batch-size")
 
@@ -83,9 +86,12 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
     micro, accum = deepspeed_config.batch_plan(cfg, topo.world)
     echo(f"dstool train: {cfg.model} on {topo.world} rank(s) ({topo.nodes} node(s) x {topo.procs_per_node}, "
          f"{topo.launcher}, {'GPU/nccl' if on_gpu else 'CPU/gloo'}), ZeRO-{cfg.zero}, {precision}")
+    if replicas != topo.world:
+        echo(f"  model parallel: {cfg.pipeline_stages} pipeline stage(s) x {cfg.tensor_parallel} tensor-parallel "
+             f"rank(s) per replica, {replicas} data-parallel replica(s)")
     echo(f"  data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens, vocab {len(tokenizer)}; "
-         f"global batch {micro} x {accum} x {topo.world} = {micro * accum * topo.world} sequences of {cfg.seq_len}")
-    echo(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x {topo.world if cfg.lr_scaling == 'linear' else 1}, "
+         f"global batch {micro} x {accum} x {replicas} = {micro * accum * replicas} sequences of {cfg.seq_len}")
+    echo(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x {replicas if cfg.lr_scaling == 'linear' else 1}, "
          f"lr_scaling={cfg.lr_scaling}), warmup {deepspeed_config.warmup_steps(cfg)} steps "
          f"({cfg.warmup_ratio:.0%}), cosine to {cfg.min_lr_ratio:g} x peak over {cfg.max_steps} steps")
     echo(f"  resume: {resume or 'fresh start'}")
@@ -148,6 +154,9 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, echo
         return None
     _check_same_model(tag, cfg.model, vocab_size)
     saved_world = checkpoint.saved_world_size(tag)
+    if saved_world != world and (cfg.pipeline_stages > 1 or cfg.tensor_parallel > 1):
+        raise UsageError(f"checkpoint {tag} was saved on {saved_world} ranks; pipeline and tensor-parallel runs resume "
+                         f"only on the same world size: use {saved_world} ranks or a new --output")
     if checkpoint.needs_universal(tag, world):
         if cfg.lr_scaling == "linear":
             echo(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "

@@ -30,8 +30,9 @@ def tag_for(step: int) -> str:
     return f"step-{step:08d}"
 
 
-def save(engine, root: Path, step: int, client_state: dict, keep: int) -> Path:
-    """Every rank writes its shard under a partial tag; rank 0 hashes, renames, moves `latest`, prunes."""
+def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: dict[str, list[int]]) -> Path:
+    """Every rank writes its shard under a partial tag; rank 0 hashes, renames, moves `latest`, prunes.
+    `shapes`: the whole model's `model_shapes`, recorded to refuse resuming another model."""
     tag = tag_for(step)
     partial = PARTIAL + tag
     if dist.get_rank() == 0:  # a partial folder left by a killed attempt may hold other ranks' stale shards
@@ -42,7 +43,7 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int) -> Path:
     final = root / tag
     if dist.get_rank() == 0:
         write_manifest(root / partial, KIND, step=step, world_size=dist.get_world_size(),
-                       zero_stage=engine.zero_optimization_stage(), model_shapes=model_shapes(engine.module))
+                       zero_stage=engine.zero_optimization_stage(), model_shapes=shapes)
         if final.exists():
             shutil.rmtree(final)
         (root / partial).rename(final)

@@ -9,23 +9,33 @@ from dstool.config import TrainConfig
 from dstool.errors import UsageError
 
 
+def data_parallel_size(cfg: TrainConfig, world: int) -> int:
+    """Model replicas: the world divided into pipeline stages or tensor-parallel groups."""
+    model_parallel = cfg.pipeline_stages * cfg.tensor_parallel
+    if world % model_parallel:
+        flag = "--pipeline-stages" if cfg.pipeline_stages > 1 else "--tensor-parallel"
+        raise UsageError(f"world size {world} is not divisible by {flag} {model_parallel}: use a world size that "
+                         "is a multiple of it")
+    return world // model_parallel
+
+
 def batch_plan(cfg: TrainConfig, world: int) -> tuple[int, int]:
-    """(micro batch, accumulation steps) such that micro * accumulation * world is the global batch."""
-    micro = cfg.micro_batch_size
+    """(micro batch, accumulation steps) such that micro * accumulation * data-parallel size is the global batch."""
+    micro, dp = cfg.micro_batch_size, data_parallel_size(cfg, world)
     if cfg.global_batch_size is None:
         return micro, cfg.gradient_accumulation_steps or 1
-    accum, rest = divmod(cfg.global_batch_size, micro * world)
+    accum, rest = divmod(cfg.global_batch_size, micro * dp)
     if rest or accum == 0:
         raise UsageError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size {micro} "
-                         f"x world size {world} = {micro * world}: choose a multiple")
+                         f"x {'world' if dp == world else 'data-parallel'} size {dp} = {micro * dp}: choose a multiple")
     if cfg.gradient_accumulation_steps not in (None, accum):
         raise UsageError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} disagrees with global_batch_size "
-                         f"{cfg.global_batch_size} = {micro} x {world} x {accum}: set one of them")
+                         f"{cfg.global_batch_size} = {micro} x {dp} x {accum}: set one of them")
     return micro, accum
 
 
 def peak_lr(cfg: TrainConfig, world: int) -> float:
-    return cfg.lr * world if cfg.lr_scaling == "linear" else cfg.lr
+    return cfg.lr * data_parallel_size(cfg, world) if cfg.lr_scaling == "linear" else cfg.lr
 
 
 def warmup_steps(cfg: TrainConfig) -> int:
@@ -49,7 +59,7 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
     ds = {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": accum,
-        "train_batch_size": micro * accum * world,
+        "train_batch_size": micro * accum * _batch_ranks(cfg, world),
         "gradient_clipping": cfg.grad_clip,
         "steps_per_print": 1 << 30,
         "zero_optimization": zero,
@@ -60,10 +70,18 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
             "total_num_steps": cfg.max_steps, "warmup_num_steps": warmup_steps(cfg), "warmup_min_ratio": 0.0,
             "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
     }
+    if cfg.tensor_parallel > 1:
+        ds["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
     if cfg.deepspeed_config:
         ds = merge(ds, _read_user_json(cfg.deepspeed_config))
-        _check_batch(ds, world)
+        _check_batch(ds, _batch_ranks(cfg, world))
     return ds
+
+
+def _batch_ranks(cfg: TrainConfig, world: int) -> int:
+    """The rank count DeepSpeed's batch check multiplies by: a pipeline engine counts data-parallel ranks
+    (its topology is known); AutoTP's config check (0.19.8) counts every rank, tensor-parallel peers too."""
+    return world if cfg.tensor_parallel > 1 else data_parallel_size(cfg, world)
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -91,4 +109,4 @@ def _check_batch(ds: dict, world: int) -> None:
     micro, accum, total = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]
     if micro * accum * world != total:
         raise UsageError(f"DeepSpeed batch sizes disagree: train_batch_size {total} != micro {micro} x accumulation "
-                         f"{accum} x world {world}; fix the JSON or drop its batch keys")
+                         f"{accum} x ranks {world}; fix the JSON or drop its batch keys")

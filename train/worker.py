@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dstool import models
 from dstool.config import TrainConfig
 from dstool.manifest import write_json_atomic, write_manifest
-from dstool.train import checkpoint, data, launch
+from dstool.train import checkpoint, data, launch, pipeline
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 
 
@@ -75,10 +75,14 @@ def main(run_file: str) -> None:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     model.config.use_cache = False
     total_params, active_params = models.count_parameters(model)
+    shapes = checkpoint.model_shapes(model)  # whole shapes: AutoTP and pipeline stages hold parts
 
-    engine, _, _, scheduler = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
+    module = pipeline.build(model, cfg.pipeline_stages) if cfg.pipeline_stages > 1 else model
+    engine, _, _, scheduler = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_config)
     del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
+    # Data is sharded over model replicas: tensor-parallel peers and pipeline stages read the same samples.
+    dp_rank, dp_world = dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size
     masks = _zero_masks(engine.module) if cfg.keep_zero_weights else {}
     teacher = _teacher(cfg.distill_from, engine) if cfg.distill_from else None
 
@@ -93,7 +97,7 @@ def main(run_file: str) -> None:
         _, client = engine.load_checkpoint(str(resume.parent), tag=resume.name)
         start_step = client["step"]
         # Zero unless the global batch changed with the world size: the data position is samples consumed.
-        data_offset = client["samples_consumed"] - start_step * micro * accum * world
+        data_offset = client["samples_consumed"] - start_step * micro * accum * dp_world
     failed_at = _last_heartbeat(out) if restarts and rank == 0 else None
     log = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
     trace = open(out / f"samples.rank{rank}.jsonl", "a", buffering=1) if cfg.trace_samples else None
@@ -104,7 +108,7 @@ def main(run_file: str) -> None:
     embedding = model.get_input_embeddings().weight
     matmul_params = active_params - getattr(embedding, "ds_numel", embedding.numel())
     flops_tok = flops_per_token(matmul_params, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len)
-    tokens_per_step = micro * accum * world * cfg.seq_len
+    tokens_per_step = micro * accum * dp_world * cfg.seq_len
     if rank == 0:
         print(f"dstool: {total_params:,} parameters ({active_params:,} active per token); MFU against a declared "
               f"peak of {peak:g} TFLOP/s per rank", flush=True)
@@ -120,7 +124,14 @@ def main(run_file: str) -> None:
 
     def save(at: int) -> None:  # the data position is one number: samples consumed globally
         checkpoint.save(engine, out / "checkpoints", at,
-                        {"step": at, "samples_consumed": data_offset + at * micro * accum * world}, cfg.keep_checkpoints)
+                        {"step": at, "samples_consumed": data_offset + at * micro * accum * dp_world},
+                        cfg.keep_checkpoints, shapes)
+
+    def micro_batch(m: int) -> torch.Tensor:
+        ids = order.micro_batch(step, m, dp_rank, dp_world, micro, accum, data_offset)
+        if trace:
+            trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
+        return torch.stack([train_split[i] for i in ids]).to(engine.device)
 
     def diverged(what: str) -> NonFiniteLoss:
         return NonFiniteLoss(f"{what} at step {step}; the last good checkpoint is kept "
@@ -130,22 +141,23 @@ def main(run_file: str) -> None:
     try:
         while step < cfg.max_steps:
             t0 = time.perf_counter()
-            for m in range(accum):
-                ids = order.micro_batch(step, m, rank, world, micro, accum, data_offset)
-                batch = torch.stack([train_split[i] for i in ids]).to(engine.device)
-                outputs = engine(input_ids=batch, labels=batch)
-                loss = outputs.loss
-                if teacher is not None:
-                    kl = distill_kl(outputs.logits, teacher, batch)
-                    loss = loss + kl
-                    window_kl += kl.detach().float() / accum
-                engine.backward(loss)
-                engine.step()
-                if masks and engine.is_gradient_accumulation_boundary():
-                    _apply_masks(masks)
-                window_loss += loss.detach().float() / accum
-                if trace:
-                    trace.write(json.dumps({"step": step, "micro": m, "samples": ids}) + "\n")
+            if cfg.pipeline_stages > 1:  # the pipeline engine runs the step's micro-batches itself
+                batches = ((batch, batch) for batch in map(micro_batch, range(accum)))
+                window_loss += engine.train_batch(data_iter=batches).float().reshape(())  # shape (1,) off the last stage
+            else:
+                for m in range(accum):
+                    batch = micro_batch(m)
+                    outputs = engine(input_ids=batch, labels=batch)
+                    loss = outputs.loss
+                    if teacher is not None:
+                        kl = distill_kl(outputs.logits, teacher, batch)
+                        loss = loss + kl
+                        window_kl += kl.detach().float() / accum
+                    engine.backward(loss)
+                    engine.step()
+                    if masks and engine.is_gradient_accumulation_boundary():
+                        _apply_masks(masks)
+                    window_loss += loss.detach().float() / accum
             step += 1
             # DeepSpeed's global grad norm is already agreed by all ranks: checking it every step costs no
             # collective, and a NaN/inf loss on any rank makes it non-finite. fp16 overflows are routine
@@ -200,7 +212,7 @@ def main(run_file: str) -> None:
     _log_eval(engine, val_split, cfg, step, log)
     if log:
         log.close()
-    _save_hf_folder(engine, tokenizer, val_split, out, run["precision"], step)
+    _save_hf_folder(engine, model, tokenizer, val_split, out, run["precision"], step)
     dist.barrier()
     dist.destroy_process_group()
 
@@ -298,19 +310,20 @@ def _latest(out: Path) -> str | None:
 
 @torch.no_grad()
 def evaluate(engine, split: data.TokenSplit, micro: int, batches: int) -> float:
-    """Mean held-out loss; every rank evaluates its own shard of the split (same count on all ranks)."""
-    rank, world = dist.get_rank(), dist.get_world_size()
-    engine.eval()
+    """Mean held-out loss; every model replica evaluates its own shard of the split (same count on all)."""
+    rank, world = dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size
     n = len(split)
     per_rank = max(1, min(batches, n // (micro * world)))
-    total = torch.zeros((), device=engine.device)
-    for b in range(per_rank):
-        ids = [((b * world + rank) * micro + k) % n for k in range(micro)]
-        batch = torch.stack([split[i] for i in ids]).to(engine.device)
-        total += engine(input_ids=batch, labels=batch).loss.float()
-    dist.all_reduce(total)
-    engine.train()
-    return total.item() / (per_rank * world)
+    shard = (torch.stack([split[((b * world + rank) * micro + k) % n] for k in range(micro)]).to(engine.device)
+             for b in range(per_rank))
+    if engine.pipeline_parallelism:  # the mean over the micro-batches, on every stage
+        total = engine.eval_batch(((batch, batch) for batch in shard), num_micro_batches=per_rank).reshape(()) * per_rank
+    else:
+        engine.eval()
+        total = sum(engine(input_ids=batch, labels=batch).loss.float() for batch in shard)
+        engine.train()
+    dist.all_reduce(total)  # every rank holds its replica's total: the mean over all ranks is the mean over replicas
+    return total.item() / (per_rank * dist.get_world_size())
 
 
 def _log_eval(engine, split, cfg: TrainConfig, step: int, log: MetricsLog | None) -> None:
@@ -321,25 +334,27 @@ def _log_eval(engine, split, cfg: TrainConfig, step: int, log: MetricsLog | None
         print(f"dstool: step {step} held-out loss {val:.4f} perplexity {ppl:.2f}", flush=True)
 
 
-def _save_hf_folder(engine, tokenizer, val_split, out: Path, precision: str, step: int) -> None:
-    """Consolidate the weights the engine computes with into out/model, then prove it: reload with
-    transformers and compare logits with the engine's on held-out tokens (a correctness gate)."""
+def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int) -> None:
+    """Consolidate the weights the engine computes with into out/model (`module`: the Hugging Face model),
+    then prove it: reload with transformers and compare logits with the engine's on held-out tokens."""
     from transformers import AutoModelForCausalLM
 
     rank = dist.get_rank()
     probe = torch.stack([val_split[i % len(val_split)] for i in range(2)])[:, :64]
-    engine.eval()
-    with torch.no_grad():
-        engine_logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
-    if engine.zero_optimization_stage() == 3:
-        state = engine._zero3_consolidated_16bit_state_dict()  # collective; full dict on rank 0
+    if engine.pipeline_parallelism:  # collectives; logits and full dict on rank 0
+        engine_logits, state = pipeline.logits(engine, probe.to(engine.device)), pipeline.hf_state_dict(engine, module)
     else:
-        state = engine.module.state_dict() if rank == 0 else None
+        engine.eval()
+        with torch.no_grad():
+            engine_logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
+        if engine.zero_optimization_stage() == 3 or engine.autotp_size() > 1:
+            state = engine._consolidated_16bit_state_dict()  # collective; ZeRO-3 and AutoTP shards joined on rank 0
+        else:
+            state = engine.module.state_dict() if rank == 0 else None
     if rank != 0:
         return
     target, tmp = out / "model", out / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    module = engine.module
     module.config.use_cache = True
     module.config.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     module.save_pretrained(tmp, state_dict={k: v.detach().cpu() for k, v in state.items()}, safe_serialization=True)
