@@ -195,3 +195,76 @@ def test_emit_k8s_is_a_valid_pytorchjob(tmp_path):
     broken["spec"]["pytorchReplicaSpecs"]["Worker"]["restartPolicy"] = "Sometimes"
     with pytest.raises(jsonschema.ValidationError):  # the schema check can fail
         jsonschema.validate(broken, schema)
+
+
+@pytest.fixture(scope="module")
+def model_parallel(reference, session_tmp):
+    """SCALE trained on 2 ranks as 2 pipeline stages (DeepSpeed PipelineModule) and as 2 AutoTP ranks:
+    one model replica each, so the global batch of 8 is the reference's."""
+    runs = {}
+    for name, flags in {"pipeline": ["--pipeline-stages", "2"], "tensor": ["--tensor-parallel", "2"]}.items():
+        out = session_tmp / f"scale_{name}2"
+        proc = dstool("train", "--output", str(out), "--nproc", "2", *SCALE, "--zero", "1", *flags)
+        runs[name] = out, proc
+    return reference, runs
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "tensor"])
+def test_model_parallel_training_matches_data_parallel(model_parallel, kind):
+    ref, (out, proc) = model_parallel[0], model_parallel[1][kind]
+    assert "1 data-parallel replica(s)" in proc.stdout
+    a, b = losses(out), losses(ref)
+    assert sorted(a) == list(range(1, 9))
+    for step in a:  # same weights, batch and lr: only the order of the float sums differs
+        assert a[step] == pytest.approx(b[step], abs=1e-4), (step, a, b)
+    assert a[8] < a[1] - 0.5
+    global_batches = _trace(ref)
+    for f in out.glob("samples.rank*.jsonl"):  # every stage / tensor-parallel peer read the whole global batch
+        rows: dict[int, list[int]] = {}
+        for r in map(json.loads, f.read_text().splitlines()):
+            rows.setdefault(r["step"], []).extend(r["samples"])
+        assert {s: sorted(ids) for s, ids in rows.items()} == global_batches, f.name
+    ds = json.loads((out / "ds_config.json").read_text())
+    assert ds["zero_optimization"]["stage"] == 1 and ds["train_micro_batch_size_per_gpu"] * \
+        ds["gradient_accumulation_steps"] == 8
+    assert ds.get("tensor_parallel") == ({"autotp_size": 2} if kind == "tensor" else None)
+    tag = out / "checkpoints" / "step-00000008"
+    assert verify_manifest(tag, "deepspeed-checkpoint")["world_size"] == 2
+    names = {p.name for p in tag.iterdir()}
+    if kind == "pipeline":  # DeepSpeed's pipeline layout: one file per pipeline layer (embedding, 4 decoders, head)
+        assert {f"layer_{i:02d}-model_states.pt" for i in range(6)} <= names, names
+    else:  # one model-states file per tensor-parallel rank
+        assert {"mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"} <= names, names
+
+
+@pytest.mark.parametrize("kind", ["pipeline", "tensor"])
+def test_model_parallel_model_folder_reloads(model_parallel, kind):
+    """The stages / tensor shards gathered into model/ are the whole trained LlamaForCausalLM."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    ref, (out, _) = model_parallel[0], model_parallel[1][kind]
+    manifest = verify_manifest(out / "model", "hf-model")
+    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4
+    probe = torch.load(out / "probe_logits.pt")
+    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
+    with torch.no_grad():
+        logits = model(input_ids=probe["input_ids"]).logits
+    assert (logits - probe["logits"]).abs().max().item() <= 1e-4
+    ref_logits = torch.load(ref / "probe_logits.pt")["logits"]  # and they are the data-parallel run's weights
+    assert torch.equal(probe["input_ids"], torch.load(ref / "probe_logits.pt")["input_ids"])
+    assert (logits - ref_logits).abs().max().item() < 1e-3
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pipeline-stages", "2"], "needs zero 0 or 1"),
+    (["--pipeline-stages", "2", "--zero", "1", "--nproc", "3"], "world size 3 is not divisible by --pipeline-stages 2"),
+    (["--tensor-parallel", "2", "--nproc", "3"], "world size 3 is not divisible by --tensor-parallel 2"),
+    (["--pipeline-stages", "2", "--zero", "1", "--nproc", "2", "--model", "tiny-moe"], "Llama-architecture"),
+    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--zero", "1"], "cannot be combined"),
+])
+def test_model_parallel_bad_input(args, needle, tmp_path):
+    proc = dstool("train", "--output", str(tmp_path / "run"), *args, check=False, timeout=120)
+    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
+    assert not (tmp_path / "run").exists()
