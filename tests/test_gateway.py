@@ -28,19 +28,31 @@ API_GATEWAY = ("import json, sys; from dstool.serve.gateway import GatewayConfig
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None):
+    def __init__(self, workdir: Path, password: str | None = None, tls: bool = False):
         if REDIS_SERVER is None:
             pytest.fail("redis-server is not installed: run `bash scripts/setup.sh` (or apt-get install redis-server)")
-        self.port, self.workdir, self.password = free_port(), workdir, password
+        self.port, self.workdir, self.password, self.tls = free_port(), workdir, password, tls
         workdir.mkdir(parents=True, exist_ok=True)
+        if tls:  # a self-signed certificate for 127.0.0.1
+            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
+                            "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout",
+                            str(workdir / "key.pem"), "-out", str(workdir / "cert.pem")], check=True,
+                           capture_output=True)
         self.start()
 
     @property
     def url(self) -> str:
-        return f"redis://{':' + self.password + '@' if self.password else ''}127.0.0.1:{self.port}/0"
+        auth = f":{self.password}@" if self.password else ""
+        if self.tls:
+            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.workdir / 'cert.pem'}"
+        return f"redis://{auth}127.0.0.1:{self.port}/0"
 
     def start(self) -> None:
         extra = ["--requirepass", self.password] if self.password else []
+        if self.tls:
+            extra += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.workdir / "cert.pem"),
+                      "--tls-key-file", str(self.workdir / "key.pem"), "--tls-ca-cert-file",
+                      str(self.workdir / "cert.pem"), "--tls-auth-clients", "no"]
         self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
                                       "--appendonly", "no", "--dir", str(self.workdir), *extra],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -109,6 +121,38 @@ class GatewayProcess:
             self.proc.send_signal(signal.SIGTERM)
             self.proc.wait(15)
         self.out.close()
+
+
+def test_cache_key_covers_what_changes_a_result_and_nothing_else():
+    from dstool.serve.gateway.keys import cache_key
+    from dstool.serve.gateway.tensors import InferRequest, Tensor
+
+    def key(inputs=((b"\x01" * 8, "a"), (b"\x02" * 8, "b")), outputs=None, parameters=None, version="1",
+            fingerprint="f", datatype="INT64", shape=(1, 1)):
+        tensors = [Tensor(name, datatype, shape, raw) for raw, name in inputs]
+        return cache_key(fingerprint, version, InferRequest("m", "", tensors, outputs, parameters or {}), ["y", "z"])
+
+    base = key()
+    assert key(inputs=((b"\x02" * 8, "b"), (b"\x01" * 8, "a"))) == base  # input order does not matter
+    assert key(outputs=[("z", {"binary_data": True}), ("y", {})]) == base  # all outputs, format aside
+    assert key(parameters={"binary_data_output": True, "priority": 2, "timeout": 5}) == base
+    changed = {key(inputs=((b"\x01" * 8, "a"), (b"\x03" * 8, "b"))), key(outputs=[("y", {})]),
+               key(outputs=[("y", {"classification": 3}), ("z", {})]), key(parameters={"temperature": 0.5}),
+               key(version="2"), key(fingerprint="g"), key(datatype="FP64"), key(shape=(1, 1, 1))}
+    assert base not in changed and len(changed) == 8
+
+
+def test_stored_entries_round_trip_and_damage_is_detected():
+    from dstool.serve.gateway.cache import CorruptEntry, decode, encode
+    from dstool.serve.gateway.tensors import InferResult, Tensor
+
+    result = InferResult("m", "3", [Tensor("logits", "FP32", (1, 2), np.array([[1.5, -2.0]], np.float32).tobytes()),
+                                    Tensor("text", "BYTES", (1,), b"\x02\x00\x00\x00hi")], {"p": 1})
+    blob = encode(result, 123.5)
+    assert decode(blob) == (result, 123.5)
+    for damaged in (blob[:-1], blob[:20], b"", b"DSG1" + blob[4:10], blob[:30] + bytes([blob[30] ^ 1]) + blob[31:]):
+        with pytest.raises(CorruptEntry):
+            decode(damaged)
 
 
 @pytest.fixture(scope="module")
@@ -239,6 +283,27 @@ def test_everything_else_is_relayed_unchanged(server, gateway):
             through.close()
 
 
+def test_grpc_stream_infer_is_relayed(server, gateway):
+    import queue
+
+    import tritonclient.grpc as grpc
+
+    ids = ids_for(11)
+    expected, _ = infer("grpc", server.grpc_url, ids)
+    c = grpc.InferenceServerClient(gateway.grpc_url)
+    answers = queue.Queue()
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i in range(3):
+            c.async_stream_infer(MODEL, make_inputs(grpc, ids), request_id=str(i))
+        for i in range(3):
+            result, error = answers.get(timeout=60)
+            assert error is None and np.array_equal(result.as_numpy("logits"), expected)
+    finally:
+        c.stop_stream()
+        c.close()
+
+
 def test_requests_that_opt_out_are_never_cached(server, gateway):
     ids = ids_for(3)
     before = triton_inferences(server)
@@ -301,6 +366,25 @@ def test_entries_expire_after_the_ttl(server, redis_server, session_tmp):
         assert triton_inferences(server) == before + 2
     finally:
         gw.stop()
+
+
+def test_rediss_tls_url(server, session_tmp):
+    rds = RedisServer(session_tmp / "redis-tls", password="pw", tls=True)
+    gw = api_gateway(server, session_tmp / "gateway-tls.log", cache=rds.url)
+    try:
+        assert "cache: Redis rediss://***@127.0.0.1" in gw.log.read_text()
+        before = triton_inferences(server)
+        expected, _ = infer("grpc", gw.grpc_url, ids_for(10))
+        assert triton_inferences(server) == before + 1
+        gw.stop()
+        deadline = time.time() + 10
+        while not rds.client().keys("dstool:gw:1:*"):
+            assert time.time() < deadline, "nothing was written over TLS"
+            time.sleep(0.1)
+        assert any(holds(rds.client().get(k), expected) for k in rds.client().keys("dstool:gw:1:*"))
+    finally:
+        gw.stop()
+        rds.stop()
 
 
 def test_without_redis_an_in_process_cache_with_a_warning(server, session_tmp):

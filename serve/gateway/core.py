@@ -90,9 +90,6 @@ class Deployments:
         versions = sorted(metadata.get("versions") or [], key=lambda v: (len(v), v))
         outputs = [o["name"] for o in metadata.get("outputs") or []]
         d = Deployment(model, versions, outputs, orjson.loads(config.body), time.monotonic(), self.repository)
-        old = self._known.get(model)
-        if old is not None and old.versions == d.versions and old.outputs == d.outputs and old.config == d.config:
-            d.fingerprints = old.fingerprints
         self._known[model] = d
         return d
 
@@ -141,10 +138,21 @@ class GatewayCore:
     async def compute(self, key: str, version: str, request: InferRequest) -> tuple[InferResult, Entry | None]:
         """Run a miss on Triton (identical concurrent misses share one Triton request) and keep the result."""
         pending = self._computing.get(key)
-        if pending is None:
-            pending = self._computing[key] = asyncio.ensure_future(self._compute_and_store(key, version, request))
-            pending.add_done_callback(lambda _: self._computing.pop(key, None))
-        return await asyncio.shield(pending)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        # The first request computes in its own task (no extra task or loop turn on the common path);
+        # identical requests arriving meanwhile wait on `shared`.
+        shared = self._computing[key] = asyncio.get_running_loop().create_future()
+        shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even with no waiter
+        try:
+            answer = await self._compute_and_store(key, version, request)
+        except BaseException as e:
+            shared.set_exception(e)
+            raise
+        finally:
+            del self._computing[key]
+        shared.set_result(answer)
+        return answer
 
     async def _compute_and_store(self, key: str, version: str, request: InferRequest):
         result = await self.infer_upstream(request)
