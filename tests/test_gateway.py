@@ -34,6 +34,8 @@ class RedisServer:
         self.port, self.workdir, self.password, self.tls = free_port(), workdir, password, tls
         workdir.mkdir(parents=True, exist_ok=True)
         if tls:  # a self-signed certificate for 127.0.0.1
+            if shutil.which("openssl") is None:
+                pytest.fail("openssl is not installed: apt-get install openssl")
             subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
                             "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout",
                             str(workdir / "key.pem"), "-out", str(workdir / "cert.pem")], check=True,
