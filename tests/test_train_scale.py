@@ -204,7 +204,7 @@ def model_parallel(reference, session_tmp):
     runs = {}
     for name, flags in {"pipeline": ["--pipeline-stages", "2"], "tensor": ["--tensor-parallel", "2"]}.items():
         out = session_tmp / f"scale_{name}2"
-        proc = dstool("train", "--output", str(out), "--nproc", "2", *SCALE, "--zero", "1", *flags)
+        proc = dstool("train", "--output", str(out), "--nproc", "2", *SCALE, "--zero", "1", "--save-every", "8", *flags)
         runs[name] = out, proc
     return reference, runs
 
@@ -257,14 +257,25 @@ def test_model_parallel_model_folder_reloads(model_parallel, kind):
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--pipeline-stages", "2"], "needs zero 0 or 1"),
     (["--pipeline-stages", "2", "--zero", "1", "--nproc", "3"], "world size 3 is not divisible by --pipeline-stages 2"),
-    (["--tensor-parallel", "2", "--nproc", "3"], "world size 3 is not divisible by --tensor-parallel 2"),
     (["--pipeline-stages", "2", "--zero", "1", "--nproc", "2", "--model", "tiny-moe"], "Llama-architecture"),
-    (["--pipeline-stages", "2", "--tensor-parallel", "2", "--zero", "1"], "cannot be combined"),
 ])
 def test_model_parallel_bad_input(args, needle, tmp_path):
     proc = dstool("train", "--output", str(tmp_path / "run"), *args, check=False, timeout=120)
     lines = [l for l in proc.stderr.splitlines() if l.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_model_parallel_bad_config():
+    from dstool.config import TrainConfig, load_config
+    from dstool.errors import UsageError
+    from dstool.train import deepspeed_config
+
+    for flags, needle in [({"pipeline_stages": 2}, "needs zero 0 or 1"),
+                          ({"pipeline_stages": 2, "tensor_parallel": 2, "zero": 1}, "cannot be combined"),
+                          ({"tensor_parallel": 2, "distill_from": "teacher"}, "data parallelism only")]:
+        with pytest.raises(UsageError, match=needle):
+            load_config(TrainConfig, None, flags)
+    with pytest.raises(UsageError, match="world size 6 is not divisible by --tensor-parallel 4"):
+        deepspeed_config.build(TrainConfig(tensor_parallel=4), world=6, precision="fp32", on_gpu=False)
