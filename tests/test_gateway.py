@@ -318,10 +318,11 @@ def test_requests_that_opt_out_are_never_cached(server, gateway):
 def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(server, gateway, redis_server,
                                                                              session_tmp):
     ids = ids_for(4)
-    expected, _ = infer("grpc", gateway.grpc_url, ids)  # stored by the main gateway
     r = redis_server.client()
+    expected, _ = infer("grpc", gateway.grpc_url, ids)  # stored by the main gateway, in the background
+    wait_for(lambda: any(holds(r.get(k), expected) for k in r.keys("dstool:gw:1:dstool_lm:*")), "the entry in Redis")
     keys = r.keys("dstool:gw:1:dstool_lm:*")
-    assert keys and all(0 < r.ttl(k) <= 600 for k in keys)
+    assert all(0 < r.ttl(k) <= 600 for k in keys)
     second = api_gateway(server, session_tmp / "gateway-second.log", cache=redis_server.url)
     try:
         before = triton_inferences(server)
@@ -339,9 +340,16 @@ def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(se
         logits, _ = infer("grpc", third.grpc_url, ids)
         assert np.array_equal(logits, expected) and triton_inferences(server) == before + 1  # recomputed
         assert third.metric("dstool_gateway_errors_total", kind="corrupt_entry") >= 1
-        assert any(holds(r.get(k), expected) for k in r.keys("dstool:gw:1:dstool_lm:*"))  # replaced by a good entry
     finally:
-        third.stop()
+        third.stop()  # waits for its background Redis writes
+    assert any(holds(r.get(k), expected) for k in r.keys("dstool:gw:1:dstool_lm:*"))  # replaced by a good entry
+
+
+def wait_for(condition, what: str, seconds: float = 10.0) -> None:
+    deadline = time.time() + seconds
+    while not condition():
+        assert time.time() < deadline, f"waited {seconds:.0f} s for {what}"
+        time.sleep(0.05)
 
 
 def holds(value: bytes | None, expected: np.ndarray) -> bool:
@@ -378,11 +386,7 @@ def test_rediss_tls_url(server, session_tmp):
         before = triton_inferences(server)
         expected, _ = infer("grpc", gw.grpc_url, ids_for(10))
         assert triton_inferences(server) == before + 1
-        gw.stop()
-        deadline = time.time() + 10
-        while not rds.client().keys("dstool:gw:1:*"):
-            assert time.time() < deadline, "nothing was written over TLS"
-            time.sleep(0.1)
+        gw.stop()  # waits for its background Redis writes
         assert any(holds(rds.client().get(k), expected) for k in rds.client().keys("dstool:gw:1:*"))
     finally:
         gw.stop()
@@ -447,12 +451,9 @@ def test_redis_killed_or_frozen_under_load_fails_no_request(server, session_tmp)
         assert gw.metric("dstool_gateway_errors_total", kind="redis") >= 1
 
         rds.start()  # back on the same port: the gateway reconnects by itself
-        deadline, n = time.time() + 15, 0
-        while rds.client().dbsize() == 0:
-            assert time.time() < deadline, "the gateway did not write to Redis again"
-            infer("http-binary", gw.http_url, ids_for(200 + n))
-            n += 1
-            time.sleep(0.2)
+        fresh_inputs = iter(range(200, 10**6))
+        wait_for(lambda: infer("http-binary", gw.http_url, ids_for(next(fresh_inputs))) and rds.client().dbsize() > 0,
+                 "the gateway to write to the restarted Redis", 15)
 
         fresh = [ids_for(300 + k) for k in range(10)]  # not in the gateway's front LRU: each asks Redis first
         expected = [infer("grpc", server.grpc_url, s)[0] for s in fresh]
