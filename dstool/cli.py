@@ -133,6 +133,8 @@ def build_parser() -> argparse.ArgumentParser:
     srv.add_argument("--tritonserver", help="path of the tritonserver binary")
     srv.add_argument("--log-file", default="tritonserver.log", help="[default: tritonserver.log]")
     srv.add_argument("--timeout", type=float, default=120.0, help="seconds to wait for readiness [default: 120]")
+    srv.add_argument("--cache-config", metavar="SPEC", help="Triton's own response cache, passed to tritonserver "
+                     "--cache-config, e.g. local,size=268435456 (for models exported with --response-cache)")
     srv.add_argument("--cache", nargs="?", const="auto", default=None, metavar="URL",
                      help="put the caching gateway on --http-port/--grpc-port and Triton on internal ports: "
                           "redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, or no value: "
@@ -279,8 +281,9 @@ def _cmd_serve(ns: argparse.Namespace) -> int:
         from dstool.serve.gateway.launch import serve_cached
 
         return serve_cached(ns.repository, ns.metrics_port, ns.tritonserver, ns.log_file, ns.timeout,
-                            _gateway_config(ns, [], [], None if ns.cache == "auto" else ns.cache))
-    return serve(ns.repository, ns.http_port, ns.grpc_port, ns.metrics_port, ns.tritonserver, ns.log_file, ns.timeout)
+                            _gateway_config(ns, [], [], None if ns.cache == "auto" else ns.cache), ns.cache_config)
+    return serve(ns.repository, ns.http_port, ns.grpc_port, ns.metrics_port, ns.tritonserver, ns.log_file, ns.timeout,
+                 cache_config=ns.cache_config)
 
 
 def _cmd_infer(ns: argparse.Namespace) -> int:

@@ -102,12 +102,14 @@ def export(model_dir: str, repo: str, settings: ModelSettings, echo=print) -> di
 
 
 def serve(repo: str, http_port: int, grpc_port: int, metrics_port: int, tritonserver: str | None,
-          log_file: str, timeout: float, echo=print) -> int:
-    """Start Triton on `repo`, wait until ready, block until Ctrl-C/SIGTERM, stop it cleanly."""
+          log_file: str, timeout: float, echo=print, cache_config: str | None = None) -> int:
+    """Start Triton on `repo` (with `cache_config` as tritonserver --cache-config), wait until ready, block until
+    Ctrl-C/SIGTERM, stop it cleanly."""
     if not Path(repo).is_dir():
         raise UsageError(f"repository {repo} does not exist: run dstool export first")
     binary = triton.find_tritonserver(tritonserver)
-    server = triton.start(Path(repo), binary, http_port, grpc_port, metrics_port, Path(log_file), timeout=timeout)
+    server = triton.start(Path(repo), binary, http_port, grpc_port, metrics_port, Path(log_file),
+                          cache_config=cache_config, timeout=timeout)
     echo(f"dstool serve: Triton ready — HTTP {server.http_url}, gRPC {server.grpc_url}, metrics "
          f"127.0.0.1:{metrics_port}; log: {log_file}; Ctrl-C to stop")
     stop = threading.Event()

@@ -594,7 +594,8 @@ def test_serve_with_cache_then_dstool_infer(repo, redis_server, session_tmp):
     out = open(log, "w")
     proc = subprocess.Popen([*DSTOOL, "serve", "--repository", str(repo), "--cache", redis_server.url, "--http-port",
                              str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
-                             "--log-file", str(session_tmp / "serve-cache-triton.log")],
+                             "--log-file", str(session_tmp / "serve-cache-triton.log"), "--cache-config",
+                             f"local,size={1 << 20}"],
                             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.time() + 120
@@ -617,6 +618,7 @@ def test_serve_with_cache_then_dstool_infer(repo, redis_server, session_tmp):
         assert proc.wait(60) == 0, log.read_text()
         out.close()
     assert "Triton stopped (exit code 0)" in log.read_text()
+    assert "Creating TritonCache with name: 'local'" in (session_tmp / "serve-cache-triton.log").read_text()
 
 
 def test_a_new_model_version_misses(server, gateway, repo):

@@ -25,16 +25,18 @@ def check_port_free(host: str, port: int) -> None:
 
 
 def serve_cached(repo: str, metrics_port: int, tritonserver: str | None, log_file: str, timeout: float,
-                 gateway: GatewayConfig, echo=print) -> int:
-    """Start Triton on free internal ports of 127.0.0.1, then the gateway on gateway.http_port/grpc_port in
-    front of it, until Ctrl-C/SIGTERM (or until Triton exits); Triton is stopped cleanly at the end."""
+                 gateway: GatewayConfig, cache_config: str | None = None, echo=print) -> int:
+    """Start Triton on free internal ports of 127.0.0.1 (with `cache_config` as its --cache-config), then the
+    gateway on gateway.http_port/grpc_port in front of it, until Ctrl-C/SIGTERM (or until Triton exits);
+    Triton is stopped cleanly at the end."""
     if not Path(repo).is_dir():
         raise UsageError(f"repository {repo} does not exist: run dstool export first")
     gateway.check(upstreams_known=False)
     for port in (gateway.http_port, gateway.grpc_port, metrics_port):
         check_port_free(gateway.host if port != metrics_port else "127.0.0.1", port)
     binary = triton.find_tritonserver(tritonserver)
-    server = triton.start(Path(repo), binary, free_port(), free_port(), metrics_port, Path(log_file), timeout=timeout)
+    server = triton.start(Path(repo), binary, free_port(), free_port(), metrics_port, Path(log_file),
+                          cache_config=cache_config, timeout=timeout)
     echo(f"dstool serve: Triton ready on internal ports — HTTP {server.http_url}, gRPC {server.grpc_url}, "
          f"metrics 127.0.0.1:{metrics_port}; log: {log_file}")
     config = dataclasses.replace(gateway, upstreams=[server.http_url], upstreams_grpc=[server.grpc_url],
