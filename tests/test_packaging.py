@@ -49,3 +49,15 @@ def test_compose_runs_the_serving_stack():
     assert services["serve"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert re.search(r":\d", services["redis"]["image"])
     assert {p.split(":")[-1] for p in services["serve"]["ports"]} == {"8000", "8001"}
+
+
+def test_docs_option_lists_match_the_cli():
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "docs_cli.py"), "--check"], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def test_docs_links_resolve():
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for target in re.findall(r"\]\(([^)#:]+\.(?:md|yml|yaml|py|json|toml)|[^)#:]*Dockerfile)\)", page.read_text()):
+            assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
