@@ -100,9 +100,6 @@ class MemoryLRU:
         if old is not None:
             self.bytes -= old.size
 
-    def __len__(self) -> int:
-        return len(self._entries)
-
 
 class RedisStore:
     """GET/SET on Redis with a per-call timeout; after a failure Redis is skipped for a back-off that doubles

@@ -62,13 +62,9 @@ class HttpResponse:
         return ["".join(head).encode("latin-1"), *self.chunks]
 
 
-def json_response(status: int, payload) -> HttpResponse:
-    return HttpResponse(status, [orjson.dumps(payload)], [("Content-Type", "application/json")])
-
-
 def error_response(status: int, message: str) -> HttpResponse:
     """KServe v2 error body."""
-    return json_response(status, {"error": message})
+    return HttpResponse(status, [orjson.dumps({"error": message})], [("Content-Type", "application/json")])
 
 
 def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes) -> tuple[InferRequest, tuple]:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -24,7 +24,6 @@ class Metrics:
                              ["model", "direction"], registry=r)
         self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",
                                  ["model", "protocol", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
-        self.redis_up = Gauge("dstool_gateway_redis_up", "1 while Redis answers, 0 while it is skipped", registry=r)
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()

@@ -56,17 +56,13 @@ class InferResult:
     parameters: dict = field(default_factory=dict)
 
 
-def element_count(shape) -> int:
-    return math.prod(shape)
-
-
 def check_tensor(t: Tensor, what: str = "input") -> None:
     """Raise a 400 GatewayError unless the tensor's bytes fit its datatype and shape."""
     if t.datatype not in DATATYPES:
         raise GatewayError(400, f"{what} '{t.name}': unknown datatype '{t.datatype}'")
     if any(d < 0 for d in t.shape):
         raise GatewayError(400, f"{what} '{t.name}': shape {list(t.shape)} has a negative dimension")
-    count = element_count(t.shape)
+    count = math.prod(t.shape)
     if t.datatype == "BYTES":
         offset = 0
         for _ in range(count):
