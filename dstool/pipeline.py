@@ -83,7 +83,7 @@ def run_pipeline(cfg: PipelineConfig, echo=print) -> dict:
     clock.step("serve", "Triton behind the cache gateway")
     server = _start_serve(cfg, out / "tritonserver.log", echo)
     try:
-        clock.step("infer", f"{len(cfg.prompts)} prompts over HTTP and gRPC, each asked twice")
+        clock.step("infer", f"{len(cfg.prompts)} prompts, each sent over HTTP, then gRPC, then HTTP again")
         answers = _ask(cfg, echo)
         clock.step("report", "compression table and cache hit rate")
         hits, misses = _cache_counts(cfg.http_port)
