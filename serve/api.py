@@ -47,9 +47,9 @@ def _quantized_like(reference: Path, fp32: Path, out: Path) -> Path:
     if not ops & {"MatMulInteger", "DynamicQuantizeMatMul"}:
         return fp32  # pruned / sparse only: the fp32 graph is the artefact
     choice = quantize.int8_choice_for_this_cpu()
-    kept = _matmul_weights(reference, float_only=True)
+    kept = set(_matmul_weights(reference, float_only=True).values())
     if kept:  # matched by content: the two graphs name their constants differently
-        choice.excluded_nodes = [node for node, digest in _matmul_weights(fp32).items() if digest in set(kept.values())]
+        choice.excluded_nodes = [node for node, digest in _matmul_weights(fp32).items() if digest in kept]
     return quantize.quantize_int8(fp32, out, choice)
 
 
@@ -124,10 +124,7 @@ def serve(repo: str, http_port: int, grpc_port: int, metrics_port: int, tritonse
 
 def infer_ids(url: str, protocol: str, model: str, ids: list[int]) -> np.ndarray:
     """Send token ids to the tensor model with tritonclient; returns logits [seq, vocab]."""
-    if protocol == "grpc":
-        import tritonclient.grpc as client
-    else:
-        import tritonclient.http as client
+    client = _tritonclient(protocol)
     arr = np.asarray([ids], dtype=np.int64)  # [1, seq]: a batch of one, batched model or not
     inputs = []
     for name in ("input_ids", "attention_mask"):
@@ -143,10 +140,7 @@ def generate_text(url: str, protocol: str, model: str, prompt: str, max_new_toke
                   use_kv_cache: bool = True) -> tuple[str, list[int]]:
     """Send `prompt` to the text-generation entry point `MODEL_generate` with tritonclient; returns the
     generated text and its token ids."""
-    if protocol == "grpc":
-        import tritonclient.grpc as client
-    else:
-        import tritonclient.http as client
+    client = _tritonclient(protocol)
     values = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}  # [batch 1, 1]
     if max_new_tokens is not None:
         values["max_new_tokens"] = np.array([[max_new_tokens]], dtype=np.int32)
@@ -160,6 +154,13 @@ def generate_text(url: str, protocol: str, model: str, prompt: str, max_new_toke
     with _client(client, url) as c:
         result = c.infer(repository.model_names(model)["generate"], inputs)
     return result.as_numpy("text_output")[0, 0].decode("utf-8"), result.as_numpy("output_ids")[0].tolist()
+
+
+def _tritonclient(protocol: str):
+    """tritonclient.grpc or tritonclient.http."""
+    import importlib
+
+    return importlib.import_module("tritonclient.grpc" if protocol == "grpc" else "tritonclient.http")
 
 
 @contextlib.contextmanager

@@ -109,10 +109,14 @@ class TritonPythonModel:
     def _generate_without_cache(self, prompts, limits):
         generated, done = [[] for _ in prompts], [False] * len(prompts)
         while not all(done):
-            sequences = [p + g for p, g in zip(prompts, generated)]
+            active = [b for b in range(len(prompts)) if not done[b]]  # finished rows are not recomputed
+            sequences = [prompts[b] + generated[b] for b in active]
             ids, mask = _right_padded(sequences)
             logits = self._infer(self.models["logits"], {"input_ids": ids, "attention_mask": mask}, ["logits"])[0]
-            self._step(generated, done, [logits[b, len(s) - 1].argmax() for b, s in enumerate(sequences)], limits)
+            next_ids = [0] * len(prompts)
+            for row, (b, s) in enumerate(zip(active, sequences)):
+                next_ids[b] = logits[row, len(s) - 1].argmax()
+            self._step(generated, done, next_ids, limits)
         return generated
 
 
