@@ -20,8 +20,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-PAST = "past_key_values.layers.{}.{}"  # decoder-model cache inputs; outputs are "cache.layers.{}.{}"
-
 
 class ParityError(RuntimeError):
     """ONNX Runtime's logits disagree with PyTorch's beyond the tolerance."""
