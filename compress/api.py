@@ -45,11 +45,16 @@ class CompressConfig(BaseModel):
     output: str = Field(description="folder for model/, onnx/ and report.{json,md,png}")
     bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
-                                "key/value groups, query heads and MLP channels is chosen by calibration loss")
+                                "key/value groups, query heads and MLP channels is chosen by measured calibration loss "
+                                "and ONNX Runtime latency (see --prune-ppl-tolerance)")
+    prune_ppl_tolerance: float = Field(0.0, ge=0, description="--prune: time every layout on ONNX Runtime and take "
+                                       "the fastest whose calibration perplexity is within this % of the best "
+                                       "layout's (0: the lowest-loss layout, untimed)")
     prune_heads: float | None = Field(None, description="share of query heads removed per key/value group")
     prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed")
     sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4")
     recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
+    recover_lr: float = Field(1e-3, gt=0, description="recovery peak learning rate (warm-up, cosine decay)")
     distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
     calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and recovery")
     max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less than this %")
@@ -77,6 +82,8 @@ class CompressConfig(BaseModel):
             raise ValueError("nothing to do: give --bits, --prune (or --prune-heads/--prune-mlp) or --sparsity")
         if self.recover_steps and not (self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
             raise ValueError("--recover-steps needs pruning or sparsity to recover from")
+        if self.prune_ppl_tolerance and not self.prune:
+            raise ValueError("--prune-ppl-tolerance chooses among --prune's layouts: give --prune RATIO with it")
         if self.distill and not self.recover_steps:
             raise ValueError("--distill needs --recover-steps (it is the recovery fine-tuning's loss)")
         return self
@@ -119,7 +126,7 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
         choices: dict[str, str] = {}
         pruning, torchao_figures = {}, {}
         if cfg.prune or cfg.prune_heads or cfg.prune_mlp or cfg.sparsity:
-            model, masks, pruning = _structural(model, cfg, calib, choices, echo)
+            model, masks, pruning = _structural(model, cfg, calib, work, choices, echo)
             model.save_pretrained(stage / "model", safe_serialization=True)
             tokenizer.save_pretrained(stage / "model")
             _gate_reload(model, stage / "model")
@@ -191,7 +198,25 @@ def _measure(onnx_path: Path, model, heldout) -> dict:
             "perplexity": measure.perplexity_onnx(onnx_path, heldout)}
 
 
-def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
+class _OnnxLayoutTimer:
+    """prune.LayoutTimer on the deployed engine: each trial is exported to ONNX (then freed), and all are timed
+    interleaved at batch 8 x 128 on ONNX Runtime, the report's latency figure."""
+
+    def __init__(self, work: Path, repeats: int):
+        self.work, self.repeats, self.paths, self.vocab = work / "layouts", repeats, [], 0
+
+    def add(self, trial) -> None:
+        self.vocab = trial.config.vocab_size
+        self.paths.append(export_logits_model(trial, self.work / str(len(self.paths))).path)
+
+    def latencies_ms(self) -> list[float]:
+        try:
+            return measure.latency_ms(self.paths, self.vocab, 8, repeats=self.repeats)
+        finally:
+            shutil.rmtree(self.work, ignore_errors=True)
+
+
+def _structural(model, cfg: CompressConfig, calib, work: Path, choices: dict, echo):
     """Prune and/or sparsify `model` in place; returns it, the N:M masks (or None) and the pruning details."""
     from dstool.compress import prune
 
@@ -200,11 +225,18 @@ def _structural(model, cfg: CompressConfig, calib, choices: dict, echo):
         rows = torch.from_numpy(measure.windows(calib, 128, 24))
         ranking, selection = rows[:16], rows[16:]
         if cfg.prune:
-            result = prune.prune_to_ratio(model, cfg.prune, calibration=ranking, selection=selection)
-            how = (f"layout chosen by cross-entropy on {len(selection)} x 128 other calibration tokens among "
-                   f"{len(result.candidates)}: " + ", ".join(
-                       f"{c['kv_groups']}x{c['heads_per_group']} heads/{c['channels']} ch {c['calibration_loss']:.3f}"
-                       for c in result.candidates))
+            timer = _OnnxLayoutTimer(work, min(cfg.latency_repeats, 10)) if cfg.prune_ppl_tolerance else None
+            echo(f"[prune] measuring every layout that removes {cfg.prune:.0%}"
+                 + (" (calibration loss, ONNX Runtime latency)" if timer else " (calibration loss)"))
+            result = prune.prune_to_ratio(model, cfg.prune, calibration=ranking, selection=selection, timer=timer,
+                                          ppl_tolerance=cfg.prune_ppl_tolerance / 100)
+            rule = (f"the fastest at batch 8 x 128 (ORT) among those within {cfg.prune_ppl_tolerance:g} % of the best "
+                    "calibration perplexity" if timer else "the lowest cross-entropy (untimed: --prune-ppl-tolerance P "
+                    "takes the fastest layout within P % of the best calibration perplexity)")
+            how = (f"layout: {rule}, cross-entropy on {len(selection)} x 128 other calibration tokens; candidates "
+                   "(key/value groups x query heads per group / MLP channels: cross-entropy[, ms]): " + ", ".join(
+                       f"{c['kv_groups']}x{c['heads_per_group']}/{c['channels']}: {c['calibration_loss']:.3f}"
+                       + (f", {c['latency_ms']:.1f} ms" if "latency_ms" in c else "") for c in result.candidates))
         else:
             try:
                 result = prune.prune_structured(model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0,
@@ -260,11 +292,12 @@ def _recover(folder: Path, original: Path, cfg: CompressConfig, work: Path, mask
          + (", distilling from the original model's logits" if cfg.distill else ""))
     run = work / "recover"
     result = train(TrainConfig(model=str(folder), data=cfg.calibration, output=str(run), nproc=1, zero=0,
-                               max_steps=cfg.recover_steps, save_every=cfg.recover_steps, lr=2e-4,
+                               max_steps=cfg.recover_steps, save_every=cfg.recover_steps, lr=cfg.recover_lr,
                                keep_zero_weights=masks is not None, tensorboard=False,
                                distill_from=str(original) if cfg.distill else None,
                                log_every=max(1, cfg.recover_steps // 5)), echo=lambda *_: None)
-    choices["recovery"] = (f"{cfg.recover_steps} steps, lr 2e-4, ZeRO-0, final train loss {result.train_loss:.4f}"
+    choices["recovery"] = (f"{cfg.recover_steps} steps, peak lr {cfg.recover_lr:g}, ZeRO-0, final train loss "
+                           f"{result.train_loss:.4f}"
                            + ("; N:M masks held fixed" if masks is not None else ""))
     if cfg.distill:
         kl = [r["distill_kl"] for r in read_metrics(run) if "distill_kl" in r]

@@ -69,18 +69,20 @@ def perplexity_torch(model, heldout: np.ndarray, seq_len: int = 128, limit: int 
 
 def latency_ms(onnx_paths: list[Path], vocab: int, batch: int, seq_len: int = 128, repeats: int = 20) -> list[float]:
     """Median wall time of one ONNX Runtime forward (CPU provider) for each model, after 3 warm-up runs.
-    The models are timed in alternation, so a busy moment of the machine slows all of them alike."""
+    The models are timed in alternation, so a busy moment of the machine slows all of them alike, and each
+    round starts with the next model, so none always runs right after the same neighbour (caches, clocks)."""
     sessions = [ort_session(p) for p in onnx_paths]
     ids = np.random.default_rng(0).integers(0, vocab, (batch, seq_len))
     for s in sessions:
         for _ in range(3):
             run_logits(s, ids)
     times: list[list[float]] = [[] for _ in sessions]
-    for _ in range(repeats):
-        for s, t in zip(sessions, times):
+    for round_ in range(repeats):
+        for i in range(len(sessions)):
+            k = (round_ + i) % len(sessions)
             t0 = time.perf_counter()
-            run_logits(s, ids)
-            t.append(time.perf_counter() - t0)
+            run_logits(sessions[k], ids)
+            times[k].append(time.perf_counter() - t0)
     return [1000 * statistics.median(t) for t in times]
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -60,6 +61,15 @@ class Layout:
     channels: int
 
 
+class LayoutTimer(Protocol):
+    """Times candidate layouts for `prune_to_ratio`: `add` receives each pruned trial model in turn (it may be
+    freed afterwards), `latencies_ms` then returns one latency per trial, in order."""
+
+    def add(self, trial: nn.Module) -> None: ...
+
+    def latencies_ms(self) -> list[float]: ...
+
+
 def prune_structured(model, heads_ratio: float, mlp_ratio: float, calibration: torch.Tensor | None = None,
                      kv_ratio: float = 0.0) -> PruneResult:
     """Remove the least important key/value groups (each with its query heads), query heads (the same number
@@ -83,13 +93,17 @@ def prune_structured(model, heads_ratio: float, mlp_ratio: float, calibration: t
 
 
 def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
-                   selection: torch.Tensor | None = None) -> PruneResult:
+                   selection: torch.Tensor | None = None, timer: LayoutTimer | None = None,
+                   ppl_tolerance: float = 0.0) -> PruneResult:
     """Remove at least `ratio` of the decoder layers' parameters, choosing the split by measurement.
 
     Every attention layout (key/value groups kept x query heads kept per group) is paired with the MLP width
     that brings the removed share to `ratio` (channels rounded down to a multiple of 8, so slightly more may
     go); each candidate is pruned on a copy and its loss measured on `selection` token ids (default:
-    `calibration`); the lowest-loss layout is applied to `model`.
+    `calibration`). Without `timer` the lowest-loss layout is applied to `model`. With `timer` every copy is
+    also timed, and the layout applied is the fastest whose calibration perplexity (exp of its loss) is at most
+    (1 + `ppl_tolerance`) times the best layout's: at the same parameter count, layouts differ in speed
+    because attention costs more than its share of parameters (softmax, rotary, transposes per head).
     """
     if not 0.0 < ratio < 1.0:
         raise ValueError(f"ratio must be in (0, 1), got {ratio}")
@@ -111,15 +125,23 @@ def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
                 continue
             layout = Layout(kv_groups, heads_per_group, channels)
             loss = None
-            if probe is not None:
+            if probe is not None or timer is not None:
                 trial = copy.deepcopy(model)
                 _apply_layout(trial, layout, scores)
-                loss = _calibration_loss(trial, probe)
+                loss = _calibration_loss(trial, probe) if probe is not None else None
+                if timer is not None:
+                    timer.add(trial)
+                del trial
             candidates.append({"kv_groups": kv_groups, "heads_per_group": heads_per_group, "channels": channels,
                                "calibration_loss": loss})
     if not candidates:
         raise ValueError(f"no layout removes {ratio:.0%} of the decoder parameters (too few MLP channels)")
     best = min(candidates, key=lambda c: (c["calibration_loss"] or 0.0, -c["kv_groups"] * c["heads_per_group"]))
+    if timer is not None:
+        for candidate, ms in zip(candidates, timer.latencies_ms(), strict=True):
+            candidate["latency_ms"] = ms
+        limit = (best["calibration_loss"] or 0.0) + math.log1p(ppl_tolerance)
+        best = min((c for c in candidates if (c["calibration_loss"] or 0.0) <= limit), key=lambda c: c["latency_ms"])
     result = _apply_layout(model, Layout(best["kv_groups"], best["heads_per_group"], best["channels"]), scores)
     result.candidates = candidates
     return result

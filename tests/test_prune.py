@@ -171,6 +171,40 @@ def test_prune_to_ratio_removes_that_share_with_the_best_measured_layout(tmp_pat
         prune_to_ratio(tiny_llama(), 1.0)
 
 
+class FakeTimer:
+    """A prune.LayoutTimer whose latency for a trial is its attention head count (fewer heads, faster)."""
+
+    def __init__(self):
+        self.heads = []
+
+    def add(self, trial) -> None:
+        self.heads.append(trial.config.num_attention_heads)
+
+    def latencies_ms(self) -> list[float]:
+        return [float(h) for h in self.heads]
+
+
+@pytest.mark.parametrize("tolerance", [0.0, 0.02, 10.0])
+def test_timed_layout_choice_is_the_fastest_within_the_perplexity_tolerance(tolerance):
+    import math
+
+    model, timer = tiny_llama(), FakeTimer()
+    result = prune_to_ratio(model, 0.4, calibration=token_batch(seed=3), selection=token_batch(seed=4), timer=timer,
+                            ppl_tolerance=tolerance)
+
+    assert len(timer.heads) == len(result.candidates) == 6  # every candidate was timed, once
+    assert [c["latency_ms"] for c in result.candidates] == timer.heads
+    best_loss = min(c["calibration_loss"] for c in result.candidates)
+    allowed = [c for c in result.candidates if math.exp(c["calibration_loss"] - best_loss) <= 1 + tolerance + 1e-9]
+    fastest = min(allowed, key=lambda c: c["latency_ms"])
+    assert (result.kv_heads_after, result.heads_after, result.intermediate_after) == (
+        fastest["kv_groups"], fastest["kv_groups"] * fastest["heads_per_group"], fastest["channels"])
+    if tolerance == 10.0:  # a tolerance wider than every gap: the fastest of all, one head
+        assert result.heads_after == 1
+    if tolerance == 0.0:  # no slack: the lowest-loss layout, whatever its speed
+        assert min(result.candidates, key=lambda c: c["calibration_loss"]) is fastest
+
+
 def test_layouts_transformers_would_reject_are_skipped(tmp_path):
     """8 query heads in 4 groups, hidden 128: 6 or 3 heads do not divide the hidden size (LlamaConfig refuses)."""
     def build() -> LlamaForCausalLM:
