@@ -1,6 +1,13 @@
 """dstool.compress: quantization, structured pruning and N:M sparsity, each with a measured report."""
 
-from dstool.compress.api import CompressConfig, compress
+from dstool.compress.config import CompressConfig
+
+
+def compress(cfg: CompressConfig, echo=print) -> dict:
+    """Run the compression pipeline (see dstool.compress.api); returns the report."""
+    from dstool.compress.api import compress as run  # torch, onnx: loaded when compressing, not for the CLI's checks
+
+    return run(cfg, echo)
 
 
 def quantize_dynamic(model_dir: str, output: str, bits: int = 8, **options) -> dict:

@@ -14,79 +14,23 @@ Everything is written to OUTPUT.tmp and renamed into place at the end.
 
 from __future__ import annotations
 
-import copy
 import os
 import platform
-import re
 import shutil
 import tempfile
 from pathlib import Path
-from typing import Literal
 
 import onnx
 import torch
-from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from dstool import models
 from dstool.compress import measure, quantize, report
+from dstool.compress.config import CompressConfig
 from dstool.errors import UsageError
 from dstool.manifest import read_manifest, write_manifest
 from dstool.onnx_export import export_logits_model
 
 KIND = "compressed-model"
-
-
-class CompressConfig(BaseModel):
-    """Options of `dstool compress` (field names are the flags with dashes)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)")
-    output: str = Field(description="folder for model/, onnx/ and report.{json,md,png}")
-    bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
-    prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
-                                "key/value groups, query heads and MLP channels is chosen by measured calibration loss "
-                                "and ONNX Runtime latency (see --prune-ppl-tolerance)")
-    prune_ppl_tolerance: float = Field(0.0, ge=0, description="--prune: time every layout on ONNX Runtime and take "
-                                       "the fastest whose calibration perplexity is within this % of the best "
-                                       "layout's (0: the lowest-loss layout, untimed)")
-    prune_heads: float | None = Field(None, description="share of query heads removed per key/value group")
-    prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed")
-    sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4")
-    recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
-    recover_lr: float = Field(1e-3, gt=0, description="recovery peak learning rate (warm-up, cosine decay)")
-    distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
-    calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and recovery")
-    max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less than this %")
-    allow_slower: bool = Field(False, description="accept a quantized model that measures slower than fp32")
-    latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure")
-    engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or torchao's PyTorch int8")
-
-    @model_validator(mode="after")
-    def _check(self) -> "CompressConfig":
-        if self.bits not in (None, 8, 4):
-            raise ValueError(f"bits must be 8 or 4, not {self.bits}")
-        for name in ("prune", "prune_heads", "prune_mlp"):
-            v = getattr(self, name)
-            if v is not None and not 0 < v < 1:
-                raise ValueError(f"{name} must be a ratio strictly between 0 and 1, got {v}")
-        if self.prune is not None and (self.prune_heads is not None or self.prune_mlp is not None):
-            raise ValueError("give --prune or --prune-heads/--prune-mlp, not both")
-        if self.sparsity is not None:
-            m = re.fullmatch(r"(\d+):(\d+)", self.sparsity)
-            if not m or not 0 < int(m.group(1)) < int(m.group(2)):
-                raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4), got '{self.sparsity}'")
-        if self.engine == "torchao" and self.bits != 8:
-            raise ValueError("engine torchao is the PyTorch int8 path: use it with bits 8")
-        if not (self.bits or self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
-            raise ValueError("nothing to do: give --bits, --prune (or --prune-heads/--prune-mlp) or --sparsity")
-        if self.recover_steps and not (self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
-            raise ValueError("--recover-steps needs pruning or sparsity to recover from")
-        if self.prune_ppl_tolerance and not self.prune:
-            raise ValueError("--prune-ppl-tolerance chooses among --prune's layouts: give --prune RATIO with it")
-        if self.distill and not self.recover_steps:
-            raise ValueError("--distill needs --recover-steps (it is the recovery fine-tuning's loss)")
-        return self
 
 
 def _check_input(cfg: CompressConfig) -> Path:

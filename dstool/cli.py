@@ -12,9 +12,9 @@ from typing import Literal, Union
 from pydantic import BaseModel
 
 from dstool import __version__
-from dstool.compress.api import CompressConfig
+from dstool.compress.config import CompressConfig
 from dstool.config import TrainConfig, load_config
-from dstool.errors import UsageError
+from dstool.errors import TrainingFailed, UsageError
 
 
 class _Parser(argparse.ArgumentParser):
@@ -341,11 +341,11 @@ def _cmd_doctor(ns: argparse.Namespace) -> int:
 
 
 def _cmd_train(ns: argparse.Namespace) -> int:
-    from dstool.train import train
-
-    cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))
+    cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))  # before torch loads: errors come fast
     if ns.emit == "k8s":
         return _emit_k8s(cfg, ns.image, ns.pvc)
+    from dstool.train import train
+
     result = train(cfg)
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
     print(f"dstool train: done at step {result.step}, train loss {result.train_loss:.4f}{val}; model: {result.model_dir}")
@@ -353,8 +353,6 @@ def _cmd_train(ns: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from dstool.train.api import TrainingFailed
-
     try:
         ns = build_parser().parse_args(argv)
         return ns.func(ns)

@@ -8,3 +8,11 @@ class UsageError(Exception):
 
     def __str__(self) -> str:
         return " ".join(super().__str__().split())
+
+
+class TrainingFailed(RuntimeError):
+    """The ranks exited with an error (the message says which and where the log is)."""
+
+    def __init__(self, message: str, exit_code: int):
+        super().__init__(message)
+        self.exit_code = exit_code

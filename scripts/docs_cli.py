@@ -7,9 +7,9 @@
 
 from __future__ import annotations
 
+import argparse
 import os
 import re
-import subprocess
 import sys
 from pathlib import Path
 
@@ -18,9 +18,12 @@ BLOCK = re.compile(r"(<!-- cli: ([\w-]+) -->\n)(.*?)(<!-- /cli -->)", re.S)
 
 
 def cli_help(command: str) -> str:
-    env = dict(os.environ, COLUMNS="100")
-    return subprocess.run([sys.executable, "-m", "dstool.cli", command, "--help"], capture_output=True, text=True,
-                          check=True, env=env).stdout
+    """`dstool COMMAND --help` at 100 columns, formatted in this process (argparse reads COLUMNS when it formats)."""
+    from dstool.cli import build_parser
+
+    os.environ["COLUMNS"] = "100"
+    subcommands = next(a for a in build_parser()._actions if isinstance(a, argparse._SubParsersAction))
+    return subcommands.choices[command].format_help()
 
 
 def render(text: str) -> str:

@@ -201,7 +201,7 @@ def test_serve_reports_a_server_that_never_becomes_ready(tmp_path):
     (bad / "config.pbtxt").write_text('name: "broken"\nbackend: "python"\nmax_batch_size: 0\n')  # no model.py
     proc = dstool("serve", "--repository", str(tmp_path / "repo"), "--http-port", str(free_port()), "--grpc-port",
                   str(free_port()), "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "t.log"),
-                  "--timeout", "60", check=False, timeout=180)
+                  "--timeout", "15", check=False, timeout=120)
     assert proc.returncode == 2 and "last log lines" in proc.stderr, proc.stderr
 
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import fcntl
 import json
 import math
-import os
 import signal
 import subprocess
 from dataclasses import dataclass
@@ -20,21 +19,13 @@ import torch
 
 from dstool import models
 from dstool.config import TrainConfig, dump_yaml
-from dstool.errors import UsageError
+from dstool.errors import TrainingFailed, UsageError
 from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_json_atomic, write_manifest
 from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline
 from dstool.train.metrics import read_metrics
 
 RUN_KIND = "train-run"
 MODEL_KIND = "hf-model"
-
-
-class TrainingFailed(RuntimeError):
-    """The ranks exited with an error (the message says which and where the log is)."""
-
-    def __init__(self, message: str, exit_code: int):
-        super().__init__(message)
-        self.exit_code = exit_code
 
 
 @dataclass

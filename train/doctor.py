@@ -105,7 +105,7 @@ def check_port(addr: str, port: int) -> Check:
         except OSError as e:
             users = [c.pid for c in psutil.net_connections("tcp") if c.laddr and c.laddr.port == port and c.pid]
             who = f" by pid {users[0]}" if users else ""
-            return Check(name, False, f"in use{who} ({e.strerror})", f"pass --master-port with a free port, or stop "
+            return Check(name, False, f"in use{who} ({e.strerror})", "pass --master-port with a free port, or stop "
                          "the process holding it")
     return Check(name, True, "free")
 

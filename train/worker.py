@@ -393,7 +393,8 @@ class _progress:
     def line(self, step: int, row: dict) -> None:
         if self.bar:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}")
-        text = (f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {row['grad_norm'] or 0:.3f} "
+        norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"  # DeepSpeed gives none at ZeRO-0 fp32
+        text = (f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {norm} "
                 f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
         (self.bar.write if self.bar else lambda s: print(s, flush=True))(text)
 
