@@ -9,7 +9,6 @@ from pathlib import Path
 
 import onnx
 import pytest
-import torch
 
 from conftest import dstool
 from dstool.compress import CompressConfig, quantize_dynamic
