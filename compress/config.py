@@ -18,7 +18,7 @@ class CompressConfig(BaseModel):
     bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
                                 "key/value groups, query heads and MLP channels is chosen by measured calibration loss "
-                                "and ONNX Runtime latency (see --prune-ppl-tolerance)")
+                                "(and ONNX Runtime latency with --prune-ppl-tolerance)")
     prune_ppl_tolerance: float = Field(0.0, ge=0, description="--prune: time every layout on ONNX Runtime and take "
                                        "the fastest whose calibration perplexity is within this % of the best "
                                        "layout's (0: the lowest-loss layout, untimed)")
