@@ -146,17 +146,22 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
 def _wait_ready(server: TritonProcess, timeout: float) -> None:
     import tritonclient.http as http
 
+    # Closed before returning: Triton's shutdown waits for every open HTTP connection, an idle keep-alive
+    # included, and exits 1 when that uses up --exit-timeout-secs.
     client = http.InferenceServerClient(server.http_url)
     deadline = time.time() + timeout
-    while time.time() < deadline:
-        if server.proc.poll() is not None:
-            raise UsageError(f"tritonserver exited with code {server.proc.returncode} before it was ready; "
-                             f"last log lines: {server.log_tail(5)!r}")
-        try:
-            if client.is_server_ready():
-                return
-        except Exception:  # not listening yet
-            pass
-        time.sleep(0.2)
+    try:
+        while time.time() < deadline:
+            if server.proc.poll() is not None:
+                raise UsageError(f"tritonserver exited with code {server.proc.returncode} before it was ready; "
+                                 f"last log lines: {server.log_tail(5)!r}")
+            try:
+                if client.is_server_ready():
+                    return
+            except Exception:  # not listening yet
+                pass
+            time.sleep(0.2)
+    finally:
+        client.close()
     server.stop()
     raise UsageError(f"tritonserver was not ready after {timeout:.0f} s; last log lines: {server.log_tail(5)!r}")

@@ -4,6 +4,7 @@ binary), queried with the real tritonclient over HTTP and gRPC."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import shutil
 from pathlib import Path
 
@@ -29,7 +30,8 @@ def server(repo, session_tmp):
     binary = triton.find_tritonserver()
     srv = triton.start(repo, binary, free_port(), free_port(), free_port(), session_tmp / "triton.log")
     yield srv
-    assert srv.stop() == 0  # a clean shutdown
+    code = srv.stop()
+    assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n" + srv.log_path.read_text()[-3000:]
 
 
 def _artefacts(repo: Path, trained: Path) -> repository.Artefacts:
@@ -203,6 +205,22 @@ def test_serve_reports_a_server_that_never_becomes_ready(tmp_path):
                   str(free_port()), "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "t.log"),
                   "--timeout", "15", check=False, timeout=120)
     assert proc.returncode == 2 and "last log lines" in proc.stderr, proc.stderr
+
+
+def test_triton_stops_cleanly_right_after_it_is_ready(repo, tmp_path):
+    """No connection of dstool's own is left open to hold up Triton's shutdown (it waits for open HTTP
+    connections until --exit-timeout-secs runs out, then exits 1); garbage collection is off so that a
+    leaked client is not closed by chance."""
+    gc.disable()
+    try:
+        srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                           tmp_path / "triton.log")
+        code = srv.stop()
+    finally:
+        gc.enable()
+    log = srv.log_path.read_text()
+    assert code == 0 and "Exit timeout expired" not in log, log[-2000:]
+    assert "Timeout 9: Found 1 HTTP service connections" not in log
 
 
 def _torch_greedy(trained: Path, prompt: str, new_tokens: int) -> tuple[str, list[int]]:
