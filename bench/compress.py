@@ -111,12 +111,11 @@ def recovery_control(model_dir: Path, steps: int, heldout, work: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from dstool.compress import CompressConfig, measure
-    from dstool.config import TrainConfig
+    from dstool.compress.api import recovery_train_config
     from dstool.train import train
 
     lr = CompressConfig.model_fields["recover_lr"].default
-    run = train(TrainConfig(model=str(model_dir), output=str(work), nproc=1, zero=0, max_steps=steps,
-                            save_every=steps, lr=lr, tensorboard=False), echo=lambda *_: None)
+    run = train(recovery_train_config(model_dir, work, steps, lr), echo=lambda *_: None)
     return measure.perplexity_torch(AutoModelForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32).eval(),
                                     heldout)
 

@@ -75,7 +75,7 @@ def compress(cfg: CompressConfig, echo=print) -> dict:
             tokenizer.save_pretrained(stage / "model")
             _gate_reload(model, stage / "model")
             if cfg.recover_steps:  # --- recover
-                model = _recover(stage / "model", src, cfg, work, masks, choices, echo)
+                model = _recover(stage / "model", src, cfg, work, masks, model, calib, choices, echo)
         else:
             shutil.copytree(src, stage / "model", ignore=shutil.ignore_patterns("dstool.json"))
 
@@ -223,23 +223,32 @@ def _gate_reload(model, folder: Path) -> None:
         raise RuntimeError(f"saved compressed model reloads differently (max |logit diff| {diff:.3g})")
 
 
-def _recover(folder: Path, original: Path, cfg: CompressConfig, work: Path, masks, choices: dict, echo):
+def recovery_train_config(model_dir: Path, output: Path, steps: int, lr: float, data: str | None = None,
+                          keep_zero_weights: bool = False, distill_from: Path | None = None):
+    """The `dstool train` settings of the recovery fine-tuning: one rank, ZeRO-0, `steps` steps at peak `lr`
+    (warm-up, cosine decay) on `data` (the embedded corpus when None)."""
+    from dstool.config import TrainConfig
+
+    return TrainConfig(model=str(model_dir), data=data, output=str(output), nproc=1, zero=0, max_steps=steps,
+                       save_every=steps, lr=lr, keep_zero_weights=keep_zero_weights, tensorboard=False,
+                       distill_from=str(distill_from) if distill_from else None, log_every=max(1, steps // 5))
+
+
+def _recover(folder: Path, original: Path, cfg: CompressConfig, work: Path, masks, model, calib, choices: dict, echo):
     """Fine-tune the saved compressed model with the `dstool train` engine (optionally distilling from
-    `original`'s logits); the result replaces the folder's weights."""
+    `original`'s logits). Gate: the result replaces the folder's weights only if it lowers the calibration
+    perplexity; otherwise the compressed `model` is kept and the report says so. Returns the model kept."""
     from transformers import AutoModelForCausalLM
 
-    from dstool.config import TrainConfig
     from dstool.train import train
     from dstool.train.metrics import read_metrics
 
     echo(f"[recover] fine-tuning {cfg.recover_steps} steps with the dstool training engine"
          + (", distilling from the original model's logits" if cfg.distill else ""))
     run = work / "recover"
-    result = train(TrainConfig(model=str(folder), data=cfg.calibration, output=str(run), nproc=1, zero=0,
-                               max_steps=cfg.recover_steps, save_every=cfg.recover_steps, lr=cfg.recover_lr,
-                               keep_zero_weights=masks is not None, tensorboard=False,
-                               distill_from=str(original) if cfg.distill else None,
-                               log_every=max(1, cfg.recover_steps // 5)), echo=lambda *_: None)
+    result = train(recovery_train_config(folder, run, cfg.recover_steps, cfg.recover_lr, cfg.calibration,
+                                         keep_zero_weights=masks is not None,
+                                         distill_from=original if cfg.distill else None), echo=lambda *_: None)
     choices["recovery"] = (f"{cfg.recover_steps} steps, peak lr {cfg.recover_lr:g}, ZeRO-0, final train loss "
                            f"{result.train_loss:.4f}"
                            + ("; N:M masks held fixed" if masks is not None else ""))
@@ -247,10 +256,21 @@ def _recover(folder: Path, original: Path, cfg: CompressConfig, work: Path, mask
         kl = [r["distill_kl"] for r in read_metrics(run) if "distill_kl" in r]
         choices["recovery"] += (f"; distilled from the original model (loss = cross-entropy + KL to its logits), "
                                 f"KL {kl[0]:.4f} -> {kl[-1]:.4f}")
+    recovered = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32).eval()
+    # Calibration tokens come from the training split, never from the held-out split the report measures.
+    ppl_before, ppl_after = (measure.perplexity_torch(m, calib, limit=24) for m in (model, recovered))
+    if ppl_after >= ppl_before:
+        choices["recovery"] += (f"; discarded: it raised the calibration perplexity {ppl_before:.3f} -> "
+                                f"{ppl_after:.3f}, so the weights before recovery are kept (a lower --recover-lr "
+                                "may help)")
+        echo(f"[recover] discarded: calibration perplexity {ppl_before:.3f} -> {ppl_after:.3f}; keeping the "
+             f"weights before recovery (a lower --recover-lr than {cfg.recover_lr:g} may help)")
+        return model
+    choices["recovery"] += f"; calibration perplexity {ppl_before:.3f} -> {ppl_after:.3f}"
     for f in result.model_dir.iterdir():
         if f.name != "dstool.json":
             shutil.copy2(f, folder / f.name)
-    return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    return recovered
 
 
 def _gate_integer_ops(path: Path) -> None:

@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     pipe.add_argument("--train-steps", type=int, default=300, help="[default: 300]")
     pipe.add_argument("--prune", type=float, default=0.3, help="pruned variant's ratio [default: 0.3]")
     pipe.add_argument("--recover-steps", type=int, default=30, help="[default: 30]")
+    pipe.add_argument("--recover-lr", type=float, default=2e-4, help="recovery peak learning rate [default: 2e-4]")
     pipe.add_argument("--cache", default=None, metavar="URL",
                       help="gateway cache [default: local Redis if it answers, else an in-process LRU]")
     pipe.add_argument("--http-port", type=int, default=8000)
@@ -206,9 +207,9 @@ def _cmd_pipeline(ns: argparse.Namespace) -> int:
         if getattr(ns, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
     cfg = PipelineConfig(output=ns.output, repository=ns.repository, nproc=ns.nproc, train_steps=ns.train_steps,
-                         prune=ns.prune, recover_steps=ns.recover_steps, cache=ns.cache, http_port=ns.http_port,
-                         grpc_port=ns.grpc_port, metrics_port=ns.metrics_port, max_new_tokens=ns.max_new_tokens,
-                         latency_repeats=ns.latency_repeats)
+                         prune=ns.prune, recover_steps=ns.recover_steps, recover_lr=ns.recover_lr, cache=ns.cache,
+                         http_port=ns.http_port, grpc_port=ns.grpc_port, metrics_port=ns.metrics_port,
+                         max_new_tokens=ns.max_new_tokens, latency_repeats=ns.latency_repeats)
     if ns.prompt:
         cfg.prompts = ns.prompt
     try:

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import onnx
 import pytest
+import torch
 
 from conftest import dstool
 from dstool.compress import CompressConfig, quantize_dynamic
@@ -78,6 +79,8 @@ def test_structured_pruning_with_distilled_recovery(trained, tmp_path):
     assert not any("latency_ms" in c for c in rep["pruning"]["candidates"])
     kl = re.search(r"KL ([\d.]+) -> ([\d.]+)", rep["choices"]["recovery"])
     assert "distilled from the original model" in rep["choices"]["recovery"] and kl and float(kl.group(1)) > 0
+    gate = re.search(r"calibration perplexity ([\d.]+) -> ([\d.]+)", rep["choices"]["recovery"])
+    assert gate and float(gate.group(2)) < float(gate.group(1)) and "discarded" not in rep["choices"]["recovery"]
 
 
 def test_prune_ppl_tolerance_times_each_layout_and_takes_the_fastest_within_it(trained, tmp_path):
@@ -120,6 +123,22 @@ def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
     zeros = sum(int((~m).sum()) for m in masks.values())
     assert zeros == sum(m.numel() for m in masks.values()) // 2
     assert "sparse kernels: not used" in _report(out)["choices"]["sparsity"]
+
+
+def test_recovery_that_raises_calibration_perplexity_is_discarded(trained, tmp_path):
+    """A recovery lr far too high: the gate keeps the weights before recovery, i.e. the original's 2:4-masked."""
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path / "bad_recovery"
+    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "3", "--recover-lr", "0.3",
+           "--latency-repeats", "3", "--output", str(out))
+    recovery = _report(out)["choices"]["recovery"]
+    figures = re.search(r"discarded: it raised the calibration perplexity ([\d.]+) -> ([\d.]+)", recovery)
+    assert figures and float(figures.group(2)) > float(figures.group(1)), recovery
+    original = dict(AutoModelForCausalLM.from_pretrained(trained).named_parameters())
+    for name, p in AutoModelForCausalLM.from_pretrained(out / "model").named_parameters():
+        kept = p != 0
+        assert torch.equal(p[kept], original[name][kept]), name  # untouched by the discarded fine-tuning
 
 
 def test_torchao_int8_folder_reloads_quantized(trained, tmp_path):
