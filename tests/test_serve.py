@@ -31,7 +31,7 @@ def server(repo, session_tmp):
     srv = triton.start(repo, binary, free_port(), free_port(), free_port(), session_tmp / "triton.log")
     yield srv
     code = srv.stop()
-    assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n" + srv.log_path.read_text()[-3000:]
+    assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n{srv.log_tail(30)}"
 
 
 def _artefacts(repo: Path, trained: Path) -> repository.Artefacts:
@@ -219,7 +219,7 @@ def test_triton_stops_cleanly_right_after_it_is_ready(repo, tmp_path):
     finally:
         gc.enable()
     log = srv.log_path.read_text()
-    assert code == 0 and "Exit timeout expired" not in log, log[-2000:]
+    assert code == 0 and "Exit timeout expired" not in log, srv.log_tail(30)
     assert "Timeout 9: Found 1 HTTP service connections" not in log
 
 
