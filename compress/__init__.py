@@ -1,17 +1,21 @@
-"""dstool.compress: quantization, structured pruning and N:M sparsity, each with a measured report."""
+"""dstool.compress: quantization, structured pruning and N:M sparsity, each with a measured report.
+
+    from dstool.compress import CompressConfig, compress
+    manifest = compress(CompressConfig(model="runs/train/model", output="runs/int8", bits=8))
+"""
 
 from dstool.compress.config import CompressConfig
 
 
-def compress(cfg: CompressConfig, echo=print) -> dict:
-    """Run the compression pipeline (see dstool.compress.api); returns the report."""
+def compress(cfg: CompressConfig):
+    """Run the compression steps (see dstool.compress.api); returns the output's manifest (CompressedModel)."""
     from dstool.compress.api import compress as run  # torch, onnx: loaded when compressing, not for the CLI's checks
 
-    return run(cfg, echo)
+    return run(cfg)
 
 
-def quantize_dynamic(model_dir: str, output: str, bits: int = 8, **options) -> dict:
-    """Quantize a Hugging Face causal LM for ONNX Runtime (8: dynamic int8, 4: weight-only); returns the report."""
+def quantize_dynamic(model_dir: str, output: str, bits: int = 8, **options):
+    """Quantize a Hugging Face causal LM for ONNX Runtime (8: dynamic int8, 4: weight-only); returns the manifest."""
     return compress(CompressConfig(model=model_dir, output=output, bits=bits, **options))
 
 

@@ -5,16 +5,17 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import Field, model_validator
+
+from dstool.config import CommandConfig, positional
 
 
-class CompressConfig(BaseModel):
+class CompressConfig(CommandConfig):
     """Options of `dstool compress` (field names are the flags with dashes)."""
 
-    model_config = ConfigDict(extra="forbid")
-
-    model: str = Field(description="Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)")
-    output: str = Field(description="folder for model/, onnx/ and report.{json,md,png}")
+    model: str = positional("Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)",
+                            metavar="MODEL_DIR")
+    output: str = Field(description="folder for model/, onnx/ (both graphs), dstool.json and report.{md,png}")
     bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
                                 "key/value groups, query heads and MLP channels is chosen by measured calibration loss "

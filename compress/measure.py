@@ -10,32 +10,42 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from dstool.errors import UsageError
+from dstool import corpus
+from dstool.artifacts import HFModel, ManifestError, kind_of
 from dstool.onnx_export import ort_session, run_logits
-from dstool.train import data
 
 
-def heldout_tokens(model_dir: Path, tokenizer, calibration: str | None) -> tuple[np.ndarray, np.ndarray]:
-    """(calibration tokens, held-out tokens). A `dstool train` model folder uses its run's own split
-    (run/data/{train,val}.bin); otherwise the text of `calibration` (or the embedded corpus) is
-    tokenized and its last 5 % held out."""
-    run_data = Path(model_dir).resolve().parent / "data"
-    if calibration is None and (run_data / "meta.json").is_file() and (run_data.parent / "tokenizer").is_dir():
-        train, val = (data.open_split(run_data, s, 1).tokens for s in ("train", "val"))
-        return np.asarray(train[:200_000], dtype=np.int64), np.asarray(val, dtype=np.int64)
-    docs = data.read_documents(calibration)
+def heldout_tokens(model_dir: Path, tokenizer, calibration: str | None) -> tuple[np.ndarray, np.ndarray, str]:
+    """(calibration tokens, held-out tokens, which held-out tokens). A `dstool train` model folder names its run's
+    data split in its manifest: its training split calibrates, its held-out split measures. Otherwise (or with
+    `calibration`) that text (or the embedded corpus) is tokenized and its last 5 % held out."""
+    split = None
+    if calibration is None and kind_of(model_dir) == "hf-model":
+        try:
+            split = HFModel.read(model_dir).data
+        except ManifestError:
+            split = None
+    if split is not None and (Path(model_dir) / split.folder / "val.bin").is_file():
+        folder = Path(model_dir) / split.folder
+        train, val = (corpus.read_split(folder, s, split.dtype) for s in ("train", "val"))
+        return (np.asarray(train[:200_000], dtype=np.int64), np.asarray(val, dtype=np.int64),
+                f"the training run's held-out split ({len(val):,} tokens)")
+    docs = corpus.read_documents(calibration)
     ids: list[int] = []
     for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
         ids.extend(enc)
         ids.append(tokenizer.eos_token_id)
     arr = np.asarray(ids, dtype=np.int64)
     n_val = max(len(arr) // 20, 1)
-    return arr[:-n_val][:200_000], arr[-n_val:]
+    return arr[:-n_val][:200_000], arr[-n_val:], f"the last 5 % of {calibration or 'the embedded corpus'} ({n_val:,} tokens)"
 
 
 def windows(tokens: np.ndarray, seq_len: int, limit: int) -> np.ndarray:
     n = min(len(tokens) // seq_len, limit)
     if n == 0:
-        raise ValueError(f"only {len(tokens)} held-out tokens: fewer than one {seq_len}-token window")
+        raise UsageError(f"only {len(tokens)} tokens of text to measure on: fewer than one {seq_len}-token window; "
+                         "give more --calibration text")
     return tokens[: n * seq_len].reshape(n, seq_len)
 
 

@@ -2,16 +2,24 @@
 
 from __future__ import annotations
 
-import logging
+import dataclasses
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
 
+from dstool import log as dlog
 from dstool.compress.measure import perplexity_onnx
+from dstool.errors import StageFailed
+from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
 
 LARGE_MODEL_BYTES = 1_800_000_000  # past this, weights go to an external-data file (2 GB protobuf limit)
+INT4_BLOCK = 32
+# The decoder graph quantized with the logits graph's recipe must give its logits on a prefill (an empty cache):
+# the same weights and the same per-call activation ranges. Measured on the tiny preset: 0.0 for int8.
+PREFILL_TOLERANCE = 1e-3
 
 
 @dataclass
@@ -25,7 +33,11 @@ class Int8Choice:
     activation_type: str = "QUInt8"
     activation_matmuls: bool = False  # also MatMuls of two activations (attention scores), as Optimum's ORTQuantizer
     excluded_nodes: list[str] = field(default_factory=list)
-    reason: str = ""
+    fp32_layers: list[str] = field(default_factory=list)  # what excluded_nodes are: lm_head, layer N
+
+    def with_excluded(self, nodes: list[str]) -> "Int8Choice":
+        """The same recipe for another graph of the same model, whose nodes holding those weights are `nodes`."""
+        return dataclasses.replace(self, excluded_nodes=list(nodes))
 
 
 def cpu_flags() -> set[str]:
@@ -41,11 +53,8 @@ def cpu_flags() -> set[str]:
 def int8_choice_for_this_cpu() -> Int8Choice:
     """VNNI (AVX512-VNNI / AVX-VNNI) computes u8 x s8 exactly: full-range signed weights. AVX2/AVX512 without
     VNNI use vpmaddubsw, whose 16-bit intermediate saturates: 7-bit weights (reduce_range) avoid it."""
-    flags = cpu_flags()
-    vnni = bool(flags & {"avx512_vnni", "avx_vnni", "amx_int8"})
-    reason = ("CPU has VNNI: u8 activations x s8 weights, full range" if vnni else
-              "CPU lacks VNNI: s8 weights reduced to 7 bits so vpmaddubsw cannot saturate")
-    return Int8Choice(vnni=vnni, reduce_range=not vnni, reason=reason)
+    vnni = bool(cpu_flags() & {"avx512_vnni", "avx_vnni", "amx_int8"})
+    return Int8Choice(vnni=vnni, reduce_range=not vnni)
 
 
 def weight_matmuls(onnx_path: Path) -> list[str]:
@@ -64,17 +73,12 @@ def _save_kwargs(onnx_path: Path) -> bool:
 def quantize_int8(fp32: Path, out: Path, choice: Int8Choice) -> Path:
     from onnxruntime.quantization import QuantType, quantize_dynamic
 
-    root = logging.getLogger()
-    level = root.level
-    root.setLevel(logging.ERROR)  # ORT's advice to pre-process applies to static (calibrated) quantization
-    try:
-        # MatMul weights -> MatMulInteger; the embedding table (Gather) -> int8 + DequantizeLinear.
-        quantize_dynamic(str(fp32), str(out), op_types_to_quantize=["MatMul", "Gather"], per_channel=choice.per_channel,
-                         reduce_range=choice.reduce_range, weight_type=QuantType.QInt8,
-                         nodes_to_exclude=choice.excluded_nodes, use_external_data_format=_save_kwargs(fp32),
-                         extra_options={"MatMulConstBOnly": not choice.activation_matmuls})
-    finally:
-        root.setLevel(level)
+    # MatMul weights -> MatMulInteger; the embedding table (Gather) -> int8 + DequantizeLinear. (ORT logs advice
+    # to pre-process the model, which applies to static, calibrated quantization: it goes to the log file.)
+    quantize_dynamic(str(fp32), str(out), op_types_to_quantize=["MatMul", "Gather"], per_channel=choice.per_channel,
+                     reduce_range=choice.reduce_range, weight_type=QuantType.QInt8,
+                     nodes_to_exclude=choice.excluded_nodes, use_external_data_format=_save_kwargs(fp32),
+                     extra_options={"MatMulConstBOnly": not choice.activation_matmuls})
     strip_exporter_metadata(out)
     return out
 
@@ -87,7 +91,7 @@ def strip_exporter_metadata(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def quantize_int4(fp32: Path, out: Path, block_size: int = 32) -> Path:
+def quantize_int4(fp32: Path, out: Path, block_size: int = INT4_BLOCK) -> Path:
     """Weight-only 4-bit, block-wise symmetric (com.microsoft MatMulNBits); activations stay fp32."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -102,13 +106,14 @@ def quantize_int4(fp32: Path, out: Path, block_size: int = 32) -> Path:
 
 
 def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl: float, budget: float,
-                           num_layers: int, echo=print) -> tuple[Int8Choice, float, list[dict]]:
+                           num_layers: int) -> tuple[Int8Choice, list[dict]]:
     """Choose by perplexity on `tokens` (calibration text, not the held-out split the report measures; `base_ppl`
     is fp32's on the same tokens). First whether the MatMuls of two activations (attention scores) are quantized
     too, as Optimum's ORTQuantizer does, or stay fp32 (kept only if measured more accurate). Then, if perplexity
     rises more than `budget` (a fraction), measure what keeping each candidate in fp32 buys (lm_head, then each
     decoder layer's projections) and keep the best ones in fp32, greedily, until the budget holds or a quarter
-    of the weights' MatMuls are excluded."""
+    of the weights' MatMuls are excluded. Returns the choice and every trial (fp32_layers, activation_matmuls,
+    perplexity)."""
     choice = int8_choice_for_this_cpu()
     trial = work / "trial.onnx"
     ppl_weights = perplexity_onnx(quantize_int8(fp32, trial, choice), tokens)
@@ -116,12 +121,10 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
     ppl_both = perplexity_onnx(quantize_int8(fp32, trial, choice), tokens)
     choice.activation_matmuls = ppl_both < ppl_weights
     ppl_all = min(ppl_weights, ppl_both)
-    trials = [{"excluded": [], "activation_matmuls": False, "perplexity": ppl_weights},
-              {"excluded": [], "activation_matmuls": True, "perplexity": ppl_both}]
-    choice.reason += (f"; activation x activation MatMuls {'int8' if choice.activation_matmuls else 'fp32'} "
-                      f"(calibration perplexity {ppl_both:.3f} int8 vs {ppl_weights:.3f} fp32)")
+    trials = [{"fp32_layers": [], "activation_matmuls": False, "perplexity": ppl_weights},
+              {"fp32_layers": [], "activation_matmuls": True, "perplexity": ppl_both}]
     if ppl_all <= base_ppl * (1 + budget):
-        return choice, ppl_all, trials
+        return choice, trials
     nodes = weight_matmuls(fp32)
     per_layer = max(1, (len(nodes) - 1) // max(num_layers, 1))
     candidates = {"lm_head": [nodes[-1]]}
@@ -130,18 +133,49 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
     for label, group in candidates.items():
         choice.excluded_nodes = group
         ppl = perplexity_onnx(quantize_int8(fp32, trial, choice), tokens)
-        trials.append({"excluded": [label], "perplexity": ppl})
+        trials.append({"fp32_layers": [label], "activation_matmuls": choice.activation_matmuls, "perplexity": ppl})
         gains.append((ppl, label, group))
-        echo(f"  int8 sensitivity: keeping {label} in fp32 -> perplexity {ppl:.3f} (all int8: {ppl_all:.3f})")
+        dlog.log.info(f"int8 sensitivity: keeping {label} in fp32 -> perplexity {ppl:.3f} (all int8: {ppl_all:.3f})")
     excluded, labels, best = [], [], ppl_all
     for ppl, label, group in sorted(gains):
         if best <= base_ppl * (1 + budget) or len(excluded) + len(group) > len(nodes) // 4 or ppl >= ppl_all:
             break
         choice.excluded_nodes = excluded + group
         trial_ppl = perplexity_onnx(quantize_int8(fp32, trial, choice), tokens)
-        trials.append({"excluded": labels + [label], "perplexity": trial_ppl})
+        trials.append({"fp32_layers": labels + [label], "activation_matmuls": choice.activation_matmuls,
+                       "perplexity": trial_ppl})
         if trial_ppl < best:
             excluded, labels, best = excluded + group, labels + [label], trial_ppl
-    choice.excluded_nodes = excluded
-    choice.reason += f"; kept in fp32 (measured): {', '.join(labels) or 'nothing'}"
-    return choice, best, trials
+    choice.excluded_nodes, choice.fp32_layers = excluded, labels
+    return choice, trials
+
+
+def matmul_weight_digests(onnx_path: Path) -> dict[str, str]:
+    """MatMul node name -> sha256 of its weight initializer."""
+    from onnx import numpy_helper
+
+    graph = onnx.load(str(onnx_path)).graph
+    weights = {i.name: i for i in graph.initializer}
+    return {n.name: hashlib.sha256(numpy_helper.to_array(weights[n.input[1]]).tobytes()).hexdigest()
+            for n in graph.node if n.op_type == "MatMul" and n.input[1:2] and n.input[1] in weights}
+
+
+def same_weight_nodes(source: Path, nodes: list[str], target: Path) -> list[str]:
+    """The MatMul nodes of graph `target` that hold the weights `nodes` hold in graph `source` (both fp32 graphs of
+    one model: matched by content, since the exporter names their constants differently)."""
+    if not nodes:
+        return []
+    wanted = {d for n, d in matmul_weight_digests(source).items() if n in nodes}
+    found = [n for n, d in matmul_weight_digests(target).items() if d in wanted]
+    if len(found) != len(nodes):
+        raise StageFailed(f"{target.name}: {len(found)} MatMul nodes hold the weights of the {len(nodes)} kept in fp32 "
+                          f"in {source.name}; the two graphs do not lay out the same weights")
+    return found
+
+
+def decoder_prefill_diff(logits_graph: Path, decoder_graph: Path, vocab: int) -> float:
+    """max |logit diff| between the logits graph and the decoder graph's prefill (empty cache) on the same tokens."""
+    ids = np.random.default_rng(4).integers(0, vocab, (2, 24))
+    decoder = ort_session(decoder_graph)
+    prefill, _ = run_decoder(decoder, ids, empty_cache(decoder, len(ids)), 0)
+    return float(np.abs(run_logits(ort_session(logits_graph), ids) - prefill).max())

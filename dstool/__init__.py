@@ -1,10 +1,8 @@
-"""dstool: DeepSpeed training -> compression -> Triton serving behind a Redis cache."""
+"""dstool: DeepSpeed training -> compression -> Triton serving behind a Redis cache.
 
-import logging as _logging
+The core (this package) holds what the stages share: typed artefacts (`artifacts`), one config style (`config`),
+one logging setup (`log`), steps as objects (`steps`), process helpers (`proc`), the ONNX exporter. The stages
+`dstool.train`, `dstool.compress` and `dstool.serve` are siblings over it; `dstool.pipeline` runs them in turn.
+"""
 
 __version__ = "0.1.0"
-
-# transformers/accelerate import torchao when it is installed; its optional CUDA kernels fail to load on
-# CPU-only machines and torch logs a deprecation per torchao enum. Neither concerns dstool's users.
-for _name in ("torchao", "torch.utils._pytree"):
-    _logging.getLogger(_name).setLevel(_logging.ERROR)

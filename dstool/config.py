@@ -1,102 +1,110 @@
-"""Typed, validated configuration: a YAML file, overridden by CLI flags."""
+"""One config style for every command: a pydantic model whose fields are the YAML keys (`--config FILE`)
+and, with dashes, the CLI flags (generated from the model: defaults and help live only on the fields)."""
 
 from __future__ import annotations
 
+import argparse
+import types
+import typing
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, Union
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dstool.errors import UsageError
 
 
-class TrainConfig(BaseModel):
-    """Everything `dstool train` needs. Field names are the YAML keys; CLI flags use dashes."""
+class CommandConfig(BaseModel):
+    """Base of every command's options."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-    # What to train on
-    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder")
-    data: str | None = Field(None, description="text file, folder of .txt/.jsonl files, or none for the embedded corpus")
-    output: str = Field("runs/train", description="run folder: checkpoints/, model/, metrics.jsonl, tensorboard/")
-    vocab_size: int = Field(4096, ge=256, le=65535, description="BPE vocabulary when a tokenizer is trained")
-    seq_len: int = Field(128, ge=8, description="packed sequence length in tokens")
-    val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out share of the token stream")
-
-    # Launch
-    nproc: int = Field(1, ge=1, description="ranks per node")
-    hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' per line)")
-    num_nodes: int = Field(1, ge=1, description="nodes in the job (from the hostfile when one is given)")
-    node_rank: int | None = Field(None, ge=0, description="this node's rank when each node is started by hand")
-    master_addr: str = Field("127.0.0.1", description="address of node 0")
-    master_port: int | None = Field(None, ge=1, le=65535, description="rendezvous port (free port when single-node)")
-    launcher: Literal["auto", "torchrun", "deepspeed"] = "auto"
-    env: dict[str, str] = Field(default_factory=dict, description="environment for every rank, e.g. NCCL_SOCKET_IFNAME")
-    max_restarts: int = Field(0, ge=0, description="torchrun elastic restarts when a rank dies; each resumes from "
-                              "the last valid checkpoint")
-
-    # Optimisation
-    zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage")
-    offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU")
-    offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU")
-    pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages (DeepSpeed PipelineModule; Llama "
-                                 "models, zero 0 or 1); data-parallel size = world / stages")
-    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP); "
-                                 "data-parallel size = world / tensor_parallel")
-    precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per micro-step")
-    gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-steps per optimizer step")
-    global_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step across all ranks")
-    max_steps: int = Field(200, ge=1, description="optimizer steps in total")
-    lr: float = Field(1e-3, gt=0, description="peak learning rate before world-size scaling")
-    lr_scaling: Literal["linear", "none"] = Field("linear", description="linear: peak lr x data-parallel world size")
-    warmup_ratio: float = Field(0.05, ge=0, lt=1, description="share of max_steps spent warming up")
-    min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor as a share of peak lr")
-    weight_decay: float = Field(0.1, ge=0)
-    grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
-    seed: int = 1234
-
-    # Checkpoints, metrics
-    save_every: int = Field(100, ge=1, description="checkpoint every N steps (and at the end)")
-    keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
-    resume: str = Field("auto", description="auto (latest valid checkpoint), none, or a checkpoint folder")
-    log_every: int = Field(10, ge=1)
-    eval_every: int = Field(0, ge=0, description="held-out evaluation every N steps (0 = at the end only)")
-    eval_batches: int = Field(8, ge=1, description="micro-batches per rank per evaluation")
-    peak_tflops: float | None = Field(None, gt=0, description="declared per-rank peak for MFU (default by device)")
-    tensorboard: bool = True
-    trace_samples: bool = Field(False, description="write each rank's sample ids per step (data audit)")
-    deepspeed_config: str | None = Field(None, description="DeepSpeed JSON merged over the generated config")
-    keep_zero_weights: bool = Field(False, description="hold weights that start at exactly zero at zero (N:M sparsity)")
-    distill_from: str | None = Field(None, description="teacher model folder: loss = cross-entropy + KL(teacher || "
-                                     "student) on the logits (knowledge distillation)")
-
-    @model_validator(mode="after")
-    def _consistent(self) -> "TrainConfig":
-        if self.keep_zero_weights and self.zero == 3:
-            raise ValueError("keep_zero_weights needs zero 0, 1 or 2 (ranks must hold whole weights)")
-        if self.pipeline_stages > 1 and self.zero > 1:
-            raise ValueError(f"pipeline_stages {self.pipeline_stages} needs zero 0 or 1 (DeepSpeed pipelines cannot "
-                             "partition gradients or weights): add --zero 1")
-        if self.pipeline_stages > 1 and self.tensor_parallel > 1:
-            raise ValueError("pipeline_stages and tensor_parallel cannot be combined: choose one of them")
-        if (self.pipeline_stages > 1 or self.tensor_parallel > 1) and (self.distill_from or self.keep_zero_weights):
-            raise ValueError("distill_from and keep_zero_weights need data parallelism only: drop them or set "
-                             "pipeline_stages and tensor_parallel to 1")
-        if self.offload_params and self.zero != 3:
-            raise ValueError("offload_params needs zero: 3")
-        if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:
-            raise ValueError(f"node_rank {self.node_rank} is not below num_nodes {self.num_nodes}")
-        return self
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 
 
-def _first_error(err: ValidationError) -> str:
+def positional(description: str, default: Any = ..., metavar: str | None = None) -> Any:
+    """A field given on the command line without a flag (it may come from --config instead)."""
+    return Field(default, description=description, json_schema_extra={"cli": {"positional": True, "metavar": metavar}})
+
+
+def cli_extra(field) -> dict:
+    extra = field.json_schema_extra if isinstance(field.json_schema_extra, dict) else {}
+    return extra.get("cli", {}) if isinstance(extra.get("cli", {}), dict) else {"hidden": True}
+
+
+def _base_type(annotation):
+    """`int | None` -> int; other annotations unchanged."""
+    if typing.get_origin(annotation) in (Union, types.UnionType):
+        return next(a for a in typing.get_args(annotation) if a is not type(None))
+    return annotation
+
+
+def _default(field) -> Any:
+    return field.default_factory() if field.default_factory is not None else field.default
+
+
+def add_options(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None:
+    """--config, then one flag per field (dashes for underscores); validation stays in the model."""
+    parser.add_argument("--config", metavar="FILE.yaml", help="YAML file of options (keys as the flags, with "
+                        "underscores); flags given here override it")
+    for name, field in model.model_fields.items():
+        extra = cli_extra(field)
+        if extra.get("hidden"):
+            continue
+        base = _base_type(field.annotation)
+        required = field.is_required()
+        default = None if required else _default(field)
+        help_ = (field.description or "").replace("%", "%%")
+        help_ += " (required)" if required else "" if default in (None, [], {}) else f" [default: {default}]"
+        if extra.get("positional"):
+            parser.add_argument(name, nargs="?", default=None, metavar=extra.get("metavar") or name.upper(), help=help_)
+            continue
+        flag = extra.get("flag") or "--" + name.replace("_", "-")
+        kwargs: dict[str, Any] = {"dest": name, "default": None, "help": help_}
+        if base is bool:
+            parser.add_argument(flag, action=argparse.BooleanOptionalAction, **kwargs)
+        elif typing.get_origin(base) is Literal:
+            choices = typing.get_args(base)
+            parser.add_argument(flag, type=type(choices[0]), choices=choices,
+                                metavar="{" + ",".join(map(str, choices)) + "}", **kwargs)
+        elif typing.get_origin(base) is dict:
+            parser.add_argument(flag, action="append", metavar="KEY=VALUE", **kwargs)
+        elif typing.get_origin(base) is list:
+            item = typing.get_args(base)[0] if typing.get_args(base) else str
+            parser.add_argument(flag, action="append", type=item, metavar=extra.get("metavar") or name.upper(),
+                                **kwargs)
+        elif "const" in extra:
+            parser.add_argument(flag, nargs="?", const=extra["const"], type=base,
+                                metavar=extra.get("metavar") or name.upper(), **kwargs)
+        else:
+            parser.add_argument(flag, type=base, metavar=extra.get("metavar") or name.upper(), **kwargs)
+
+
+def overrides(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
+    """The flags given on the command line, as field values (KEY=VALUE pairs made a mapping)."""
+    values = {k: v for k, v in vars(ns).items() if k in model.model_fields and v is not None}
+    for name, field in model.model_fields.items():
+        if name in values and typing.get_origin(_base_type(field.annotation)) is dict:
+            pairs = {}
+            for item in values[name]:
+                if "=" not in item:
+                    raise UsageError(f"--{name.replace('_', '-')} takes KEY=VALUE, got '{item}'")
+                k, v = item.split("=", 1)
+                pairs[k] = v
+            values[name] = pairs
+    return values
+
+
+def _first_error(err: ValidationError, model: type[BaseModel]) -> str:
     e = err.errors()[0]
     where = ".".join(str(p) for p in e["loc"])
     msg = e["msg"].removeprefix("Value error, ")
     if e["type"] == "extra_forbidden":
         return f"unknown option '{where}'"
+    if e["type"] == "missing":
+        field = model.model_fields.get(str(e["loc"][0]))
+        extra = cli_extra(field) if field else {}
+        shown = extra.get("metavar") or where.upper() if extra.get("positional") else "--" + where.replace("_", "-")
+        return f"missing {shown}: give it on the command line or as '{where}:' in --config"
     if not where:  # a check across options: its message names them
         return msg
     got = e.get("input")
@@ -104,8 +112,8 @@ def _first_error(err: ValidationError) -> str:
     return f"{where}: {msg}{shown}"
 
 
-def load_config(cls: type[BaseModel], path: str | None, overrides: dict[str, Any]):
-    """Build `cls` from an optional YAML file with `overrides` (already-parsed CLI flags) on top."""
+def load_config(cls: type[BaseModel], path: str | None, flags: dict[str, Any]):
+    """Build `cls` from an optional YAML file with `flags` (already-parsed CLI flags) on top."""
     values: dict[str, Any] = {}
     if path:
         p = Path(path)
@@ -117,13 +125,19 @@ def load_config(cls: type[BaseModel], path: str | None, overrides: dict[str, Any
             raise UsageError(f"config file {path} is not valid YAML: {str(e).splitlines()[0]}") from None
         if not isinstance(loaded, dict):
             raise UsageError(f"config file {path} must hold a mapping of option: value")
-        values.update({k.replace("-", "_"): v for k, v in loaded.items()})
-    values.update({k: v for k, v in overrides.items() if v is not None})
+        values.update({str(k).replace("-", "_"): v for k, v in loaded.items()})
+    values.update({k: v for k, v in flags.items() if v is not None})
     try:
         return cls(**values)
     except ValidationError as e:
-        raise UsageError(f"invalid configuration: {_first_error(e)}") from None
+        raise UsageError(f"invalid configuration: {_first_error(e, cls)}") from None
 
 
 def dump_yaml(cfg: BaseModel) -> str:
-    return yaml.safe_dump(cfg.model_dump(), sort_keys=False)
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+
+
+def changed(cfg: BaseModel) -> dict[str, Any]:
+    """The options that differ from their defaults (what a run prints; the whole config goes to its folder)."""
+    return {name: getattr(cfg, name) for name, field in type(cfg).model_fields.items()
+            if field.is_required() or getattr(cfg, name) != _default(field)}

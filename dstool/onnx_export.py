@@ -13,15 +13,17 @@ Two graphs:
 from __future__ import annotations
 
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
+from dstool import log as dlog
+from dstool.errors import StageFailed
 
-class ParityError(RuntimeError):
+
+class ParityError(StageFailed):
     """ONNX Runtime's logits disagree with PyTorch's beyond the tolerance."""
 
 
@@ -37,19 +39,13 @@ def _export(model, sample: dict, dynamic_shapes: dict | None, out_dir: Path, che
     """Run transformers' OnnxExporter into OUT.tmp, gate with `check(path) -> max diff`, rename to `out_dir`."""
     from transformers.exporters.configs import OnnxConfig
     from transformers.exporters.exporter_onnx import OnnxExporter
-    from transformers.utils import logging as transformers_logging
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    verbosity = transformers_logging.get_verbosity()
-    transformers_logging.set_verbosity_error()
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            config = OnnxConfig(dynamic=True, dynamic_shapes=dynamic_shapes) if dynamic_shapes else OnnxConfig(dynamic=True)
-            OnnxExporter().export(model, sample, config=config).save_pretrained(str(tmp))
-    finally:
-        transformers_logging.set_verbosity(verbosity)
+    dlog.adopt_libraries()  # torch.onnx's registration warnings and the exporter's notes: to the log file
+    config = OnnxConfig(dynamic=True, dynamic_shapes=dynamic_shapes) if dynamic_shapes else OnnxConfig(dynamic=True)
+    with dlog.captured_stdout("torch.onnx"):  # "[torch.onnx] Run decompositions..." progress lines
+        OnnxExporter().export(model, sample, config=config).save_pretrained(str(tmp))
     diff = check(tmp / "model.onnx")
     if not diff <= tolerance:
         raise ParityError(f"ONNX export disagrees with PyTorch: max |logit diff| {diff:.3g} > {tolerance}")

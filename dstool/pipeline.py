@@ -1,175 +1,220 @@
-"""`run_pipeline(config)`: the whole dstool job on one machine, as `dstool pipeline` runs it.
+"""`run_pipeline(config)`: the whole dstool job on one machine, as `dstool pipeline` runs it — a list of
+steps, each with a gate (`dstool.steps`):
 
-A pipeline of named steps, each ending in a gate (as Triton Model Navigator does):
-  train       DeepSpeed, N ranks                   gate: model/ reloads with the engine's logits (train's own)
-  compress    int8 and a pruned variant             gate: compress's own (parity, integer ops, speed, reload)
-  export      the int8 model -> Triton repository   gate: every config.pbtxt against Triton's schema + graphs
-  serve       Triton behind the cache gateway       gate: the generation entry point is ready
-  infer       prompts over HTTP and gRPC, twice     gate: both protocols return the same text
-  report      compression table, cache hit rate     gate: the repeated prompts were cache hits
-  shutdown    SIGTERM, clean exit                   gate: exit code 0
+  train      DeepSpeed, N ranks                    gate: model/ reloads with the engine's logits (train's own)
+  compress   int8 and a pruned variant             gate: compress's own (parity, integer ops, speed, reload)
+  export     the int8 output -> Triton repository  gate: every config against Triton's schema and the graphs
+  serve      Triton behind the cache gateway       gate: the generation entry point is ready
+  infer      prompts over HTTP and gRPC            gate: both protocols return the same text
+  report     compression table, cache hit rate     gate: the repeated prompts were cache hits
+  shutdown   SIGTERM (runs whatever failed)        gate: exit code 0
+
+Each stage's own lines go to the run's log (OUTPUT/pipeline.log); the console gets the step lines and results.
 """
 
 from __future__ import annotations
 
+import json
 import os
-import signal
 import subprocess
 import sys
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from dstool.errors import UsageError
+from pydantic import Field, field_validator
 
+from dstool import log as dlog
+from dstool.config import CommandConfig
+from dstool.errors import StageFailed
+from dstool.steps import Step, run_steps
+
+log = dlog.log
 PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach", "JULIET:\nO Romeo, Romeo,"]
 
 
-class PipelineFailed(RuntimeError):
-    """A step's gate did not hold."""
+class PipelineConfig(CommandConfig):
+    """`dstool pipeline`: train -> compress -> export -> serve -> infer on the embedded default."""
+
+    output: str = Field("runs/pipeline", description="folder of the train run, the compress outputs and the logs")
+    repository: str = Field("model_repository", description="the Triton model repository written")
+    nproc: int = Field(2, ge=1, description="training ranks")
+    train_steps: int = Field(300, ge=1, description="training steps")
+    prune: float = Field(0.3, gt=0, lt=1, description="pruned variant's share of decoder-layer parameters")
+    recover_steps: int = Field(30, ge=0, description="pruned variant's recovery fine-tuning steps")
+    # The 300-step tiny model pruned 30 % (MLP channels only) loses little, and fine-tuning at compress's default
+    # peak lr 1e-3 undoes its training's final low-lr steps: held-out perplexity after 30 recovery steps was
+    # -0.16 % at 2e-4, +1.04 % at 5e-4, +4.49 % at 1e-3 (measured 2026-11-30).
+    recover_lr: float = Field(2e-4, gt=0, description="recovery peak learning rate")
+    cache: str | None = Field(None, description="gateway cache URL (default: local Redis if it answers, else an "
+                              "in-process LRU)", json_schema_extra={"cli": {"metavar": "URL"}})
+    http_port: int = Field(8000, ge=1, le=65535)
+    grpc_port: int = Field(8001, ge=1, le=65535)
+    metrics_port: int = Field(8002, ge=1, le=65535)
+    max_new_tokens: int = Field(24, ge=1, description="tokens generated per prompt")
+    prompts: list[str] = Field(default_factory=lambda: list(PROMPTS), description="a prompt (repeat the flag; "
+                               "default: three built in)", json_schema_extra={"cli": {"flag": "--prompt",
+                                                                                      "metavar": "TEXT"}})
+    latency_repeats: int = Field(20, ge=1, description="timed runs per latency figure in the compression reports")
+    ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for the served models")
+
+    @field_validator("cache")
+    @classmethod
+    def _cache(cls, v: str | None) -> str | None:
+        from dstool.serve.config import check_cache_url
+
+        return None if v is None else check_cache_url(v)
 
 
-@dataclass
-class PipelineConfig:
-    output: str = "runs/pipeline"
-    repository: str = "model_repository"
-    nproc: int = 2
-    train_steps: int = 300
-    prune: float = 0.3
-    recover_steps: int = 30
-    # The 300-step tiny model pruned 30 % (MLP channels only) loses little, and fine-tuning at compress's
-    # default peak lr 1e-3 undoes its training's final low-lr steps: held-out perplexity after 30 recovery
-    # steps was -0.16 % at 2e-4, +1.04 % at 5e-4, +4.49 % at 1e-3 (measured 2026-11-30).
-    recover_lr: float = 2e-4
-    cache: str | None = None  # gateway cache URL; None: local Redis if it answers, else an in-process LRU
-    http_port: int = 8000
-    grpc_port: int = 8001
-    metrics_port: int = 8002
-    max_new_tokens: int = 24
-    latency_repeats: int = 20  # timed ONNX Runtime runs per latency figure in the compression reports
-    prompts: list[str] = field(default_factory=lambda: list(PROMPTS))
-    ready_timeout: float = 300.0
-
-
-def run_pipeline(cfg: PipelineConfig, echo=print) -> dict:
+def run_pipeline(cfg: PipelineConfig) -> dict:
     """Run every step; returns a summary (the answers, the compression table, the cache hit rate)."""
-    from dstool.compress import CompressConfig, compress
-    from dstool.config import TrainConfig
-    from dstool.serve.api import export
-    from dstool.serve.repository import ModelSettings
-    from dstool.train import train
+    from dstool.proc import check_port_free
 
-    from dstool.serve.gateway.launch import check_port_free
-
-    if not 0 < cfg.prune < 1:
-        raise UsageError(f"--prune must be strictly between 0 and 1, got {cfg.prune}")
-    if cfg.recover_lr <= 0:
-        raise UsageError(f"--recover-lr must be positive, got {cfg.recover_lr:g}")
     for port in (cfg.http_port, cfg.grpc_port, cfg.metrics_port):  # before minutes of training, not after
         check_port_free("127.0.0.1", port)
     out = Path(cfg.output)
-    clock = _Clock(echo)
-
-    clock.step("train", f"tiny model, {cfg.nproc} DeepSpeed ranks, {cfg.train_steps} steps")
-    result = train(TrainConfig(output=str(out / "train"), nproc=cfg.nproc, max_steps=cfg.train_steps,
-                               save_every=cfg.train_steps, lr=3e-3, tensorboard=False))
-    echo(f"    held-out loss {result.val_loss:.3f}; model: {result.model_dir}")
-
-    clock.step("compress", "int8 (ONNX Runtime), and a pruned variant with recovery")
-    reports = {"int8": compress(CompressConfig(model=str(result.model_dir), output=str(out / "int8"), bits=8,
-                                               latency_repeats=cfg.latency_repeats), echo=_indented(echo)),
-               f"prune {cfg.prune:g}": compress(CompressConfig(
-                   model=str(result.model_dir), output=str(out / "pruned"), prune=cfg.prune,
-                   recover_steps=cfg.recover_steps, recover_lr=cfg.recover_lr,
-                   latency_repeats=cfg.latency_repeats), echo=_indented(echo))}
-
-    clock.step("export", f"the int8 model -> {cfg.repository}/ (tensor model, decoder with cache, text models)")
-    placed = export(str(out / "int8"), cfg.repository, ModelSettings(name="dstool_lm"), echo=_indented(echo))
-
-    clock.step("serve", "Triton behind the cache gateway")
-    server = _start_serve(cfg, out / "tritonserver.log", echo)
+    out.mkdir(parents=True, exist_ok=True)
+    dlog.to_file(out / "pipeline.log")
+    run = _Run(cfg, out)
+    steps = [
+        Step("train", f"tiny model, {cfg.nproc} DeepSpeed ranks, {cfg.train_steps} steps", run.train),
+        Step("compress", "int8 (ONNX Runtime), and a pruned variant with recovery", run.compress),
+        Step("export", f"the int8 output -> {cfg.repository}/ (tensor model, decoder with cache, text models)",
+             run.export),
+        Step("serve", "Triton behind the cache gateway", run.serve),
+        Step("infer", f"{len(cfg.prompts)} prompts, each sent over HTTP, then gRPC, then HTTP again", run.infer,
+             gate=run.same_text),
+        Step("report", "compression table and cache hit rate", run.report, gate=run.cache_hits),
+        Step("shutdown", "SIGTERM to dstool serve", run.shutdown, gate=lambda code: None if code == 0 else
+             f"dstool serve exited with {code}; see {out / 'serve.log'}", cleanup=True),
+    ]
+    started = time.monotonic()
     try:
-        clock.step("infer", f"{len(cfg.prompts)} prompts, each sent over HTTP, then gRPC, then HTTP again")
-        answers = _ask(cfg, echo)
-        clock.step("report", "compression table and cache hit rate")
-        hits, misses = _cache_counts(cfg.http_port)
-        echo(_table(reports))
-        hit_rate = hits / (hits + misses) if hits + misses else 0.0
-        echo(f"    cache: {hits:.0f} hits, {misses:.0f} misses, hit rate {hit_rate:.0%}")
-        if hits < len(cfg.prompts):
-            raise PipelineFailed(f"repeated prompts should be cache hits: {hits:.0f} hits for {len(cfg.prompts)} repeats")
+        run_steps(steps, "pipeline")
     finally:
-        clock.step("shutdown", "SIGTERM to dstool serve")
-        code = _stop(server)
-    if code != 0:
-        raise PipelineFailed(f"dstool serve exited with {code}; see {out / 'serve.log'}")
-    echo(f"[pipeline] done in {clock.total():.0f} s")
-    return {"answers": answers, "reports": reports, "cache_hits": hits, "cache_misses": misses,
-            "hit_rate": hit_rate, "repository_version": placed["logits"].name}
+        (out / "pipeline.json").write_text(json.dumps({"steps": [s.summary() for s in steps],
+                                                       **run.summary}, indent=1) + "\n")
+    log.info(f"[pipeline] done in {time.monotonic() - started:.0f} s; steps, answers and figures: "
+             f"{out / 'pipeline.json'}, log: {out / 'pipeline.log'}")
+    return run.summary
 
 
-class _Clock:
-    def __init__(self, echo):
-        self.echo, self.start, self.count = echo, time.monotonic(), 0
+class _Run:
+    """The steps' shared state: what each step made, for the next."""
 
-    def step(self, name: str, what: str) -> None:
-        self.count += 1
-        self.echo(f"[pipeline {self.count}/7 {name}] {what} (+{self.total():.0f} s)")
+    def __init__(self, cfg: PipelineConfig, out: Path):
+        self.cfg, self.out = cfg, out
+        self.summary: dict = {}
+        self.server: subprocess.Popen | None = None
 
-    def total(self) -> float:
-        return time.monotonic() - self.start
+    def train(self):
+        from dstool.train import TrainConfig, train
 
+        with dlog.details_to_file():
+            result = train(TrainConfig(output=str(self.out / "train"), nproc=self.cfg.nproc,
+                                       max_steps=self.cfg.train_steps, save_every=self.cfg.train_steps, lr=3e-3,
+                                       tensorboard=False))
+        self.model_dir = result.model_dir
+        log.info(f"held-out loss {result.val_loss:.3f}; model: {result.model_dir}")
+        return result
 
-def _indented(echo):
-    return lambda *args: echo("    " + " ".join(str(a) for a in args))
+    def compress(self):
+        from dstool.compress import CompressConfig, compress
 
+        c, model = self.cfg, str(self.model_dir)
+        variants = {"int8": CompressConfig(model=model, output=str(self.out / "int8"), bits=8,
+                                           latency_repeats=c.latency_repeats),
+                    f"prune {c.prune:g}": CompressConfig(model=model, output=str(self.out / "pruned"), prune=c.prune,
+                                                         recover_steps=c.recover_steps, recover_lr=c.recover_lr,
+                                                         latency_repeats=c.latency_repeats)}
+        self.compressed = {}
+        for name, variant in variants.items():
+            with dlog.details_to_file():
+                m = self.compressed[name] = compress(variant)
+            f = m.figures
+            log.info(f"{name}: size {f.compression_ratio:.3f}x, perplexity {f.perplexity_change_pct:+.2f} %, "
+                     f"speed-up {f.speedup['1']:.2f}x / {f.speedup['8']:.2f}x (batch 1 / 8); {variant.output}")
+        self.summary["compression"] = {name: m.figures.model_dump(mode="json") for name, m in self.compressed.items()}
+        return self.compressed
 
-def _start_serve(cfg: PipelineConfig, log_file: Path, echo) -> subprocess.Popen:
-    """`dstool serve --cache` as a user starts it, in its own process; returns once generation is ready."""
-    import tritonclient.http as http
+    def export(self):
+        from dstool.serve.config import ExportConfig
+        from dstool.serve.export import export
 
-    command = [sys.executable, "-m", "dstool.cli", "serve", "--repository", cfg.repository, "--http-port",
-               str(cfg.http_port), "--grpc-port", str(cfg.grpc_port), "--metrics-port", str(cfg.metrics_port),
-               "--log-file", str(log_file), "--cache", *([cfg.cache] if cfg.cache else [])]
-    serve_log = open(log_file.with_name("serve.log"), "w")
-    proc = subprocess.Popen(command, stdout=serve_log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    deadline = time.monotonic() + cfg.ready_timeout
-    client = http.InferenceServerClient(f"127.0.0.1:{cfg.http_port}")
-    try:
-        while time.monotonic() < deadline:
-            if proc.poll() is not None:
-                tail = log_file.with_name("serve.log").read_text().strip().splitlines()[-3:]
-                raise PipelineFailed(f"dstool serve exited with {proc.returncode}: {' | '.join(tail)}")
-            try:
-                if client.is_model_ready("dstool_lm_generate"):
-                    echo(f"    gateway on HTTP 127.0.0.1:{cfg.http_port}, gRPC 127.0.0.1:{cfg.grpc_port}; "
-                         f"logs: {log_file.with_name('serve.log')}, {log_file}")
-                    return proc
-            except Exception:  # noqa: BLE001 (not listening yet)
-                pass
-            time.sleep(1)
-    finally:
-        client.close()
-    _stop(proc)
-    raise PipelineFailed(f"the served models were not ready after {cfg.ready_timeout:.0f} s")
+        with dlog.details_to_file():
+            deployment = export(ExportConfig(model=str(self.out / "int8"), repository=self.cfg.repository))
+        log.info(f"{self.cfg.repository}: version {deployment.version} of {', '.join(deployment.models.values())}")
+        self.summary["repository_version"] = deployment.version
+        return deployment
 
+    def serve(self):
+        """`dstool serve --cache` as a user starts it, in its own process; returns once generation is ready."""
+        import tritonclient.http as http
 
-def _ask(cfg: PipelineConfig, echo) -> list[dict]:
-    from dstool.serve.api import generate_text
+        c, serve_log = self.cfg, self.out / "serve.log"
+        command = [sys.executable, "-m", "dstool.cli", "serve", "--repository", c.repository, "--http-port",
+                   str(c.http_port), "--grpc-port", str(c.grpc_port), "--metrics-port", str(c.metrics_port),
+                   "--log-file", str(self.out / "tritonserver.log"), "--cache", *([c.cache] if c.cache else [])]
+        with open(serve_log, "w") as sink:
+            self.server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
+                                           env=dict(os.environ, PYTHONUNBUFFERED="1"))
+        deadline = time.monotonic() + c.ready_timeout
+        client = http.InferenceServerClient(f"127.0.0.1:{c.http_port}")
+        try:
+            while time.monotonic() < deadline:
+                if self.server.poll() is not None:
+                    tail = serve_log.read_text().strip().splitlines()[-3:]
+                    raise StageFailed(f"dstool serve exited with {self.server.returncode}: {' | '.join(tail)}",
+                                      log=serve_log)
+                try:
+                    if client.is_model_ready("dstool_lm_generate"):
+                        log.info(f"gateway on HTTP 127.0.0.1:{c.http_port}, gRPC 127.0.0.1:{c.grpc_port}; logs: "
+                                 f"{serve_log}, {self.out / 'tritonserver.log'}")
+                        return self.server
+                except Exception:  # noqa: BLE001 (not listening yet)
+                    pass
+                time.sleep(1)
+        finally:
+            client.close()
+        raise StageFailed(f"the served models were not ready after {c.ready_timeout:.0f} s", log=serve_log)
 
-    answers = []
-    for prompt in cfg.prompts:
-        calls = []  # (protocol, text, ms) in the order sent: the first is computed, the repeats come from the cache
-        for protocol, port in (("http", cfg.http_port), ("grpc", cfg.grpc_port), ("http", cfg.http_port)):
-            started = time.perf_counter()
-            text, _ = generate_text(f"127.0.0.1:{port}", protocol, "dstool_lm", prompt, cfg.max_new_tokens)
-            calls.append((protocol, text, (time.perf_counter() - started) * 1e3))
-        if len({text for _, text, _ in calls}) != 1:
-            raise PipelineFailed(f"HTTP and gRPC gave different text for {prompt!r}")
-        echo(f"    {prompt!r} -> {calls[0][1]!r}  ({', '.join(f'{p} {ms:.0f} ms' for p, _, ms in calls)})")
-        answers.append({"prompt": prompt, "text": calls[0][1]})
-    return answers
+    def infer(self):
+        from dstool.serve.client import generate_text
+
+        answers = []
+        for prompt in self.cfg.prompts:
+            calls = []  # (protocol, text, ms) in the order sent: the first is computed, the repeats are cache hits
+            for protocol, port in (("http", self.cfg.http_port), ("grpc", self.cfg.grpc_port),
+                                   ("http", self.cfg.http_port)):
+                started = time.perf_counter()
+                text, _ = generate_text(f"127.0.0.1:{port}", protocol, "dstool_lm", prompt, self.cfg.max_new_tokens)
+                calls.append((protocol, text, (time.perf_counter() - started) * 1e3))
+            log.info(f"{prompt!r} -> {calls[0][1]!r}  ({', '.join(f'{p} {ms:.0f} ms' for p, _, ms in calls)})")
+            answers.append({"prompt": prompt, "texts": [text for _, text, _ in calls]})
+        self.summary["answers"] = [{"prompt": a["prompt"], "text": a["texts"][0]} for a in answers]
+        return answers
+
+    @staticmethod
+    def same_text(answers) -> str | None:
+        differ = [a["prompt"] for a in answers if len(set(a["texts"])) != 1]
+        return f"HTTP and gRPC gave different text for {differ[0]!r}" if differ else None
+
+    def report(self):
+        hits, misses = _cache_counts(self.cfg.http_port)
+        log.info(_table(self.compressed))
+        rate = hits / (hits + misses) if hits + misses else 0.0
+        log.info(f"cache: {hits:.0f} hits, {misses:.0f} misses, hit rate {rate:.0%}")
+        self.summary.update(cache_hits=hits, cache_misses=misses, hit_rate=rate)
+        return hits
+
+    def cache_hits(self, hits: float) -> str | None:
+        repeats = len(self.cfg.prompts)
+        return None if hits >= repeats else f"repeated prompts should be cache hits: {hits:.0f} hits for {repeats}"
+
+    def shutdown(self) -> int:
+        from dstool.proc import stop_process
+
+        return 0 if self.server is None else stop_process(self.server, grace=60)
 
 
 def _cache_counts(http_port: int) -> tuple[float, float]:
@@ -183,22 +228,10 @@ def _cache_counts(http_port: int) -> tuple[float, float]:
     return totals["hits"], totals["misses"]
 
 
-def _table(reports: dict) -> str:
-    rows = ["    | variant | size | perplexity | change | speed-up b1 | speed-up b8 |",
-            "    |---|---:|---:|---:|---:|---:|"]
-    for name, r in reports.items():
-        rows.append(f"    | {name} | {r['compression_ratio']:.3f}x | {r['before']['perplexity']:.2f} -> "
-                    f"{r['after']['perplexity']:.2f} | {r['perplexity_change_pct']:+.2f} % | {r['speedup']['1']:.2f}x | "
-                    f"{r['speedup']['8']:.2f}x |")
+def _table(compressed: dict) -> str:
+    rows = ["| variant | size | perplexity | change | speed-up b1 | speed-up b8 |", "|---|---:|---:|---:|---:|---:|"]
+    for name, m in compressed.items():
+        f = m.figures
+        rows.append(f"| {name} | {f.compression_ratio:.3f}x | {f.before.perplexity:.2f} -> {f.after.perplexity:.2f} | "
+                    f"{f.perplexity_change_pct:+.2f} % | {f.speedup['1']:.2f}x | {f.speedup['8']:.2f}x |")
     return "\n".join(rows)
-
-
-def _stop(proc: subprocess.Popen) -> int:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    return proc.returncode

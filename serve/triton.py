@@ -20,8 +20,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dstool.errors import UsageError
-from dstool.train.launch import die_with_parent
+from dstool.errors import EngineFailed, UsageError
+from dstool.proc import die_with_parent, stop_process
 
 
 @dataclass
@@ -107,14 +107,7 @@ class TritonProcess:
             return ""
 
     def stop(self, grace: float = 15.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        return self.proc.returncode
+        return stop_process(self.proc, grace)
 
 
 def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
@@ -153,8 +146,8 @@ def _wait_ready(server: TritonProcess, timeout: float) -> None:
     try:
         while time.time() < deadline:
             if server.proc.poll() is not None:
-                raise UsageError(f"tritonserver exited with code {server.proc.returncode} before it was ready; "
-                                 f"last log lines: {server.log_tail(5)!r}")
+                raise EngineFailed(f"tritonserver exited with code {server.proc.returncode} before it was ready; "
+                                   f"last log lines: {server.log_tail(5)!r}", log=server.log_path)
             try:
                 if client.is_server_ready():
                     return
@@ -164,4 +157,5 @@ def _wait_ready(server: TritonProcess, timeout: float) -> None:
     finally:
         client.close()
     server.stop()
-    raise UsageError(f"tritonserver was not ready after {timeout:.0f} s; last log lines: {server.log_tail(5)!r}")
+    raise EngineFailed(f"tritonserver was not ready after {timeout:.0f} s; last log lines: {server.log_tail(5)!r}",
+                       log=server.log_path)

@@ -1,11 +1,16 @@
-"""Shared helpers: run the real `dstool` CLI in a subprocess, as a user would."""
+"""Shared helpers and the expensive artefacts the tests share: a trained model, its int8 compress output, an
+exported repository and a real Triton serving it (each made once per session)."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
+import logging
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -16,12 +21,49 @@ FAST = ["--seq-len", "64", "--micro-batch-size", "4", "--log-every", "1", "--no-
 
 
 def dstool(*args: str, timeout: float = 600, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+    """The real `dstool` CLI in its own process, as a user runs it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([*DSTOOL, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
     if check and proc.returncode != 0:
         raise AssertionError(f"dstool {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+@dataclass
+class Result:
+    returncode: int
+    stdout: str
+    stderr: str
+
+
+def cli(*args: str) -> Result:
+    """`dstool.cli.main` in this process (for bad-input cases, where no process boundary is under test); the
+    logging setup it makes is undone afterwards."""
+    from dstool.cli import main
+
+    root = logging.getLogger()
+    handlers, level, env = list(root.handlers), root.level, dict(os.environ)
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(list(args))
+    finally:
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+        logging.getLogger("dstool").handlers.clear()
+        os.environ.clear()
+        os.environ.update(env)
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+def one_line_usage_error(result: Result, needle: str) -> None:
+    assert result.returncode == 2, (result.returncode, result.stderr)
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("dstool: error:") and needle in lines[0], result.stderr
 
 
 def losses(output: Path) -> dict[int, float]:
@@ -42,3 +84,34 @@ def trained(session_tmp) -> Path:
     dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40",
            "--lr", "3e-3", *FAST)
     return out / "model"
+
+
+@pytest.fixture(scope="session")
+def int8_output(trained, session_tmp) -> Path:
+    """`trained` quantized to int8 through the Python API (both graphs, one recipe)."""
+    from dstool.compress import quantize_dynamic
+
+    out = session_tmp / "int8"
+    quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5)
+    return out
+
+
+@pytest.fixture(scope="session")
+def repo(trained, session_tmp) -> Path:
+    """`trained` exported (fp32, both graphs parity-checked) by `dstool export`."""
+    path = session_tmp / "model_repository"
+    dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8", "--instances", "1")
+    return path
+
+
+@pytest.fixture(scope="session")
+def server(repo, session_tmp):
+    """A real Triton 2.51 serving `repo` (all five models)."""
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                       session_tmp / "triton.log")
+    yield srv
+    code = srv.stop()
+    assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n{srv.log_tail(30)}"

@@ -1,14 +1,16 @@
-"""Bad input: one-line error, exit code 2, nothing on disk changed. No rank is started for any of these."""
+"""Bad input: one-line error, exit code 2, nothing on disk changed. No rank is started for any of these, so they
+run in this process (`dstool.cli.main`), in a fresh working folder."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import os
 from pathlib import Path
 
 import pytest
 
-from conftest import dstool
+from conftest import cli, one_line_usage_error
 
 
 def _snapshot(folder: Path) -> dict[str, str]:
@@ -17,11 +19,12 @@ def _snapshot(folder: Path) -> dict[str, str]:
 
 
 def _expect_usage_error(args: list[str], needle: str, tmp_path: Path) -> None:
-    proc = dstool(*args, check=False, timeout=120, cwd=tmp_path)
-    assert proc.returncode == 2, proc.stderr
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
-    assert len(lines) == 1, proc.stderr  # one line
-    assert lines[0].startswith("dstool: error:") and needle in lines[0], lines[0]
+    cwd = os.getcwd()
+    os.chdir(tmp_path)
+    try:
+        one_line_usage_error(cli(*args), needle)
+    finally:
+        os.chdir(cwd)
 
 
 @pytest.mark.parametrize("args,needle", [

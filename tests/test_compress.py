@@ -1,55 +1,80 @@
-"""dstool compress on a model trained by `dstool train` (tiny preset): every mode on the real engines."""
+"""dstool compress on a model trained by `dstool train` (tiny preset): every mode on the real engines. The tests
+read each output through its manifest (dstool.json), as `dstool export` does."""
 
 from __future__ import annotations
 
 import json
 import math
-import re
 from pathlib import Path
 
+import numpy as np
 import onnx
 import pytest
 import torch
 
-from conftest import dstool
-from dstool.compress import CompressConfig, quantize_dynamic
+from conftest import cli, dstool, one_line_usage_error
+from dstool.artifacts import CompressedModel
+from dstool.compress import CompressConfig
 from dstool.compress.api import speed_gate
 from dstool.compress.prune import check_n_m
-from dstool.errors import UsageError
 
 
 def _ops(path: Path) -> set[str]:
     return {n.op_type for n in onnx.load(str(path), load_external_data=False).graph.node}
 
 
-def _report(out: Path) -> dict:
+def _manifest(out: Path) -> CompressedModel:
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
-    return json.loads((out / "report.json").read_text())
+    return CompressedModel.read(out, verify=True)  # every file listed, sizes and sha256 as written
 
 
-def test_int8_python_api(trained, tmp_path):
+def _greedy(out: Path, m: CompressedModel, prompt: list[int], steps: int) -> tuple[list[int], list[int]]:
+    """Greedy tokens from the decoder graph with its key/value cache, and from the logits graph recomputing the
+    whole sequence every step."""
+    from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
+
+    decoder, logits = (ort_session(out / m.graphs[role].path) for role in ("decoder", "logits"))
+    ids, cached = list(prompt), []
+    step_logits, cache = run_decoder(decoder, np.array([prompt]), empty_cache(decoder, 1), 0)
+    for _ in range(steps):
+        cached.append(int(step_logits[0, -1].argmax()))
+        step_logits, cache = run_decoder(decoder, np.array([[cached[-1]]]), cache, len(prompt) + len(cached) - 1)
+    for _ in range(steps):
+        ids.append(int(run_logits(logits, np.array([ids]))[0, -1].argmax()))
+    return cached, ids[len(prompt):]
+
+
+def test_int8_both_graphs_by_one_recipe(int8_output):
     import onnxruntime as ort
 
-    out = tmp_path / "int8"
-    rep = quantize_dynamic(str(trained), str(out), bits=8)
-    path = out / "onnx" / "model.int8.onnx"
-    assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(path)
-    ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    saved = _report(out)
-    assert saved["compression_ratio"] < 0.35 and rep["compression_ratio"] == saved["compression_ratio"]
-    assert abs(saved["perplexity_change_pct"]) < 2.0
-    assert saved["speedup"]["8"] > 1.0  # measured, interleaved with the fp32 model
-    assert "VNNI" in saved["choices"]["int8 reasoning"]
-    assert not (out / "onnx" / "model.onnx").exists()  # the artefact is the quantized graph
+    m = _manifest(int8_output)
+    q = m.recipe.quantization
+    assert q and q.format == "int8-dynamic-qoperator" and q.cpu_vnni is not None and len(q.trials) >= 2
+    assert set(m.graphs) == {"logits", "decoder"}
+    for graph in m.graphs.values():
+        assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(int8_output / graph.path)
+        ort.InferenceSession(str(int8_output / graph.path), providers=["CPUExecutionProvider"])
+        assert graph.fp32_parity < 1e-3
+    assert len(q.fp32_nodes.get("decoder", [])) == len(q.fp32_nodes.get("logits", []))  # the same weights kept
+    assert not (int8_output / "onnx" / "logits" / "model.onnx").exists()  # the quantized graphs are the artefact
+    f = m.figures
+    assert f.compression_ratio < 0.35 and abs(f.perplexity_change_pct) < 2.0
+    assert f.speedup["8"] > 1.0  # measured, interleaved with the fp32 model
+    assert "held-out split" in f.heldout  # the training run's own split, named by the model's manifest
+    assert m.source.kind == "hf-model" and len(m.source.weights_sha256) == 64
+    cached, recomputed = _greedy(int8_output, m, [5, 17, 300, 42, 7, 99], 8)
+    assert cached == recomputed  # the quantized decoder and logits graph are the same model
 
 
 def test_int4_cli(trained, tmp_path):
     out = tmp_path / "int4"
-    proc = dstool("compress", str(trained), "--bits", "4", "--allow-slower", "--output", str(out))
-    assert "model.int4.onnx" in proc.stdout
-    assert "MatMulNBits" in _ops(out / "onnx" / "model.int4.onnx")
-    rep = _report(out)
-    assert rep["compression_ratio"] < 0.25 and abs(rep["perplexity_change_pct"]) < 5
+    proc = dstool("compress", str(trained), "--bits", "4", "--allow-slower", "--latency-repeats", "3",
+                  "--output", str(out))
+    m = _manifest(out)
+    assert str(out / m.graphs["logits"].path) in proc.stdout
+    assert all("MatMulNBits" in _ops(out / g.path) for g in m.graphs.values())
+    assert m.recipe.quantization.block_size == 32
+    assert m.figures.compression_ratio < 0.25 and abs(m.figures.perplexity_change_pct) < 5
 
 
 def _decoder_params(model) -> int:
@@ -60,69 +85,80 @@ def test_structured_pruning_with_distilled_recovery(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "pruned"
-    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--distill", "--output", str(out))
+    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--distill", "--latency-repeats", "3",
+           "--output", str(out))
     original = AutoModelForCausalLM.from_pretrained(trained)
-    pruned = AutoModelForCausalLM.from_pretrained(out / "model")
+    m = _manifest(out)
+    pruned = AutoModelForCausalLM.from_pretrained(out / m.model)
     cfg = pruned.config
     assert cfg.num_attention_heads % cfg.num_key_value_heads == 0  # GQA: whole groups of query heads
     assert 0.40 <= 1 - _decoder_params(pruned) / _decoder_params(original) < 0.45
-    rep = _report(out)
-    assert rep["after"]["parameters"] == pruned.num_parameters() < rep["before"]["parameters"]
-    assert rep["after"]["onnx_bytes"] < rep["before"]["onnx_bytes"]
-    for removed in rep["pruning"]["removed_per_layer"]:  # what was removed, as indices of the original model
-        assert len(removed["kv_groups"]) == 2 - cfg.num_key_value_heads
-        assert len(removed["query_heads"]) == 6 - cfg.num_attention_heads
-        assert len(removed["mlp_channels"]) == 512 - cfg.intermediate_size
-    chosen = min(rep["pruning"]["candidates"], key=lambda c: c["calibration_loss"])  # untimed by default
-    assert (chosen["kv_groups"], chosen["kv_groups"] * chosen["heads_per_group"], chosen["channels"]) == (
+    assert m.figures.after.parameters == pruned.num_parameters() < m.figures.before.parameters
+    assert m.figures.after.onnx_bytes < m.figures.before.onnx_bytes
+    p = m.recipe.pruning
+    assert p.rule == "lowest-loss" and p.mlp_channels == (512, cfg.intermediate_size)
+    for removed in p.removed:  # what was removed, as indices of the original model
+        assert len(removed.kv_groups) == 2 - cfg.num_key_value_heads
+        assert len(removed.query_heads) == 6 - cfg.num_attention_heads
+        assert len(removed.mlp_channels) == 512 - cfg.intermediate_size
+    chosen = min(p.candidates, key=lambda c: c.calibration_loss)  # untimed by default
+    assert (chosen.kv_groups, chosen.kv_groups * chosen.heads_per_group, chosen.channels) == (
         cfg.num_key_value_heads, cfg.num_attention_heads, cfg.intermediate_size)
-    assert not any("latency_ms" in c for c in rep["pruning"]["candidates"])
-    kl = re.search(r"KL ([\d.]+) -> ([\d.]+)", rep["choices"]["recovery"])
-    assert "distilled from the original model" in rep["choices"]["recovery"] and kl and float(kl.group(1)) > 0
-    gate = re.search(r"calibration perplexity ([\d.]+) -> ([\d.]+)", rep["choices"]["recovery"])
-    assert gate and float(gate.group(2)) < float(gate.group(1)) and "discarded" not in rep["choices"]["recovery"]
+    assert all(c.latency_ms is None for c in p.candidates)
+    r = m.recipe.recovery
+    assert r.distill and r.distill_kl[0] > 0 and r.kept
+    assert r.calibration_ppl_after < r.calibration_ppl_before
+    cached, recomputed = _greedy(out, m, [5, 17, 300], 6)  # the pruned decoder graph, fp32
+    assert cached == recomputed
 
 
 def test_prune_ppl_tolerance_times_each_layout_and_takes_the_fastest_within_it(trained, tmp_path):
     """At 10 % the tiny preset has two layouts: all 6 query heads, or 4 in 2 groups with more MLP channels."""
     out = tmp_path / "timed"
-    dstool("compress", str(trained), "--prune", "0.1", "--prune-ppl-tolerance", "25", "--latency-repeats", "5",
+    dstool("compress", str(trained), "--prune", "0.1", "--prune-ppl-tolerance", "25", "--latency-repeats", "3",
            "--output", str(out))
-    rep = _report(out)
-    candidates = rep["pruning"]["candidates"]
-    assert len(candidates) == 2 and all(c["latency_ms"] > 0 for c in candidates)  # each exported and timed on ORT
-    best_loss = min(c["calibration_loss"] for c in candidates)
-    chosen = min((c for c in candidates if math.exp(c["calibration_loss"] - best_loss) <= 1.25 + 1e-9),
-                 key=lambda c: c["latency_ms"])
+    m = _manifest(out)
+    candidates = m.recipe.pruning.candidates
+    assert len(candidates) == 2 and all(c.latency_ms > 0 for c in candidates)  # each exported and timed on ORT
+    best_loss = min(c.calibration_loss for c in candidates)
+    chosen = min((c for c in candidates if math.exp(c.calibration_loss - best_loss) <= 1.25 + 1e-9),
+                 key=lambda c: c.latency_ms)
     cfg = json.loads((out / "model" / "config.json").read_text())
-    assert (chosen["kv_groups"], chosen["kv_groups"] * chosen["heads_per_group"], chosen["channels"]) == (
+    assert (chosen.kv_groups, chosen.kv_groups * chosen.heads_per_group, chosen.channels) == (
         cfg["num_key_value_heads"], cfg["num_attention_heads"], cfg["intermediate_size"])
-    assert "within 25 % of the best calibration perplexity" in rep["choices"]["pruning"]
-    assert rep["settings"]["prune_ppl_tolerance"] == 25
+    assert m.recipe.pruning.rule == "fastest-within-tolerance" and m.recipe.pruning.ppl_tolerance_pct == 25
+    assert m.settings["prune_ppl_tolerance"] == 25
 
 
-def test_explicit_head_and_mlp_ratios(trained, tmp_path):
+def test_explicit_ratios_then_int8_in_one_recipe(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "ratios"
-    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--latency-repeats", "3",
-           "--output", str(out))
-    cfg = AutoModelForCausalLM.from_pretrained(out / "model").config
+    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--bits", "8", "--allow-slower",
+           "--latency-repeats", "3", "--output", str(out))
+    m = _manifest(out)
+    cfg = AutoModelForCausalLM.from_pretrained(out / m.model).config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (4, 2, 256)
-    assert "ratios as given" in _report(out)["choices"]["pruning"]
+    assert m.recipe.pruning.rule == "given-ratios" and m.recipe.quantization.bits == 8
+    decoder = onnx.load(str(out / m.graphs["decoder"].path), load_external_data=False).graph
+    past = [i for i in decoder.input if i.name.startswith("past_key_values.")]
+    assert past and all(i.type.tensor_type.shape.dim[1].dim_value == 2 for i in past)  # the pruned model's cache
+    assert "MatMulInteger" in _ops(out / m.graphs["decoder"].path)
 
 
 def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "sparse"
-    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "5", "--output", str(out))
-    model = AutoModelForCausalLM.from_pretrained(out / "model")
+    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "5", "--latency-repeats", "3",
+           "--output", str(out))
+    m = _manifest(out)
+    model = AutoModelForCausalLM.from_pretrained(out / m.model)
     masks = {n: p != 0 for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
     check_n_m(model, masks, 2, 4)  # every group of 4 still has 2 zeros after fine-tuning
-    zeros = sum(int((~m).sum()) for m in masks.values())
-    assert zeros == sum(m.numel() for m in masks.values()) // 2
-    assert "sparse kernels: not used" in _report(out)["choices"]["sparsity"]
+    zeros = sum(int((~mask).sum()) for mask in masks.values())
+    assert zeros == sum(mask.numel() for mask in masks.values()) // 2
+    assert m.recipe.sparsity.weights == len(masks) and not m.recipe.sparsity.sparse_kernels
 
 
 def test_recovery_that_raises_calibration_perplexity_is_discarded(trained, tmp_path):
@@ -132,9 +168,8 @@ def test_recovery_that_raises_calibration_perplexity_is_discarded(trained, tmp_p
     out = tmp_path / "bad_recovery"
     dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "3", "--recover-lr", "0.3",
            "--latency-repeats", "3", "--output", str(out))
-    recovery = _report(out)["choices"]["recovery"]
-    figures = re.search(r"discarded: it raised the calibration perplexity ([\d.]+) -> ([\d.]+)", recovery)
-    assert figures and float(figures.group(2)) > float(figures.group(1)), recovery
+    r = _manifest(out).recipe.recovery
+    assert not r.kept and r.calibration_ppl_after > r.calibration_ppl_before
     original = dict(AutoModelForCausalLM.from_pretrained(trained).named_parameters())
     for name, p in AutoModelForCausalLM.from_pretrained(out / "model").named_parameters():
         kept = p != 0
@@ -147,13 +182,13 @@ def test_torchao_int8_folder_reloads_quantized(trained, tmp_path):
     out = tmp_path / "torchao"
     dstool("compress", str(trained), "--bits", "8", "--engine", "torchao", "--latency-repeats", "3",
            "--output", str(out))
-    rep = _report(out)
-    assert "Int8DynamicActivationInt8WeightConfig" in rep["choices"]["torchao int8"]
-    model = AutoModelForCausalLM.from_pretrained(out / "torchao")  # a plain from_pretrained, as a user would
+    m = _manifest(out)
+    assert m.recipe.quantization.format == "torchao-int8-dynamic"
+    model = AutoModelForCausalLM.from_pretrained(out / m.recipe.quantization.torchao_folder)  # as a user would
     assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
-    figures = rep["torchao"]
-    assert figures["int8_weights"] == 4 * 7 and figures["bytes"] < 0.8 * figures["fp32_bytes"]
-    assert abs(figures["perplexity_int8"] / figures["perplexity_fp32"] - 1) < 0.02
+    t = m.torchao
+    assert t.int8_weights == 4 * 7 and t.bytes < 0.8 * t.fp32_bytes
+    assert abs(t.perplexity_int8 / t.perplexity_fp32 - 1) < 0.02
 
 
 @pytest.mark.parametrize("args,needle", [
@@ -167,8 +202,7 @@ def test_torchao_int8_folder_reloads_quantized(trained, tmp_path):
     (["--bits", "8", "--prune-ppl-tolerance", "5"], "give --prune RATIO with it"),
 ])
 def test_bad_options(trained, tmp_path, args, needle):
-    proc = dstool("compress", str(trained), *args, "--output", str(tmp_path / "o"), check=False)
-    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    one_line_usage_error(cli("compress", str(trained), *args, "--output", str(tmp_path / "o")), needle)
     assert not (tmp_path / "o").exists()
 
 
@@ -180,18 +214,39 @@ def test_bad_folders(trained, tmp_path):
     theirs = tmp_path / "theirs"
     theirs.mkdir()
     (theirs / "keep.txt").write_text("mine")
-    cases = [([str(tmp_path / "bert"), "--bits", "8", "--output", str(tmp_path / "o")], "not a causal LM"),
-             ([str(tmp_path / "noweights"), "--bits", "8", "--output", str(tmp_path / "o")], "has no weights"),
-             ([str(trained), "--bits", "8", "--output", str(theirs)], "did not write")]
-    for args, needle in cases:
-        proc = dstool("compress", *args, check=False)
-        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+    for args, needle in (([str(tmp_path / "bert"), "--bits", "8", "--output", str(tmp_path / "o")], "not a causal LM"),
+                         ([str(tmp_path / "noweights"), "--bits", "8", "--output", str(tmp_path / "o")],
+                          "has no weights"),
+                         ([str(trained), "--bits", "8", "--output", str(theirs)], "did not write"),
+                         (["--bits", "8", "--output", str(tmp_path / "o")], "missing MODEL_DIR")):
+        one_line_usage_error(cli("compress", *args), needle)
     assert not (tmp_path / "o").exists() and [p.name for p in theirs.iterdir()] == ["keep.txt"]
 
 
-def test_speed_gate():
+def test_speed_gate(int8_output):
+    m = CompressedModel.read(int8_output)
     cfg = CompressConfig(model="m", output="o", bits=8)
-    speed_gate(cfg, {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 5.0})
-    with pytest.raises(UsageError, match="slower than fp32"):
-        speed_gate(cfg, {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 12.0})
-    speed_gate(cfg.model_copy(update={"allow_slower": True}), {"latency_ms_batch8": 10.0}, {"latency_ms_batch8": 12.0})
+    fast = m.figures.model_copy(deep=True)
+    fast.before.latency_ms_batch8, fast.after.latency_ms_batch8 = 10.0, 5.0
+    assert speed_gate(cfg, fast) is None
+    slow = m.figures.model_copy(deep=True)
+    slow.before.latency_ms_batch8, slow.after.latency_ms_batch8 = 10.0, 12.0
+    assert "slower than fp32" in speed_gate(cfg, slow)
+    assert speed_gate(cfg.model_copy(update={"allow_slower": True}), slow) is None
+
+
+def test_fp32_layers_stay_fp32_in_both_graphs(repo, trained, tmp_path):
+    """A layer int8 keeps in fp32 in the logits graph stays fp32 in the decoder graph too: the exporter names the
+    graphs' constants differently, so the weights are matched by content."""
+    from dstool.compress import quantize
+
+    logits, decoder = repo / "dstool_lm" / "1" / "model.onnx", repo / "dstool_lm_decoder" / "1" / "model.onnx"
+    choice = quantize.int8_choice_for_this_cpu().with_excluded(quantize.weight_matmuls(logits)[-1:])  # lm_head
+    nodes = quantize.same_weight_nodes(logits, choice.excluded_nodes, decoder)
+    assert len(nodes) == 1
+    a = quantize.quantize_int8(logits, tmp_path / "logits.onnx", choice)
+    b = quantize.quantize_int8(decoder, tmp_path / "decoder.onnx", choice.with_excluded(nodes))
+    kept_a, kept_b = (sorted(quantize.matmul_weight_digests(p).values()) for p in (a, b))
+    assert kept_a == kept_b and len(kept_a) == 1 and "MatMulInteger" in _ops(b)
+    vocab = json.loads((trained / "config.json").read_text())["vocab_size"]
+    assert quantize.decoder_prefill_diff(a, b, vocab) <= quantize.PREFILL_TOLERANCE

@@ -2,17 +2,18 @@ from __future__ import annotations
 
 import pytest
 
-from dstool.cli import build_parser, _overrides
-from dstool.config import TrainConfig, load_config
+from conftest import cli
+from dstool.cli import COMMANDS, build_parser
+from dstool.config import cli_extra, load_config, overrides
 from dstool.errors import UsageError
-from dstool.train import deepspeed_config
+from dstool.train import TrainConfig, deepspeed_config
 
 
 def test_yaml_then_flags_override(tmp_path):
     (tmp_path / "c.yaml").write_text("zero: 3\nmax-steps: 50\nlr: 0.002\nenv:\n  NCCL_IB_DISABLE: '1'\n")
     ns = build_parser().parse_args(["train", "--config", str(tmp_path / "c.yaml"), "--max-steps", "7",
                                     "--env", "NCCL_SOCKET_IFNAME=eth0"])
-    cfg = load_config(TrainConfig, ns.config, _overrides(ns, TrainConfig))
+    cfg = load_config(TrainConfig, ns.config, overrides(ns, TrainConfig))
     assert (cfg.zero, cfg.max_steps, cfg.lr) == (3, 7, 0.002)
     assert cfg.env == {"NCCL_SOCKET_IFNAME": "eth0"}  # a flag replaces the file's mapping
 
@@ -45,3 +46,34 @@ def test_generated_deepspeed_config_and_merge(tmp_path):
     assert ds["bf16"]["enabled"] and not ds["fp16"]["enabled"]
     assert "torch_adam" not in ds["optimizer"]["params"]  # offload needs DeepSpeedCPUAdam
     assert ds["train_batch_size"] == 8 * 1 * 2
+
+
+# One YAML file per command: the keys are the config model's fields, positional arguments included.
+YAML = {"train": "max_steps: 7\n", "doctor": "nproc: 3\n", "compress": "model: m\noutput: o\nbits: 4\n",
+        "export": "model: m\nname: lm\n", "serve": "http_port: 9000\ncache: memory\n",
+        "gateway": "upstreams: [127.0.0.1:9000]\ncache_ttl: 5\n", "pipeline": "train_steps: 9\nprompts: [hi]\n",
+        "infer": "prompt: hello\nprotocol: grpc\n"}
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_every_command_takes_a_config_file_and_flags_from_its_model(command, tmp_path):
+    model = COMMANDS[command].config()
+    (tmp_path / "c.yaml").write_text(YAML[command])
+    ns = build_parser().parse_args([command, "--config", str(tmp_path / "c.yaml")])
+    cfg = load_config(model, ns.config, overrides(ns, model))
+    import yaml
+
+    for key, value in yaml.safe_load(YAML[command]).items():
+        assert getattr(cfg, key) == value, key
+    parser_flags = {a.dest for a in next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices
+                                         and command in a.choices).choices[command]._actions}
+    visible = {name for name, f in model.model_fields.items() if not cli_extra(f).get("hidden")}
+    assert visible <= parser_flags  # every option is a flag (or the positional), generated from the field
+
+
+def test_a_flag_overrides_the_config_file_and_errors_name_the_key(tmp_path):
+    (tmp_path / "c.yaml").write_text("model: m\noutput: o\nbits: 4\nsparsity: banana\n")
+    result = cli("compress", "--config", str(tmp_path / "c.yaml"))
+    assert result.returncode == 2 and "sparsity must be an N:M pattern" in result.stderr
+    result = cli("compress", "--config", str(tmp_path / "c.yaml"), "--sparsity", "2:3", "--bits", "3")
+    assert result.returncode == 2 and "bits must be 8 or 4" in result.stderr

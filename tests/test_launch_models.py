@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from dstool import models
-from dstool.config import TrainConfig
+from dstool.train import TrainConfig
 from dstool.errors import UsageError
 from dstool.train import launch
 

@@ -3,6 +3,7 @@ behind the cache gateway with a real Redis, tritonclient over HTTP and gRPC."""
 
 from __future__ import annotations
 
+import json
 import shutil
 import socket
 import subprocess
@@ -10,8 +11,8 @@ import time
 
 import pytest
 
-from conftest import dstool
-from dstool.train.launch import free_port
+from conftest import cli, dstool
+from dstool.proc import free_port
 
 
 @pytest.fixture
@@ -47,6 +48,14 @@ def test_pipeline_runs_end_to_end(tmp_path, redis_url):
     assert "cache: 6 hits, 3 misses, hit rate 67%" in out  # each of 3 prompts: computed once, then 2 hits
     assert out.count("' -> '") == 3 and "[pipeline] done" in out
     assert (tmp_path / "repo" / "dstool_lm_generate" / "1" / "model.py").is_file()
+    # One voice: the step lines and their results (indented), nothing from other libraries; they are in the log.
+    assert proc.stderr == "", proc.stderr
+    assert all(line.startswith(("[pipeline", "    ")) for line in out.splitlines()), out
+    assert len(out.splitlines()) < 40, out
+    log = (tmp_path / "run" / "pipeline.log").read_text()
+    assert "torch.onnx" in log and "step 20 loss" in (tmp_path / "run" / "train" / "logs" / "rank0.log").read_text()
+    summary = json.loads((tmp_path / "run" / "pipeline.json").read_text())
+    assert [s["status"] for s in summary["steps"]] == ["passed"] * 7
 
 
 def test_pipeline_refuses_a_busy_port_before_training(tmp_path):
@@ -54,5 +63,5 @@ def test_pipeline_refuses_a_busy_port_before_training(tmp_path):
         busy.bind(("127.0.0.1", 0))
         busy.listen()
         port = busy.getsockname()[1]
-        proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--http-port", str(port), check=False)
-    assert proc.returncode == 2 and "already in use" in proc.stderr and not (tmp_path / "run").exists()
+        result = cli("pipeline", "--output", str(tmp_path / "run"), "--http-port", str(port))
+    assert result.returncode == 2 and "already in use" in result.stderr and not (tmp_path / "run").exists()

@@ -6,32 +6,24 @@ from __future__ import annotations
 import asyncio
 import gc
 import shutil
+import signal
+import subprocess
+import time
 from pathlib import Path
 
 import numpy as np
+import psutil
 import pytest
 import torch
 
-from conftest import dstool
+from conftest import DSTOOL, cli, dstool, one_line_usage_error
+from dstool.artifacts import CompressedModel, Repository
 from dstool.errors import UsageError
+from dstool.files import sha256_file
+from dstool.proc import free_port
 from dstool.serve import repository, triton
-from dstool.train.launch import free_port
-
-
-@pytest.fixture(scope="module")
-def repo(trained, session_tmp) -> Path:
-    path = session_tmp / "model_repository"
-    dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8", "--instances", "1")
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(repo, session_tmp):
-    binary = triton.find_tritonserver()
-    srv = triton.start(repo, binary, free_port(), free_port(), free_port(), session_tmp / "triton.log")
-    yield srv
-    code = srv.stop()
-    assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n{srv.log_tail(30)}"
+from dstool.serve.client import generate_text
+from dstool.serve.config import RepositorySettings, model_names
 
 
 def _artefacts(repo: Path, trained: Path) -> repository.Artefacts:
@@ -41,11 +33,16 @@ def _artefacts(repo: Path, trained: Path) -> repository.Artefacts:
                                 tokenizer_dir=trained, eos_token_ids=[0], max_positions=1024)
 
 
-def test_repository_layout_and_schema(repo):
+def test_repository_layout_and_schema(repo, trained):
     from tritonclient.grpc import model_config_pb2
 
-    assert sorted(p.name for p in repo.iterdir()) == ["dstool_lm", "dstool_lm_decoder", "dstool_lm_detokenizer",
-                                                      "dstool_lm_generate", "dstool_lm_tokenizer"]
+    assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == [
+        "dstool_lm", "dstool_lm_decoder", "dstool_lm_detokenizer", "dstool_lm_generate", "dstool_lm_tokenizer"]
+    deployed = Repository.read(repo).deployments
+    assert [(d.name, d.version, d.compressed, d.recipe) for d in deployed] == [("dstool_lm", 1, None, None)]
+    assert deployed[0].source.kind == "hf-model" and deployed[0].source.path == str(trained.resolve())
+    assert deployed[0].graphs == {role: sha256_file(repo / model_names("dstool_lm")[role] / "1" / "model.onnx")
+                                  for role in ("logits", "decoder")}
     model = repo / "dstool_lm"
     assert sorted(p.name for p in (model / "1").iterdir()) == ["model.onnx", "model.onnx.data", "model.py"]
     cfg = repository.validate(model / "config.pbtxt", model / "1" / "model.onnx")
@@ -75,7 +72,7 @@ def test_decoder_graph_reuses_the_cache(repo, trained):
 
 
 def test_onnxruntime_platform_variant_validates(repo, trained, tmp_path):
-    settings = repository.ModelSettings(name="dstool_lm", backend="onnxruntime", instances=2, response_cache=True)
+    settings = RepositorySettings(name="dstool_lm", backend="onnxruntime", instances=2, response_cache=True)
     placed = repository.write_repository(tmp_path / "r", settings, _artefacts(repo, trained))
     cfg = repository.validate(placed["logits"].parent / "config.pbtxt", placed["logits"] / "model.onnx")
     assert cfg.platform == "onnxruntime_onnx" and cfg.instance_group[0].count == 2 and cfg.response_cache.enable
@@ -96,38 +93,68 @@ def test_config_that_disagrees_with_the_graph_is_refused(repo, tmp_path):
 
 def test_new_version_keeps_the_old_one(repo, trained, tmp_path):
     r = tmp_path / "r"
-    settings = repository.ModelSettings(name="dstool_lm")
+    settings = RepositorySettings(name="dstool_lm")
     repository.write_repository(r, settings, _artefacts(repo, trained))
     broken = _artefacts(repo, trained)
     broken.decoder_onnx = tmp_path / "missing.onnx"
     with pytest.raises(Exception):
         repository.write_repository(r, settings, broken)  # a version that fails to assemble never lands
     repository.write_repository(r, settings, _artefacts(repo, trained))
-    for model in repository.model_names("dstool_lm").values():
+    for model in model_names("dstool_lm").values():
         assert sorted(p.name for p in (r / model).iterdir()) == ["1", "2", "config.pbtxt"]
 
 
 @pytest.mark.parametrize("args,needle", [
-    (["--name", "bad name/x"], "not one Triton accepts"),
+    (["--name", "bad name/x"], "not a name Triton accepts"),
     (["--max-batch-size", "0"], "cannot be on"),
-    (["--instances", "0"], "at least 1"),
+    (["--instances", "0"], "greater than or equal to 1"),
 ])
 def test_bad_export_options_leave_the_repository_untouched(trained, repo, args, needle):
     before = sorted(str(p) for p in repo.rglob("*"))
-    proc = dstool("export", str(trained), "--repository", str(repo), *args, check=False)
-    assert proc.returncode == 2 and needle in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    one_line_usage_error(cli("export", str(trained), "--repository", str(repo), *args), needle)
     assert sorted(str(p) for p in repo.rglob("*")) == before
 
 
-def test_bad_export_inputs(trained, tmp_path):
+def test_bad_export_inputs(trained, int8_output, tmp_path):
     (tmp_path / "file").write_text("x")
     (tmp_path / "noweights").mkdir()
     shutil.copy(trained / "config.json", tmp_path / "noweights" / "config.json")
+    old = tmp_path / "old_compress"  # what an older dstool compress wrote: no manifest
+    shutil.copytree(int8_output, old)
+    (old / "dstool.json").unlink()
+    (old / "report.json").write_text("{}")
+    tampered = tmp_path / "tampered"
+    shutil.copytree(int8_output, tampered)
+    graph = tampered / CompressedModel.read(tampered).graphs["decoder"].path
+    data = bytearray(graph.read_bytes())
+    data[len(data) // 2] ^= 1
+    graph.write_bytes(bytes(data))
+    r = ["--repository", str(tmp_path / "r")]
     for args, needle in (([str(trained), "--repository", str(tmp_path / "file")], "is a file"),
-                         ([str(tmp_path / "noweights"), "--repository", str(tmp_path / "r")], "has no weights")):
-        proc = dstool("export", *args, check=False)
-        assert proc.returncode == 2 and needle in proc.stderr, proc.stderr
+                         ([str(tmp_path / "noweights"), *r], "has no weights"),
+                         ([str(old), *r], "older dstool compress"),
+                         ([str(tampered), *r], "fails its sha256 check"),
+                         ([str(tmp_path / "file"), *r], "not a folder"),
+                         ([str(tmp_path), *r], "neither a Hugging Face folder")):
+        one_line_usage_error(cli("export", *args), needle)
     assert not (tmp_path / "r").exists()
+
+
+def test_export_of_a_compress_output_deploys_what_its_manifest_names(int8_output, tmp_path):
+    """No glob, no op-type sniffing, no re-quantization: the repository holds the two graphs compress made."""
+    compressed = CompressedModel.read(int8_output)
+    r = tmp_path / "r"
+    result = cli("export", str(int8_output), "--repository", str(r), "--name", "lm8")
+    assert result.returncode == 0, result.stderr
+    deployed = Repository.read(r).deployments[-1]
+    assert deployed.compressed == str(int8_output.resolve()) and deployed.recipe == compressed.recipe
+    assert deployed.source == compressed.source
+    for role in ("logits", "decoder"):
+        assert deployed.graphs[role] == compressed.graphs[role].sha256 == sha256_file(r / model_names("lm8")[role] /
+                                                                                       "1" / "model.onnx")
+        repository.validate(r / model_names("lm8")[role] / "config.pbtxt", r / model_names("lm8")[role] / "1" /
+                            "model.onnx")
+    assert "-bit" in result.stdout or "int8" in result.stdout.lower()
 
 
 def _ort_logits(repo: Path, ids: np.ndarray) -> np.ndarray:
@@ -204,7 +231,32 @@ def test_serve_reports_a_server_that_never_becomes_ready(tmp_path):
     proc = dstool("serve", "--repository", str(tmp_path / "repo"), "--http-port", str(free_port()), "--grpc-port",
                   str(free_port()), "--metrics-port", str(free_port()), "--log-file", str(tmp_path / "t.log"),
                   "--timeout", "15", check=False, timeout=120)
-    assert proc.returncode == 2 and "last log lines" in proc.stderr, proc.stderr
+    assert proc.returncode == 1 and "last log lines" in proc.stderr, proc.stderr  # an engine failure, not usage
+    assert len(proc.stderr.strip().splitlines()) == 1 and str(tmp_path / "t.log") in proc.stderr
+
+
+def test_serve_exits_nonzero_when_triton_dies(repo, tmp_path):
+    """A supervisor that restarts a service on failure must see Triton's death: `dstool serve` exits 1."""
+    small = tmp_path / "repo"
+    shutil.copytree(repo / "dstool_lm", small / "dstool_lm")  # the tensor model alone starts fast
+    log = tmp_path / "serve.out"
+    with open(log, "w") as sink:
+        proc = subprocess.Popen([*DSTOOL, "serve", "--repository", str(small), "--http-port", str(free_port()),
+                                 "--grpc-port", str(free_port()), "--metrics-port", str(free_port()), "--log-file",
+                                 str(tmp_path / "t.log")], stdout=sink, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 120
+        while "Triton ready" not in log.read_text():
+            assert proc.poll() is None and time.monotonic() < deadline, log.read_text()
+            time.sleep(0.2)
+        tritons = [p for p in psutil.Process(proc.pid).children() if "tritonserver" in p.name()]
+        assert len(tritons) == 1
+        tritons[0].send_signal(signal.SIGKILL)
+        assert proc.wait(60) == 1
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert "Triton exited on its own" in log.read_text()
 
 
 def test_triton_stops_cleanly_right_after_it_is_ready(repo, tmp_path):
@@ -235,8 +287,6 @@ def _torch_greedy(trained: Path, prompt: str, new_tokens: int) -> tuple[str, lis
 
 
 def test_generated_text_equals_pytorch_greedy(server, trained):
-    from dstool.serve.api import generate_text
-
     prompt = "ROMEO:\nBut soft, what light"
     expected = _torch_greedy(trained, prompt, 20)
     for protocol, url in (("http", server.http_url), ("grpc", server.grpc_url)):
@@ -288,24 +338,3 @@ def test_bad_generation_requests_are_one_line_errors(server):
     assert proc.returncode == 2 and "dstool serve" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = dstool("infer", "hello", "--ids", "1,2", check=False)
     assert proc.returncode == 2 and "one of the two" in proc.stderr
-
-
-def test_decoder_of_a_compressed_model_is_quantized_like_its_logits_graph(repo, tmp_path):
-    """A `dstool compress` output: the decoder gets the same int8 layout, fp32 exclusions included (the
-    graphs name their constants differently, so weights are matched by content)."""
-    import onnx
-
-    from dstool.compress import quantize
-    from dstool.serve.api import _matmul_weights, _quantized_like
-
-    logits, decoder = repo / "dstool_lm" / "1" / "model.onnx", repo / "dstool_lm_decoder" / "1" / "model.onnx"
-    choice = quantize.int8_choice_for_this_cpu()
-    choice.excluded_nodes = quantize.weight_matmuls(logits)[-1:]  # lm_head kept in fp32, as compress may choose
-    reference = quantize.quantize_int8(logits, tmp_path / "logits.int8.onnx", choice)
-    quantized = _quantized_like(reference, decoder, tmp_path / "decoder.int8.onnx")
-
-    def layout(path):  # (integer matmuls, the fp32 matmul weights by content)
-        g = onnx.load(str(path), load_external_data=False).graph
-        return sum(n.op_type == "MatMulInteger" for n in g.node), sorted(_matmul_weights(path, float_only=True).values())
-
-    assert layout(quantized) == layout(reference) and layout(reference)[0] > 0 and len(layout(reference)[1]) == 1

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from conftest import DSTOOL, FAST, dstool, losses
-from dstool.manifest import verify_manifest
+from dstool.artifacts import Checkpoint, HFModel
 
 BF16 = ["--nproc", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "16", "--save-every", "4",
         "--trace-samples", *FAST]
@@ -66,7 +66,7 @@ def test_checkpoints_are_genuine_deepspeed_and_hashed(bf16_runs):
     assert "mp_rank_00_model_states.pt" in names
     for rank in (0, 1):  # every rank saved its optimizer shard (bf16_zero_pp_rank_… under bf16)
         assert any(n.endswith(f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt") for n in names), names
-    assert verify_manifest(tag, "deepspeed-checkpoint")["world_size"] == 2
+    assert Checkpoint.read(tag, verify=True).world_size == 2
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
     state = get_fp32_state_dict_from_zero_checkpoint(str(root), tag="step-00000016")
@@ -100,13 +100,13 @@ def test_model_folder_loads_and_matches_engine_logits(bf16_runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     ref = bf16_runs[0]
-    manifest = verify_manifest(ref / "model", "hf-model")
+    manifest = HFModel.read(ref / "model", verify=True)
     model = AutoModelForCausalLM.from_pretrained(ref / "model").eval()
     assert model.dtype == torch.bfloat16  # the weights the engine computed with
     probe = torch.load(ref / "probe_logits.pt")
     with torch.no_grad():
         logits = model(input_ids=probe["input_ids"]).logits.float()
-    assert (logits - probe["logits"]).abs().max().item() <= manifest["parity"]["tolerance"]
+    assert (logits - probe["logits"]).abs().max().item() <= manifest.parity.tolerance
     tok = AutoTokenizer.from_pretrained(ref / "model")
     assert tok.decode(tok("To be, or not to be")["input_ids"]) == "To be, or not to be"
 
@@ -192,7 +192,7 @@ def test_offload_optimizer_and_params_zero3(tmp_path):
            "--max-steps", "3", "--save-every", "3", *FAST, timeout=900)
     zero = json.loads((out / "ds_config.json").read_text())["zero_optimization"]
     assert zero["offload_optimizer"]["device"] == "cpu" and zero["offload_param"]["device"] == "cpu"
-    assert verify_manifest(out / "model", "hf-model")["parity"]["max_abs_logit_diff"] < 1e-4
+    assert HFModel.read(out / "model", verify=True).parity.max_abs_logit_diff < 1e-4
 
 
 def test_continue_from_a_model_folder_on_jsonl_data(bf16_runs, tmp_path):
@@ -218,5 +218,5 @@ def test_diverging_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
     failure = json.loads((out / "failure.json").read_text())
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert int(latest.split("-")[1]) < failure["step"]
-    verify_manifest(out / "checkpoints" / latest, "deepspeed-checkpoint")
+    Checkpoint.read(out / "checkpoints" / latest, verify=True)
     assert not (out / "model").exists()

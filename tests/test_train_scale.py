@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from conftest import DSTOOL, FAST, dstool, losses
-from dstool.manifest import verify_manifest
+from dstool.artifacts import Checkpoint, HFModel, UniversalCheckpoint
 from dstool.train import checkpoint
 
 # Same global batch (8) on any world size and no lr scaling: a resumed run can match an uninterrupted one.
@@ -70,9 +70,9 @@ def test_resume_on_another_world_size_continues_the_loss(world_changes, case):
     ref, (out, proc, start, saved_world) = world_changes[0], world_changes[case]
     assert f"saved on {saved_world} ranks) to a universal checkpoint" in proc.stdout
     assert f"resumed at step {start}" in proc.stdout
-    verify_manifest(out / "checkpoints" / "universal" / checkpoint.tag_for(start), "deepspeed-universal-checkpoint")
+    UniversalCheckpoint.read(out / "checkpoints" / "universal" / checkpoint.tag_for(start), verify=True)
     world = 1 if case == 1 else 2
-    assert verify_manifest(out / "checkpoints" / "step-00000008", "deepspeed-checkpoint")["world_size"] == world
+    assert Checkpoint.read(out / "checkpoints" / "step-00000008", verify=True).world_size == world
     a, b = losses(out), losses(ref)
     assert sorted(a) == list(range(1, 9))
     for step in range(start + 1, 9):  # same weights, optimizer moments, lr step and data: only the sum order differs
@@ -115,7 +115,7 @@ def test_rank_killed_while_saving_restarts_and_continues(reference, tmp_path):
     assert "dstool: restart 1: failed after step" in stdout
     root = out / "checkpoints"
     for tag in checkpoint.complete_tags(root):  # whatever the kill interrupted, no damaged tag is in place
-        verify_manifest(root / tag, "deepspeed-checkpoint")
+        Checkpoint.read(root / tag, verify=True)
     assert not list(root.glob(checkpoint.PARTIAL + "*"))  # the interrupted save was redone
     a, b = losses(out), losses(reference)
     assert sorted(a) == list(range(1, 9)) and all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b), (a, b)
@@ -164,7 +164,7 @@ def test_doctor_usage_error_exits_2(tmp_path):
 
 
 def _free_port() -> int:
-    from dstool.train.launch import free_port
+    from dstool.proc import free_port
 
     return free_port()
 
@@ -229,7 +229,7 @@ def test_model_parallel_training_matches_data_parallel(model_parallel, kind):
         ds["gradient_accumulation_steps"] == 8
     assert ds.get("tensor_parallel") == ({"autotp_size": 2} if kind == "tensor" else None)
     tag = out / "checkpoints" / "step-00000008"
-    assert verify_manifest(tag, "deepspeed-checkpoint")["world_size"] == 2
+    assert Checkpoint.read(tag, verify=True).world_size == 2
     names = {p.name for p in tag.iterdir()}
     if kind == "pipeline":  # DeepSpeed's pipeline layout: one file per pipeline layer (embedding, 4 decoders, head)
         assert {f"layer_{i:02d}-model_states.pt" for i in range(6)} <= names, names
@@ -244,8 +244,7 @@ def test_model_parallel_model_folder_reloads(model_parallel, kind):
     from transformers import AutoModelForCausalLM
 
     ref, (out, _) = model_parallel[0], model_parallel[1][kind]
-    manifest = verify_manifest(out / "model", "hf-model")
-    assert manifest["parity"]["max_abs_logit_diff"] <= 1e-4
+    assert HFModel.read(out / "model", verify=True).parity.max_abs_logit_diff <= 1e-4
     probe = torch.load(out / "probe_logits.pt")
     model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
     with torch.no_grad():
@@ -268,7 +267,8 @@ def test_model_parallel_bad_input(args, needle, tmp_path):
 
 
 def test_model_parallel_bad_config():
-    from dstool.config import TrainConfig, load_config
+    from dstool.config import load_config
+    from dstool.train import TrainConfig
     from dstool.errors import UsageError
     from dstool.train import deepspeed_config
 

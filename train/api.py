@@ -17,15 +17,18 @@ from pathlib import Path
 
 import torch
 
+from dstool import log as dlog
 from dstool import models
-from dstool.config import TrainConfig, dump_yaml
+from dstool.artifacts import DataSplit, HFModel, ManifestError, TrainRun, kind_of
+from dstool.config import changed, dump_yaml
 from dstool.errors import TrainingFailed, UsageError
-from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_json_atomic, write_manifest
-from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline
+from dstool.files import write_json_atomic
+from dstool.proc import die_with_parent
+from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline_parallel
+from dstool.train.config import TrainConfig
 from dstool.train.metrics import read_metrics
 
-RUN_KIND = "train-run"
-MODEL_KIND = "hf-model"
+log = dlog.log
 
 
 @dataclass
@@ -37,13 +40,13 @@ class TrainResult:
     val_loss: float | None
 
 
-def train(cfg: TrainConfig, echo=print) -> TrainResult:
+def train(cfg: TrainConfig) -> TrainResult:
     """Run DeepSpeed training as `cfg` says; returns where the outputs are and the final losses."""
     on_gpu = torch.cuda.is_available()
     precision = _precision(cfg, on_gpu)
     models.check_model_ref(cfg.model)
     if cfg.pipeline_stages > 1:
-        pipeline.check_model(cfg.model)
+        pipeline_parallel.check_model(cfg.model)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
@@ -53,41 +56,48 @@ def train(cfg: TrainConfig, echo=print) -> TrainResult:
 
     with _lock(out):  # nodes sharing the output folder claim it and prepare data one at a time
         fingerprint = data.corpus_fingerprint(docs)
-        manifest = read_manifest(out) or {}
-        if manifest.get("data_fingerprint") not in (None, fingerprint):
+        if kind_of(out) == "train-run" and TrainRun.read(out).data_fingerprint != fingerprint:
             raise UsageError(f"output {out} was prepared from other data: use a new --output for this data")
+        dlog.to_file(out / "train.log")
         tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
         if not (out / "data" / "meta.json").is_file():
             data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
-        resume = _resume_point(cfg, out, topo.world, len(tokenizer), echo)
-        write_manifest(out, RUN_KIND, hash_files=False, data_fingerprint=fingerprint)
+        meta = json.loads((out / "data" / "meta.json").read_text())
+        resume = _resume_point(cfg, out, topo.world, len(tokenizer))
+        TrainRun(data_fingerprint=fingerprint, data=DataSplit(
+            folder="data", dtype=meta["dtype"], train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
+            fingerprint=fingerprint)).write(out, hash_files=False)
 
-    meta = json.loads((out / "data" / "meta.json").read_text())
     replicas = deepspeed_config.data_parallel_size(cfg, topo.world)
     if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * replicas:
         raise UsageError(f"data has {meta['train_tokens']} training tokens, fewer than one global micro-batch "
                          f"of {cfg.seq_len}-token sequences: add data or lower --seq-len/--micro-batch-size")
 
     run = {"config": cfg.model_dump(), "ds_config": ds_config, "precision": precision, "on_gpu": on_gpu,
-           "world_size": topo.world, "resume": str(resume) if resume else None}
+           "world_size": topo.world, "resume": str(resume) if resume else None,
+           "console": dlog.console_shows_info()}  # rank 0's step lines: shown, or in its log file only
     write_json_atomic(out / "run.json", run)
     (out / "config.yaml").write_text(dump_yaml(cfg))
     write_json_atomic(out / "ds_config.json", ds_config)
 
     micro, accum = deepspeed_config.batch_plan(cfg, topo.world)
-    echo(f"dstool train: {cfg.model} on {topo.world} rank(s) ({topo.nodes} node(s) x {topo.procs_per_node}, "
-         f"{topo.launcher}, {'GPU/nccl' if on_gpu else 'CPU/gloo'}), ZeRO-{cfg.zero}, {precision}")
+    log.info(f"dstool train: {cfg.model} on {topo.world} rank(s) ({topo.nodes} node(s) x {topo.procs_per_node}, "
+             f"{topo.launcher}, {'GPU/nccl' if on_gpu else 'CPU/gloo'}), ZeRO-{cfg.zero}, {precision}")
     if replicas != topo.world:
-        echo(f"  model parallel: {cfg.pipeline_stages} pipeline stage(s) x {cfg.tensor_parallel} tensor-parallel "
-             f"rank(s) per replica, {replicas} data-parallel replica(s)")
-    echo(f"  data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens, vocab {len(tokenizer)}; "
-         f"global batch {micro} x {accum} x {replicas} = {micro * accum * replicas} sequences of {cfg.seq_len}")
-    echo(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x {replicas if cfg.lr_scaling == 'linear' else 1}, "
-         f"lr_scaling={cfg.lr_scaling}), warmup {deepspeed_config.warmup_steps(cfg)} steps "
-         f"({cfg.warmup_ratio:.0%}), cosine to {cfg.min_lr_ratio:g} x peak over {cfg.max_steps} steps")
-    echo(f"  resume: {resume or 'fresh start'}")
-    echo(f"effective config (saved as {out / 'config.yaml'}; DeepSpeed JSON in {out / 'ds_config.json'}):")
-    echo("  " + dump_yaml(cfg).rstrip().replace("\n", "\n  "))
+        log.info(f"  model parallel: {cfg.pipeline_stages} pipeline stage(s) x {cfg.tensor_parallel} tensor-parallel "
+                 f"rank(s) per replica, {replicas} data-parallel replica(s)")
+    log.info(f"  data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens, vocab "
+             f"{len(tokenizer)}; global batch {micro} x {accum} x {replicas} = {micro * accum * replicas} sequences "
+             f"of {cfg.seq_len}")
+    log.info(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x "
+             f"{replicas if cfg.lr_scaling == 'linear' else 1}, lr_scaling={cfg.lr_scaling}), warmup "
+             f"{deepspeed_config.warmup_steps(cfg)} steps ({cfg.warmup_ratio:.0%}), cosine to {cfg.min_lr_ratio:g} x "
+             f"peak over {cfg.max_steps} steps")
+    log.info(f"  resume: {resume or 'fresh start'}")
+    log.info(f"  options set: {', '.join(f'{k}={v}' for k, v in changed(cfg).items()) or 'none (all defaults)'}; the "
+             f"whole config: {out / 'config.yaml'}, DeepSpeed's: {out / 'ds_config.json'}, logs: {out / 'train.log'}, "
+             f"{out / 'logs'}/")
+    log.debug("effective config:\n" + dump_yaml(cfg))
 
     (out / "failure.json").unlink(missing_ok=True)
     _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)
@@ -105,8 +115,7 @@ def _precision(cfg: TrainConfig, on_gpu: bool) -> str:
 def _claim_output(out: Path) -> None:
     """Refuse a folder holding someone else's files; never overwrite them."""
     if out.is_dir() and any(out.iterdir()):
-        manifest = read_manifest(out)
-        if manifest is None or manifest.get("kind") != RUN_KIND:
+        if kind_of(out) != "train-run":
             raise UsageError(f"output {out} holds files dstool did not write: choose an empty or new --output")
     out.mkdir(parents=True, exist_ok=True)
 
@@ -131,7 +140,7 @@ class _lock:
         self.f.close()
 
 
-def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, echo) -> Path | None:
+def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int) -> Path | None:
     """The checkpoint to continue from, checked against this model; converted to DeepSpeed's
     universal format when it was saved on another world size (the ranks then load that)."""
     root = out / "checkpoints"
@@ -140,7 +149,7 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, echo
             raise UsageError(f"output {out} already has checkpoints and --resume none would overwrite them: "
                              "use --resume auto or a new --output")
         return None
-    tag = checkpoint.find_resume(root, warn=echo) if cfg.resume == "auto" else checkpoint.resolve_explicit(cfg.resume)
+    tag = checkpoint.find_resume(root) if cfg.resume == "auto" else checkpoint.resolve_explicit(cfg.resume)
     if tag is None:
         return None
     _check_same_model(tag, cfg.model, vocab_size)
@@ -150,12 +159,9 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, echo
                          f"only on the same world size: use {saved_world} ranks or a new --output")
     if checkpoint.needs_universal(tag, world):
         if cfg.lr_scaling == "linear":
-            echo(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "
-                 "use --lr-scaling none to keep it")
-        try:
-            checkpoint.universal(tag, echo)
-        except RuntimeError as e:
-            raise TrainingFailed(str(e), 1) from None
+            log.info(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "
+                     "use --lr-scaling none to keep it")
+        checkpoint.universal(tag)
     return tag
 
 
@@ -163,7 +169,7 @@ def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
     """Refuse, before any rank starts, a checkpoint whose parameter shapes are not this model's."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    saved = (read_manifest(tag) or {}).get("model_shapes")
+    saved = checkpoint.manifest(tag).model_shapes
     if not saved:  # written before shapes were recorded
         return
     hf_config = (models.preset_config(model_ref, vocab_size, {}) if models.is_preset(model_ref)
@@ -179,8 +185,13 @@ def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
 
 
 def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:
-    """Start the launcher in this process group (Ctrl-C reaches every rank); forward SIGTERM; wait."""
-    proc = subprocess.Popen(cmd, env=env, preexec_fn=lambda: launch.die_with_parent(signal.SIGTERM))
+    """Start the launcher in this process group (Ctrl-C reaches every rank); forward SIGTERM; wait. The ranks
+    print dstool's lines on stdout; what the launcher and the libraries write on stderr (tracebacks, C++
+    warnings) goes to logs/launcher.log, unless -v."""
+    (out / "logs").mkdir(exist_ok=True)
+    with open(out / "logs" / "launcher.log", "ab") as launcher_log:
+        proc = subprocess.Popen(cmd, env=env, stderr=None if dlog.verbose() else launcher_log,
+                                preexec_fn=lambda: die_with_parent(signal.SIGTERM))
     previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
     try:
         rc = proc.wait()
@@ -193,16 +204,16 @@ def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:
         failure = out / "failure.json"
         if failure.is_file():
             reason = json.loads(failure.read_text())["message"]
-            raise TrainingFailed(f"training stopped: {reason}", 1)
-        raise TrainingFailed(f"training ranks exited with code {rc} (see the rank logs above)", rc if rc > 0 else 1)
+            raise TrainingFailed(f"training stopped: {reason}", log=out / "logs")
+        raise TrainingFailed(f"training ranks exited with code {rc}", log=out / "logs", exit_code=rc if rc > 0 else 1)
 
 
 def _result(out: Path, cfg: TrainConfig) -> TrainResult:
     model_dir = out / "model"
     try:
-        verify_manifest(model_dir, MODEL_KIND)
+        HFModel.read(model_dir, verify=True)
     except ManifestError as e:
-        raise TrainingFailed(f"the consolidated model folder is not valid: {e}", 1) from None
+        raise TrainingFailed(f"the consolidated model folder is not valid: {e}", log=out / "logs") from None
     rows = read_metrics(out)
     train_rows = [r for r in rows if "loss" in r]
     val_rows = [r for r in rows if "val_loss" in r]

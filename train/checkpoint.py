@@ -18,11 +18,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from dstool.errors import UsageError
-from dstool.manifest import ManifestError, read_manifest, verify_manifest, write_manifest, write_text_atomic
+from dstool import log as dlog
+from dstool.errors import EngineFailed, UsageError
+from dstool.artifacts import Checkpoint, ManifestError, UniversalCheckpoint
+from dstool.files import write_text_atomic
 
-KIND = "deepspeed-checkpoint"
-UNIVERSAL_KIND = "deepspeed-universal-checkpoint"
+log = dlog.log
 PARTIAL = ".partial-"
 
 
@@ -42,8 +43,8 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: d
     dist.barrier()
     final = root / tag
     if dist.get_rank() == 0:
-        write_manifest(root / partial, KIND, step=step, world_size=dist.get_world_size(),
-                       zero_stage=engine.zero_optimization_stage(), model_shapes=shapes)
+        Checkpoint(step=step, world_size=dist.get_world_size(), zero_stage=engine.zero_optimization_stage(),
+                   model_shapes=shapes).write(root / partial)
         if final.exists():
             shutil.rmtree(final)
         (root / partial).rename(final)
@@ -67,14 +68,14 @@ def complete_tags(root: Path) -> list[str]:
     return sorted(p.name for p in root.iterdir() if p.is_dir() and p.name.startswith("step-"))
 
 
-def find_resume(root: Path, warn=print) -> Path | None:
+def find_resume(root: Path, warn=log.warning) -> Path | None:
     """The newest checkpoint that passes its manifest check; damaged ones are reported and skipped."""
     for tag in reversed(complete_tags(root)):
         try:
-            verify_manifest(root / tag, KIND)
+            Checkpoint.read(root / tag, verify=True)
             return root / tag
         except ManifestError as e:
-            warn(f"dstool: skipping checkpoint {tag}: {e}")
+            warn(f"skipping checkpoint {tag}: {e}")
     return None
 
 
@@ -88,14 +89,19 @@ def resolve_explicit(path: str) -> Path:
     if not p.is_dir():
         raise UsageError(f"checkpoint {path} does not exist")
     try:
-        verify_manifest(p, KIND)
+        Checkpoint.read(p, verify=True)
     except ManifestError as e:
         raise UsageError(f"refusing to resume from a damaged checkpoint: {e}") from None
     return p
 
 
+def manifest(tag_dir: Path) -> Checkpoint:
+    """The checkpoint's manifest (already verified when it was chosen)."""
+    return Checkpoint.read(tag_dir)
+
+
 def saved_world_size(tag_dir: Path) -> int:
-    return int((read_manifest(tag_dir) or {}).get("world_size", 0))
+    return manifest(tag_dir).world_size
 
 
 def universal_dir(tag_dir: Path) -> Path:
@@ -104,22 +110,22 @@ def universal_dir(tag_dir: Path) -> Path:
 
 def needs_universal(tag_dir: Path, world: int) -> bool:
     """ZeRO-1/2/3 optimizer shards are split by world size; a different world loads the universal form."""
-    manifest = read_manifest(tag_dir) or {}
-    return manifest.get("zero_stage", 0) > 0 and saved_world_size(tag_dir) != world
+    saved = manifest(tag_dir)
+    return saved.zero_stage > 0 and saved.world_size != world
 
 
-def universal(tag_dir: Path, echo=print) -> Path:
+def universal(tag_dir: Path) -> Path:
     """Convert a verified checkpoint to DeepSpeed's universal format (once; temp folder + rename)."""
     target = universal_dir(tag_dir)
     try:
-        verify_manifest(target, UNIVERSAL_KIND)
+        UniversalCheckpoint.read(target, verify=True)
         return target
     except ManifestError:
         pass
     tmp = target.with_name(PARTIAL + target.name)
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.parent.mkdir(parents=True, exist_ok=True)
-    echo(f"  converting {tag_dir.name} (saved on {saved_world_size(tag_dir)} ranks) to a universal checkpoint")
+    log.info(f"  converting {tag_dir.name} (saved on {saved_world_size(tag_dir)} ranks) to a universal checkpoint")
     # --inject_missing_state: plain (non-Megatron) ZeRO-1/2 checkpoints lack the universal info block.
     proc = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder", str(tag_dir),
                            "--output_folder", str(tmp), "--inject_missing_state", "--num_extract_workers", "2",
@@ -127,10 +133,9 @@ def universal(tag_dir: Path, echo=print) -> Path:
     if proc.returncode != 0:
         shutil.rmtree(tmp, ignore_errors=True)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-        raise RuntimeError(f"ds_to_universal failed on {tag_dir}: {tail[0]}")
-    source = read_manifest(tag_dir) or {}
-    write_manifest(tmp, UNIVERSAL_KIND, step=source.get("step"), world_size=source.get("world_size"),
-                   zero_stage=source.get("zero_stage"), model_shapes=source.get("model_shapes"))
+        raise EngineFailed(f"ds_to_universal failed on {tag_dir}: {tail[0]}")
+    UniversalCheckpoint(**manifest(tag_dir).model_dump(include={"step", "world_size", "zero_stage",
+                                                                 "model_shapes"})).write(tmp)
     shutil.rmtree(target, ignore_errors=True)
     tmp.rename(target)
     return target
@@ -141,5 +146,5 @@ def load_source(tag_dir: Path, world: int) -> tuple[Path, bool]:
     if not needs_universal(tag_dir, world):
         return tag_dir, False
     target = universal_dir(tag_dir)
-    verify_manifest(target, UNIVERSAL_KIND)  # written by `train()` before the ranks started
+    UniversalCheckpoint.read(target, verify=True)  # written by `train()` before the ranks started
     return target, True

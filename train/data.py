@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import gzip
 import hashlib
 import json
 import os
 from dataclasses import dataclass
-from importlib import resources
 from pathlib import Path
 
 import numpy as np
@@ -15,41 +13,12 @@ import torch
 
 from dstool.errors import UsageError
 
+from dstool.corpus import read_documents
+
+__all__ = ["read_documents", "train_tokenizer", "load_or_train_tokenizer", "prepare_dataset", "open_split",
+           "corpus_fingerprint", "GlobalOrder", "TokenSplit"]
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
-EMBEDDED = "embedded:tinyshakespeare"
-
-
-def read_documents(data: str | None) -> list[str]:
-    """Documents from a text file, a folder of .txt/.jsonl files (field `text`), or the embedded corpus."""
-    if data is None or data == EMBEDDED:
-        raw = resources.files("dstool").joinpath("data/tinyshakespeare.txt.gz").read_bytes()
-        text = gzip.decompress(raw).decode("utf-8")
-        # Scenes are separated by blank lines; keep paragraphs of dialogue together.
-        return [d for d in text.split("\n\n") if d.strip()]
-    path = Path(data)
-    if not path.exists():
-        raise UsageError(f"data path {data} does not exist: pass a text file, a folder of .txt/.jsonl files, or omit --data")
-    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
-    if not files:
-        raise UsageError(f"data folder {data} holds no .txt or .jsonl files")
-    docs: list[str] = []
-    for f in files:
-        if f.suffix == ".jsonl":
-            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
-                if not line.strip():
-                    continue
-                try:
-                    text = json.loads(line)["text"]
-                except (json.JSONDecodeError, KeyError, TypeError):
-                    raise UsageError(f"{f}:{n} is not a JSON object with a 'text' field") from None
-                docs.append(str(text))
-        else:
-            docs.append(f.read_text(encoding="utf-8", errors="replace"))
-    docs = [d for d in docs if d.strip()]
-    if not docs:
-        raise UsageError(f"data {data} is empty: it holds no text to train on")
-    return docs
 
 
 def train_tokenizer(docs: list[str], vocab_size: int):
@@ -58,7 +27,8 @@ def train_tokenizer(docs: list[str], vocab_size: int):
     from transformers import PreTrainedTokenizerFast
 
     bpe = ByteLevelBPETokenizer()
-    bpe.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD])
+    bpe.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
+                            show_progress=False)
     return PreTrainedTokenizerFast(tokenizer_object=bpe._tokenizer, bos_token=EOS, eos_token=EOS,
                                    pad_token=PAD, unk_token=None, model_max_length=1 << 30)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dstool.config import TrainConfig
+from dstool.train.config import TrainConfig
 from dstool.errors import UsageError
 
 

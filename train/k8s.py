@@ -12,7 +12,7 @@ import json
 import re
 from pathlib import Path
 
-from dstool.config import TrainConfig
+from dstool.train.config import TrainConfig
 
 MOUNT = "/checkpoints"
 NCCL_DEFAULTS = {"NCCL_SOCKET_IFNAME": "eth0", "NCCL_DEBUG": "WARN", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}

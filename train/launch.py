@@ -9,8 +9,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dstool.config import TrainConfig
+from dstool.train.config import TrainConfig
 from dstool.errors import UsageError
+from dstool.proc import free_port
 
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 
@@ -44,12 +45,6 @@ class Topology:
     world: int
     hosts: dict[str, int] | None
     master_port: int
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def plan(cfg: TrainConfig) -> Topology:
@@ -125,16 +120,6 @@ def unreachable(host: str, port: int = 22, timeout: float = 3.0) -> str | None:
 
 def _single_local_host(hosts: dict[str, int] | None) -> bool:
     return bool(hosts) and len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname())
-
-
-def die_with_parent(sig: int) -> None:
-    """Linux: this process receives `sig` when its parent dies (launcher or rank), so no rank is orphaned."""
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
 
 
 def environment(cfg: TrainConfig, topo: Topology, on_gpu: bool) -> dict[str, str]:

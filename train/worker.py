@@ -14,17 +14,21 @@ import shutil
 import signal
 import sys
 import time
-import warnings
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
+from dstool import log as dlog
 from dstool import models
-from dstool.config import TrainConfig
-from dstool.manifest import write_json_atomic, write_manifest
-from dstool.train import checkpoint, data, launch, pipeline
+from dstool.artifacts import HFModel, Parity, TrainRun
+from dstool.files import write_json_atomic
+from dstool.proc import die_with_parent
+from dstool.train import checkpoint, data, pipeline_parallel
+from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
+
+log = dlog.log
 
 
 class NonFiniteLoss(RuntimeError):
@@ -32,23 +36,21 @@ class NonFiniteLoss(RuntimeError):
 
 
 def main(run_file: str) -> None:
-    launch.die_with_parent(signal.SIGKILL)  # the launcher died: stop too rather than train on alone
+    die_with_parent(signal.SIGKILL)  # the launcher died: stop too rather than train on alone
     run = json.loads(Path(run_file).read_text())
     cfg = TrainConfig(**run["config"])
     ds_config = run["ds_config"]
     out = Path(cfg.output)
     os.environ.update(cfg.env)  # NCCL_* etc. must be set before the communicator is created
+    dlog.setup()  # this rank's own voice: dstool's lines on the console, the libraries' in its log file
+    dlog.to_file(out / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
-    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.integrations import HfDeepSpeedConfig
 
-    transformers.utils.logging.disable_progress_bar()
-
-    deepspeed.utils.logger.setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    dlog.adopt_libraries()
     accelerator = get_accelerator()
     if accelerator.device_name() == "cpu":
         # Measured on this CPU: the first init_distributed() JIT-builds deepspeed_shm_comm (~65 s); that op
@@ -58,6 +60,8 @@ def main(run_file: str) -> None:
     _init_process_group(accelerator.communication_backend_name(), restarts)
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())  # adopts the group above
     rank, world = dist.get_rank(), dist.get_world_size()
+    if rank != 0 or not run.get("console", True):
+        dlog.quiet_console()  # one rank speaks; inside `dstool pipeline` even it keeps to its log file
     torch.manual_seed(cfg.seed)
     resume, universal = _resume_source(run, out, world, restarts)
     if universal:  # saved on another world size: DeepSpeed re-partitions the universal form
@@ -77,7 +81,7 @@ def main(run_file: str) -> None:
     total_params, active_params = models.count_parameters(model)
     shapes = checkpoint.model_shapes(model)  # whole shapes: AutoTP and pipeline stages hold parts
 
-    module = pipeline.build(model, cfg.pipeline_stages) if cfg.pipeline_stages > 1 else model
+    module = pipeline_parallel.build(model, cfg.pipeline_stages) if cfg.pipeline_stages > 1 else model
     engine, _, _, scheduler = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_config)
     del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -99,7 +103,7 @@ def main(run_file: str) -> None:
         # Zero unless the global batch changed with the world size: the data position is samples consumed.
         data_offset = client["samples_consumed"] - start_step * micro * accum * dp_world
     failed_at = _last_heartbeat(out) if restarts and rank == 0 else None
-    log = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
+    metrics = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
     trace = open(out / f"samples.rank{rank}.jsonl", "a", buffering=1) if cfg.trace_samples else None
 
     cores = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -109,11 +113,10 @@ def main(run_file: str) -> None:
     matmul_params = active_params - getattr(embedding, "ds_numel", embedding.numel())
     flops_tok = flops_per_token(matmul_params, model.config.num_hidden_layers, model.config.hidden_size, cfg.seq_len)
     tokens_per_step = micro * accum * dp_world * cfg.seq_len
-    if rank == 0:
-        print(f"dstool: {total_params:,} parameters ({active_params:,} active per token); MFU against a declared "
-              f"peak of {peak:g} TFLOP/s per rank", flush=True)
-        if start_step:
-            print(f"dstool: resumed at step {start_step} from {resume}", flush=True)
+    log.info(f"dstool: {total_params:,} parameters ({active_params:,} active per token); MFU against a declared "
+             f"peak of {peak:g} TFLOP/s per rank")
+    if start_step:
+        log.info(f"dstool: resumed at step {start_step} from {resume}")
 
     progress = _progress(rank, start_step, cfg.max_steps)
     window_t, window_steps = 0.0, 0
@@ -170,7 +173,7 @@ def main(run_file: str) -> None:
             if rank == 0:
                 _heartbeat(out, step)
                 if failed_at:
-                    _log_recovery(log, failed_at, restarts, start_step, step)
+                    _log_recovery(metrics, failed_at, restarts, start_step, step)
                     failed_at = None
 
             saving = step % cfg.save_every == 0 or step == cfg.max_steps
@@ -187,20 +190,20 @@ def main(run_file: str) -> None:
                     dist.all_reduce(window_kl)
                     row["distill_kl"] = window_kl.item() / (world * window_steps)
                     window_kl.zero_()
-                if log:
-                    log.write(step, **row)
+                if metrics:
+                    metrics.write(step, **row)
                     progress.line(step, row)
                 window_t, window_steps = 0.0, 0
                 window_loss.zero_()
             if cfg.eval_every and step % cfg.eval_every == 0:
-                _log_eval(engine, val_split, cfg, step, log)
+                _log_eval(engine, val_split, cfg, step, metrics)
             if saving:
                 save(step)
                 last_saved = step
     except NonFiniteLoss as e:
         if rank == 0:
             write_json_atomic(out / "failure.json", {"step": step, "message": str(e)})
-            print(f"dstool: {e}", file=sys.stderr, flush=True)
+            log.error(str(e))
         sys.exit(3)
     finally:
         progress.close()
@@ -209,9 +212,9 @@ def main(run_file: str) -> None:
 
     if last_saved != step:  # resumed at max_steps: nothing trained, the checkpoint is the final one
         save(step)
-    _log_eval(engine, val_split, cfg, step, log)
-    if log:
-        log.close()
+    _log_eval(engine, val_split, cfg, step, metrics)
+    if metrics:
+        metrics.close()
     _save_hf_folder(engine, model, tokenizer, val_split, out, run["precision"], step)
     dist.barrier()
     dist.destroy_process_group()
@@ -268,7 +271,7 @@ def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Pat
     restart (torchrun --max-restarts) the newest checkpoint that passes its manifest check."""
     tag = Path(run["resume"]) if run["resume"] else None
     if restarts:
-        tag = checkpoint.find_resume(out / "checkpoints", warn=lambda m: print(f"dstool: {m}", flush=True)) or tag
+        tag = checkpoint.find_resume(out / "checkpoints") or tag
     return checkpoint.load_source(tag, world) if tag else (None, False)
 
 
@@ -286,16 +289,16 @@ def _last_heartbeat(out: Path) -> dict | None:
         return None
 
 
-def _log_recovery(log: MetricsLog, failed_at: dict, restarts: int, start_step: int, step: int) -> None:
+def _log_recovery(metrics: MetricsLog, failed_at: dict, restarts: int, start_step: int, step: int) -> None:
     """One metrics row per elastic restart: seconds from the last step before the failure to the first after."""
     now = time.time()
     row = {"event": "restart", "restart": restarts, "failed_after_step": failed_at["step"],
            "resumed_from_step": start_step, "steps_lost": failed_at["step"] - start_step,
            "recovery_s": now - failed_at["time"], "time": now}
-    log.write(step, **row)
-    print(f"dstool: restart {restarts}: failed after step {failed_at['step']}, resumed from step {start_step} "
-          f"({row['steps_lost']} steps redone); first step after resume {row['recovery_s']:.1f} s after the "
-          "last step before the failure", flush=True)
+    metrics.write(step, **row)
+    log.info(f"dstool: restart {restarts}: failed after step {failed_at['step']}, resumed from step {start_step} "
+             f"({row['steps_lost']} steps redone); first step after resume {row['recovery_s']:.1f} s after the "
+             "last step before the failure")
 
 
 def _grad_norm(engine) -> float | None:
@@ -326,12 +329,12 @@ def evaluate(engine, split: data.TokenSplit, micro: int, batches: int) -> float:
     return total.item() / (per_rank * dist.get_world_size())
 
 
-def _log_eval(engine, split, cfg: TrainConfig, step: int, log: MetricsLog | None) -> None:
+def _log_eval(engine, split, cfg: TrainConfig, step: int, metrics: MetricsLog | None) -> None:
     val = evaluate(engine, split, engine.train_micro_batch_size_per_gpu(), cfg.eval_batches)
-    if log:
+    if metrics:
         ppl = math.exp(val) if val < 50 else float("inf")
-        log.write(step, val_loss=val, val_perplexity=ppl)
-        print(f"dstool: step {step} held-out loss {val:.4f} perplexity {ppl:.2f}", flush=True)
+        metrics.write(step, val_loss=val, val_perplexity=ppl)
+        log.info(f"dstool: step {step} held-out loss {val:.4f} perplexity {ppl:.2f}")
 
 
 def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int) -> None:
@@ -342,7 +345,8 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
     rank = dist.get_rank()
     probe = torch.stack([val_split[i % len(val_split)] for i in range(2)])[:, :64]
     if engine.pipeline_parallelism:  # collectives; logits and full dict on rank 0
-        engine_logits, state = pipeline.logits(engine, probe.to(engine.device)), pipeline.hf_state_dict(engine, module)
+        engine_logits = pipeline_parallel.logits(engine, probe.to(engine.device))
+        state = pipeline_parallel.hf_state_dict(engine, module)
     else:
         engine.eval()
         with torch.no_grad():
@@ -367,24 +371,21 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
     if not diff <= tolerance:
         raise RuntimeError(f"consolidated model disagrees with the engine: max |logit diff| {diff:.3g} > {tolerance}")
     torch.save({"input_ids": probe, "logits": engine_logits}, out / "probe_logits.pt")
-    write_manifest(tmp, "hf-model", step=step, precision=precision,
-                   parity={"max_abs_logit_diff": diff, "tolerance": tolerance, "probe_shape": list(probe.shape)})
+    split = TrainRun.read(out).data  # the run's data split, so compress measures on its held-out tokens
+    HFModel(step=step, precision=precision, run="..",
+            data=split.model_copy(update={"folder": f"../{split.folder}"}) if split else None,
+            parity=Parity(max_abs_logit_diff=diff, tolerance=tolerance, probe_shape=list(probe.shape))).write(tmp)
     if target.exists():
         shutil.rmtree(target)
     os.replace(tmp, target)
-    print(f"dstool: wrote {target} (transformers reload matches the engine: max |logit diff| {diff:.2e})", flush=True)
+    log.info(f"dstool: wrote {target} (transformers reload matches the engine: max |logit diff| {diff:.2e})")
 
 
 class _progress:
-    """A tqdm bar on rank 0 when attached to a terminal; plain log lines otherwise."""
+    """Rank 0's progress: a bar on a terminal, and a line per logging window (on the console unless quiet)."""
 
     def __init__(self, rank: int, start: int, total: int):
-        self.bar = None
-        self.rank = rank
-        if rank == 0 and sys.stderr.isatty():
-            from tqdm import tqdm
-
-            self.bar = tqdm(total=total, initial=start, desc="train", unit="step", dynamic_ncols=True)
+        self.bar = dlog.progress(total, "train", initial=start) if rank == 0 else None
 
     def update(self) -> None:
         if self.bar:
@@ -394,14 +395,27 @@ class _progress:
         if self.bar:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}")
         norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"  # DeepSpeed gives none at ZeRO-0 fp32
-        text = (f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {norm} "
-                f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
-        (self.bar.write if self.bar else lambda s: print(s, flush=True))(text)
+        log.info(f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {norm} "
+                 f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
 
     def close(self) -> None:
         if self.bar:
             self.bar.close()
 
 
+def _run(run_file: str) -> None:
+    """`main`, and any failure it meets becomes failure.json (the launching `dstool train` reports it in one line)
+    plus the traceback in this rank's log."""
+    try:
+        main(run_file)
+    except Exception as e:  # noqa: BLE001
+        logging.getLogger("traceback").error("rank failed", exc_info=True)
+        out = Path(json.loads(Path(run_file).read_text())["config"]["output"])
+        rank = os.environ.get("RANK", "?")
+        if not (out / "failure.json").exists():
+            write_json_atomic(out / "failure.json", {"message": f"rank {rank}: {type(e).__name__}: {e}"})
+        sys.exit(1)
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    _run(sys.argv[1])

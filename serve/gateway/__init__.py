@@ -12,96 +12,25 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import logging
 import os
 import signal
-import sys
-from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import urlsplit
+from typing import Callable
 
+from dstool import log as dlog
 from dstool.errors import UsageError
+from dstool.serve.config import GatewayConfig
 
-log = logging.getLogger("dstool.gateway")
+__all__ = ["Gateway", "GatewayConfig", "run_gateway"]
+log = dlog.log
 DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
-CACHE_SCHEMES = ("redis", "rediss", "unix", "memory")
-
-
-@dataclass
-class GatewayConfig:
-    upstreams: list[str]  # Triton HTTP endpoints, HOST:PORT
-    upstreams_grpc: list[str] = field(default_factory=list)  # Triton gRPC endpoints; default: each HTTP port + 1
-    cache: str | None = None  # redis://, rediss://, unix:// URL, "memory", or None: local Redis if it answers, else memory
-    host: str = "127.0.0.1"
-    http_port: int = 8000
-    grpc_port: int = 8001
-    ttl: float = 3600.0
-    max_entry_bytes: int = 16 << 20
-    memory_cache_bytes: int = 256 << 20
-    redis_timeout: float = 0.1
-    upstream_timeout: float = 300.0
-    max_request_bytes: int = 64 << 20
-    token: str | None = None
-    version_check_interval: float = 1.0
-    repository: str | None = None  # the Triton repository, when the gateway can read it: version fingerprints use its files
-
-    def check(self, upstreams_known: bool = True) -> None:
-        if upstreams_known and not self.upstreams:
-            raise UsageError("give at least one --upstream HOST:PORT (a Triton HTTP endpoint)")
-        for address in [*self.upstreams, *self.upstreams_grpc]:
-            host, _, port = address.rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise UsageError(f"upstream '{address}' is not HOST:PORT")
-        if self.upstreams_grpc and len(self.upstreams_grpc) != len(self.upstreams):
-            raise UsageError("give one --upstream-grpc per --upstream (or none: HTTP port + 1)")
-        if self.cache is not None:
-            check_cache_url(self.cache)
-        for name in ("ttl", "redis_timeout", "upstream_timeout", "version_check_interval"):
-            if getattr(self, name) <= 0:
-                raise UsageError(f"--{name.replace('_', '-')} must be positive")
-        for name in ("max_entry_bytes", "memory_cache_bytes", "max_request_bytes"):
-            if getattr(self, name) < 1:
-                raise UsageError(f"--{name.replace('_', '-')} must be at least 1")
-        for port in (self.http_port, self.grpc_port):
-            if not 0 <= port < 65536:
-                raise UsageError(f"port {port} is out of range")
-
-    def grpc_targets(self) -> list[str]:
-        if self.upstreams_grpc:
-            return list(self.upstreams_grpc)
-        return [f"{a.rpartition(':')[0]}:{int(a.rpartition(':')[2]) + 1}" for a in self.upstreams]
-
-
-def check_cache_url(url: str) -> None:
-    """UsageError unless `url` is a cache this gateway can use."""
-    if url == "memory":
-        return
-    parts = urlsplit(url)
-    if parts.scheme not in CACHE_SCHEMES:
-        raise UsageError(f"--cache '{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, unix:// or memory)")
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise UsageError(f"--cache '{url}' names no socket path")
-        return
-    try:
-        parts.port
-    except ValueError:
-        raise UsageError(f"--cache '{url}': the port is not a number from 0 to 65535") from None
-    if not parts.hostname:
-        raise UsageError(f"--cache '{url}' names no host")
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise UsageError(f"--cache '{url}': the database '{db}' is not a number")
 
 
 class Gateway:
     """The HTTP and gRPC servers and what they share. `await start()`, then `await stop()`."""
 
-    def __init__(self, config: GatewayConfig, echo=print, warn=None):
-        config.check()
-        self.warn = warn or (lambda message: print(message, file=sys.stderr, flush=True))
+    def __init__(self, config: GatewayConfig):
         self.config = config
-        self.echo = echo
         self._http_server = None
         self._grpc_server = None
 
@@ -116,16 +45,15 @@ class Gateway:
         if url != "memory":
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping():
-                self.echo(f"dstool gateway: cache: Redis {_safe(url)} (front: in-process LRU)")
+                log.info(f"dstool gateway: cache: Redis {_safe(url)} (front: in-process LRU)")
             elif explicit:
-                self.warn(f"dstool gateway: warning: Redis {_safe(url)} does not answer; requests go to Triton "
-                          "until it does")
+                log.warning(f"gateway: Redis {_safe(url)} does not answer; requests go to Triton until it does")
             else:
                 await store.close()
                 store = None
-                self.warn(f"dstool gateway: warning: no --cache given and no Redis answering at {_safe(url)}: "
-                          "using an in-process LRU cache (not shared, lost on exit)")
-        return ResultCache(store, c.ttl, c.max_entry_bytes, c.memory_cache_bytes, self.metrics.error)
+                log.warning(f"gateway: no --cache given and no Redis answering at {_safe(url)}: using an "
+                            "in-process LRU cache (not shared, lost on exit)")
+        return ResultCache(store, c.cache_ttl, c.max_entry_bytes, c.memory_cache_bytes, self.metrics.error)
 
     async def start(self) -> None:
         import grpc
@@ -161,9 +89,9 @@ class Gateway:
             await self.stop()
             raise UsageError(_bind_error(c.host, c.grpc_port, OSError(errno.EADDRINUSE, str(e)))) from None
         await self._grpc_server.start()
-        self.echo(f"dstool gateway: ready — HTTP {c.host}:{self.http_port}, gRPC {c.host}:{self.grpc_port}, "
-                  f"metrics http://{c.host}:{self.http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; "
-                  f"TTL {c.ttl:g} s" + ("; bearer token required" if c.token else ""))
+        log.info(f"dstool gateway: ready — HTTP {c.host}:{self.http_port}, gRPC {c.host}:{self.grpc_port}, "
+                 f"metrics http://{c.host}:{self.http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; "
+                 f"TTL {c.cache_ttl:g} s" + ("; bearer token required" if c.token else ""))
 
     async def stop(self) -> None:
         if self._grpc_server is not None:
@@ -201,10 +129,10 @@ def event_loop_policy():
     return uvloop.EventLoopPolicy()
 
 
-def run_gateway(config: GatewayConfig, echo=print, while_true=None) -> int:
+def run_gateway(config: GatewayConfig, while_true: Callable[[], bool] | None = None) -> int:
     """Run the gateway until SIGINT/SIGTERM (or until `while_true()`, checked twice a second, is false)."""
     async def main() -> int:
-        gateway = Gateway(config, echo)
+        gateway = Gateway(config)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
@@ -218,9 +146,8 @@ def run_gateway(config: GatewayConfig, echo=print, while_true=None) -> int:
                     pass
         finally:
             await gateway.stop()
-        echo("dstool gateway: stopped")
+        log.info("dstool gateway: stopped")
         return 0
 
-    logging.basicConfig(level=logging.WARNING, format="dstool gateway: %(message)s")
     asyncio.set_event_loop_policy(event_loop_policy())
     return asyncio.run(main())

@@ -1,0 +1,401 @@
+"""Typed artefacts: the manifest (`dstool.json`) each stage writes beside what it produces, and the next
+stage reads — never a glob, a guess or prose.
+
+    dstool train      RUN/dstool.json                TrainRun         tokenizer, data split, checkpoints, model
+                      RUN/model/dstool.json          HFModel          a Hugging Face folder, its run and data split
+                      RUN/checkpoints/step-N/...     Checkpoint       a DeepSpeed tag folder, hashed
+    dstool compress   OUT/dstool.json                CompressedModel  both ONNX graphs, the recipe, the figures
+    dstool export     REPOSITORY/dstool.json         Repository       what every deployed version is made of
+
+Paths inside a manifest are relative to its folder, so an artefact can be moved or copied whole. Every
+manifest names its `kind` and `schema_version`; a reader refuses another kind, or a schema it does not
+know, in one line that says which command redoes the artefact.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Annotated, ClassVar, Literal, TypeVar, Union
+
+from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+
+from dstool import __version__
+from dstool.files import sha256_file, write_text_atomic
+
+MANIFEST = "dstool.json"
+SCHEMA_VERSION = 1
+M = TypeVar("M", bound="Manifest")
+
+
+class ManifestError(Exception):
+    """A folder's manifest is missing, of another kind or schema, or its files do not match it."""
+
+
+class _Model(BaseModel):
+    model_config = ConfigDict(extra="forbid", protected_namespaces=())
+
+
+class FileEntry(_Model):
+    sha256: str
+    bytes: int
+
+
+class Manifest(_Model):
+    """What every manifest holds."""
+
+    PRODUCER: ClassVar[str] = "dstool"  # the command that writes this kind (named in errors)
+    LEGACY_OK: ClassVar[bool] = False  # read a manifest written before schema versions as schema 1
+
+    kind: str = Field(description="what the folder is")
+    schema_version: int = Field(SCHEMA_VERSION, description="this manifest's schema; readers refuse others")
+    dstool_version: str = Field(__version__, description="the dstool that wrote it")
+    created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    files: dict[str, FileEntry] = Field(default_factory=dict, description="path -> sha256 and size of every file "
+                                        "(empty where the folder keeps changing, as a run folder does)")
+
+    def write(self, folder: Path, hash_files: bool = True) -> "Manifest":
+        """Hash the folder's files (not logs, not the manifest) into `files`, then write `folder/dstool.json`."""
+        folder = Path(folder)
+        if hash_files:
+            self.files = {str(p.relative_to(folder)): FileEntry(sha256=sha256_file(p), bytes=p.stat().st_size)
+                          for p in sorted(folder.rglob("*"))
+                          if p.is_file() and p.name != MANIFEST and p.suffix != ".log"}
+        write_text_atomic(folder / MANIFEST, self.model_dump_json(indent=1) + "\n")
+        return self
+
+    @classmethod
+    def read(cls: type[M], folder: Path, verify: bool = False) -> M:
+        """The manifest of `folder` as this kind; ManifestError (one line, naming the fix) otherwise."""
+        folder = Path(folder)
+        raw = _load(folder)
+        kind = cls.model_fields["kind"].default
+        if raw.get("kind") != kind:
+            raise ManifestError(f"{folder} is a '{raw.get('kind')}', not a '{kind}'")
+        if "schema_version" not in raw and cls.LEGACY_OK:
+            raw["schema_version"] = SCHEMA_VERSION
+        if raw.get("schema_version") != SCHEMA_VERSION:
+            raise ManifestError(f"{folder} was written by dstool {raw.get('dstool_version', '(unknown)')} with manifest "
+                                f"schema {raw.get('schema_version', 0)}; this dstool reads schema {SCHEMA_VERSION}: "
+                                f"re-run `{cls.PRODUCER}` to redo it")
+        try:
+            manifest = cls.model_validate(raw)
+        except ValidationError as e:
+            first = e.errors()[0]
+            raise ManifestError(f"{folder / MANIFEST} does not fit the '{kind}' schema "
+                                f"({'.'.join(map(str, first['loc']))}: {first['msg']}): re-run `{cls.PRODUCER}` "
+                                "to redo it") from None
+        if verify:
+            manifest.verify(folder)
+        return manifest
+
+    def verify(self, folder: Path) -> None:
+        """Check every listed file's size and sha256; ManifestError naming the first that differs."""
+        for rel, info in self.files.items():
+            p = Path(folder) / rel
+            if not p.is_file():
+                raise ManifestError(f"{folder}: file {rel} is missing")
+            if p.stat().st_size != info.bytes:
+                raise ManifestError(f"{folder}: file {rel} has {p.stat().st_size} bytes, manifest says {info.bytes}")
+            if sha256_file(p) != info.sha256:
+                raise ManifestError(f"{folder}: file {rel} fails its sha256 check")
+
+
+def _load(folder: Path) -> dict:
+    path = folder / MANIFEST
+    if not path.is_file():
+        raise ManifestError(f"{folder} has no {MANIFEST} (a partial or foreign write)")
+    try:
+        raw = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ManifestError(f"{path} is not valid JSON (a partial or foreign write)") from None
+    if not isinstance(raw, dict):
+        raise ManifestError(f"{path} is not a JSON object")
+    return raw
+
+
+def kind_of(folder: Path) -> str | None:
+    """The `kind` a folder's manifest declares, or None when it has no readable manifest."""
+    try:
+        return str(_load(Path(folder)).get("kind"))
+    except ManifestError:
+        return None
+
+
+# ---- dstool train --------------------------------------------------------------------------------------
+
+class DataSplit(_Model):
+    """A run's tokenized corpus: flat token files, the held-out split being the corpus' tail."""
+
+    folder: str = Field(description="folder of train.bin, val.bin and meta.json, relative to the manifest")
+    dtype: str = Field(description="numpy dtype of the token files")
+    train_tokens: int
+    val_tokens: int
+    fingerprint: str = Field(description="sha256 over the corpus documents (a run refuses other data)")
+
+
+class TrainRun(Manifest):
+    """A `dstool train` run folder (written before the ranks start; files are not hashed, they keep changing)."""
+
+    PRODUCER: ClassVar[str] = "dstool train"
+    LEGACY_OK: ClassVar[bool] = True
+
+    kind: Literal["train-run"] = "train-run"
+    data_fingerprint: str = Field(description="sha256 over the corpus documents")
+    data: DataSplit | None = Field(None, description="the tokenized corpus and its held-out split")
+    tokenizer: str = Field("tokenizer", description="the tokenizer folder (Hugging Face files)")
+    checkpoints: str = Field("checkpoints", description="DeepSpeed checkpoints, `latest` names the newest")
+    model: str = Field("model", description="the final Hugging Face folder (an HFModel), once training ends")
+    config: str = Field("config.yaml", description="the effective TrainConfig")
+
+
+class Parity(_Model):
+    max_abs_logit_diff: float
+    tolerance: float
+    probe_shape: list[int]
+
+
+class HFModel(Manifest):
+    """A Hugging Face causal-LM folder consolidated by `dstool train` and reloaded with the engine's logits."""
+
+    PRODUCER: ClassVar[str] = "dstool train"
+    LEGACY_OK: ClassVar[bool] = True
+
+    kind: Literal["hf-model"] = "hf-model"
+    step: int = Field(description="the optimizer step the weights are from")
+    precision: str = Field(description="fp32, bf16 or fp16: the dtype the weights are saved in")
+    parity: Parity = Field(description="transformers' reload against the engine's logits")
+    run: str | None = Field(None, description="the run folder, relative to this one")
+    data: DataSplit | None = Field(None, description="the run's data split (held-out tokens for measurements), "
+                                   "its folder relative to this one")
+
+
+class Checkpoint(Manifest):
+    """A DeepSpeed checkpoint tag folder (every rank's files), renamed into place only when complete."""
+
+    PRODUCER: ClassVar[str] = "dstool train"
+    LEGACY_OK: ClassVar[bool] = True
+
+    kind: Literal["deepspeed-checkpoint"] = "deepspeed-checkpoint"
+    step: int | None = None
+    world_size: int = 0
+    zero_stage: int = 0
+    model_shapes: dict[str, list[int]] | None = Field(None, description="every parameter's whole shape: a run of "
+                                                      "another model refuses it")
+
+
+class UniversalCheckpoint(Checkpoint):
+    """A checkpoint converted with DeepSpeed's ds_to_universal, to resume on another world size."""
+
+    kind: Literal["deepspeed-universal-checkpoint"] = "deepspeed-universal-checkpoint"  # type: ignore[assignment]
+
+
+# ---- dstool compress -----------------------------------------------------------------------------------
+
+class SourceModel(_Model):
+    """The model an artefact was made from."""
+
+    path: str = Field(description="the folder as given (absolute)")
+    kind: str = Field(description="its manifest's kind (hf-model for a dstool train run), or 'huggingface'")
+    weights_sha256: str = Field(description="sha256 over its weight files (names and digests, sorted)")
+
+
+class Graph(_Model):
+    """One ONNX graph of an artefact."""
+
+    path: str = Field(description="the .onnx file, relative to the manifest")
+    data: str | None = Field(None, description="its external-data (weights) file, if any")
+    sha256: str = Field(description="of the .onnx file")
+    inputs: list[str]
+    outputs: list[str]
+    fp32_parity: float = Field(description="max |logit diff| of the fp32 graph against PyTorch, before quantization")
+
+
+class Int8Trial(_Model):
+    fp32_layers: list[str] = Field(description="layers kept fp32 in this trial")
+    activation_matmuls: bool
+    perplexity: float = Field(description="on calibration tokens (never the held-out split)")
+
+
+class Quantization(_Model):
+    bits: Literal[8, 4]
+    engine: Literal["onnxruntime", "torchao"]
+    format: Literal["int8-dynamic-qoperator", "int4-matmulnbits", "torchao-int8-dynamic"]
+    weight_type: str | None = Field(None, description="QInt8 / QUInt8 (int8), int4 symmetric (4-bit)")
+    activation_type: str | None = None
+    per_channel: bool | None = None
+    reduce_range: bool | None = Field(None, description="7-bit weights: chosen on CPUs without VNNI")
+    cpu_vnni: bool | None = Field(None, description="whether this CPU has VNNI (decides reduce_range)")
+    activation_matmuls: bool | None = Field(None, description="MatMuls of two activations (attention scores) "
+                                            "quantized too; kept only if measured more accurate")
+    block_size: int | None = Field(None, description="4-bit block size")
+    fp32_layers: list[str] = Field(default_factory=list, description="layers kept fp32 by measured perplexity "
+                                   "(lm_head, layer N)")
+    fp32_nodes: dict[str, list[str]] = Field(default_factory=dict, description="graph role -> MatMul nodes kept fp32")
+    trials: list[Int8Trial] = Field(default_factory=list)
+    torchao_folder: str | None = Field(None, description="torchao: the Hugging Face folder that reloads quantized")
+
+
+class LayerRemoval(_Model):
+    """What pruning removed from one decoder layer, as indices of the original model."""
+
+    kv_groups: list[int]
+    query_heads: list[int]
+    mlp_channels: list[int]
+
+
+class PruneCandidate(_Model):
+    kv_groups: int
+    heads_per_group: int
+    channels: int
+    calibration_loss: float
+    latency_ms: float | None = None
+
+
+class Pruning(_Model):
+    rule: Literal["lowest-loss", "fastest-within-tolerance", "given-ratios"]
+    target_ratio: float | None = Field(None, description="--prune: share of decoder-layer parameters to remove")
+    ppl_tolerance_pct: float = 0.0
+    kv_heads: tuple[int, int] = Field(description="key/value groups per layer, before and after")
+    query_heads: tuple[int, int]
+    mlp_channels: tuple[int, int]
+    decoder_fraction_removed: float
+    total_fraction_removed: float
+    removed: list[LayerRemoval]
+    candidates: list[PruneCandidate] = Field(default_factory=list)
+
+
+class Sparsity(_Model):
+    pattern: str = Field(description="N:M, e.g. 2:4")
+    n: int
+    m: int
+    weights: int = Field(description="decoder Linear weights masked")
+    sparse_kernels: bool = Field(description="whether sparse kernels ran it (else the latency is dense)")
+
+
+class Recovery(_Model):
+    steps: int
+    lr: float
+    distill: bool
+    kept: bool = Field(description="false: it raised the calibration perplexity, the weights before it are kept")
+    calibration_ppl_before: float
+    calibration_ppl_after: float
+    final_train_loss: float | None
+    distill_kl: tuple[float, float] | None = Field(None, description="KL to the teacher, first and last window")
+
+
+class Recipe(_Model):
+    """What compress did, in order: prune, sparsify, recover, quantize."""
+
+    pruning: Pruning | None = None
+    sparsity: Sparsity | None = None
+    recovery: Recovery | None = None
+    quantization: Quantization | None = None
+
+
+class Measured(_Model):
+    parameters: int
+    onnx_bytes: int
+    perplexity: float
+    latency_ms_batch1: float | None = None
+    latency_ms_batch8: float | None = None
+
+
+class Figures(_Model):
+    """Measured in the run that wrote the manifest: the input model (before) against the result (after)."""
+
+    before: Measured
+    after: Measured
+    compression_ratio: float = Field(description="ONNX bytes after / before")
+    perplexity_change_pct: float = Field(description="held-out perplexity change")
+    speedup: dict[str, float] = Field(description="batch size -> latency before / after (ONNX Runtime CPU)")
+    latency_seq_len: int
+    heldout: str = Field(description="which tokens the perplexity is measured on")
+    machine: str
+
+
+class TorchaoFigures(_Model):
+    int8_weights: int
+    bytes: int
+    fp32_bytes: int
+    perplexity_fp32: float
+    perplexity_int8: float
+    latency_ms_batch8_fp32: float
+    latency_ms_batch8_int8: float
+
+
+class CompressedModel(Manifest):
+    """A `dstool compress` output: the compressed PyTorch weights and both ONNX graphs, made by one recipe."""
+
+    PRODUCER: ClassVar[str] = "dstool compress"
+
+    kind: Literal["compressed-model"] = "compressed-model"
+    source: SourceModel
+    settings: dict = Field(description="the CompressConfig it ran with")
+    model: str = Field("model", description="Hugging Face folder of the compressed weights (and the tokenizer)")
+    graphs: dict[Literal["logits", "decoder"], Graph] = Field(
+        description="logits: ids -> logits; decoder: with a key/value cache (prefill and decoding steps)")
+    recipe: Recipe
+    figures: Figures
+    torchao: TorchaoFigures | None = None
+    report: str = Field("report.md", description="the human-readable report (and report.png)")
+
+
+# ---- dstool export -------------------------------------------------------------------------------------
+
+class Deployment(_Model):
+    """One version of one model family (NAME, NAME_decoder, ..., NAME_generate) in a Triton repository."""
+
+    name: str
+    version: int
+    models: dict[str, str] = Field(description="role -> Triton model name")
+    source: SourceModel = Field(description="the Hugging Face folder the graphs and the tokenizer come from")
+    compressed: str | None = Field(None, description="the dstool compress output it was deployed from")
+    recipe: Recipe | None = Field(None, description="that output's recipe (None: fp32, exported here)")
+    graphs: dict[str, str] = Field(description="role -> sha256 of the deployed .onnx file")
+    settings: dict = Field(description="the ExportConfig it was written with")
+    created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+
+
+class Repository(Manifest):
+    """A Triton model repository written by `dstool export`: what each deployed version is made of."""
+
+    PRODUCER: ClassVar[str] = "dstool export"
+
+    kind: Literal["model-repository"] = "model-repository"
+    deployments: list[Deployment] = Field(default_factory=list, description="newest last")
+
+
+AnyManifest = Annotated[Union[TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository],
+                        Field(discriminator="kind")]
+KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository)
+
+
+def read_any(folder: Path) -> Manifest:
+    """The manifest of `folder`, typed by its kind."""
+    kind = kind_of(folder)
+    for cls in KINDS:
+        if cls.model_fields["kind"].default == kind:
+            return cls.read(folder)
+    raise ManifestError(f"{folder} holds a manifest of unknown kind '{kind}'")
+
+
+def weights_sha256(folder: Path) -> str:
+    """A model folder's fingerprint: sha256 over its weight files' names and sha256 digests."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for p in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
+        h.update(f"{p.name}:{sha256_file(p)}\n".encode())
+    return h.hexdigest()
+
+
+def source_model(folder: Path) -> SourceModel:
+    return SourceModel(path=str(Path(folder).resolve()), kind=kind_of(folder) or "huggingface",
+                       weights_sha256=weights_sha256(folder))
+
+
+def json_schemas() -> dict[str, dict]:
+    """kind -> JSON schema of every manifest (for the docs)."""
+    return {cls.model_fields["kind"].default: TypeAdapter(cls).json_schema() for cls in KINDS}

@@ -1,0 +1,52 @@
+"""The text dstool trains and measures on: a file, a folder of .txt/.jsonl files, or the embedded corpus
+(tiny-Shakespeare); and a training run's tokenized splits."""
+
+from __future__ import annotations
+
+import gzip
+import json
+from importlib import resources
+from pathlib import Path
+
+import numpy as np
+
+from dstool.errors import UsageError
+
+EMBEDDED = "embedded:tinyshakespeare"
+
+
+def read_documents(data: str | None) -> list[str]:
+    """Documents from a text file, a folder of .txt/.jsonl files (field `text`), or the embedded corpus."""
+    if data is None or data == EMBEDDED:
+        raw = resources.files("dstool").joinpath("data/tinyshakespeare.txt.gz").read_bytes()
+        text = gzip.decompress(raw).decode("utf-8")
+        # Scenes are separated by blank lines; keep paragraphs of dialogue together.
+        return [d for d in text.split("\n\n") if d.strip()]
+    path = Path(data)
+    if not path.exists():
+        raise UsageError(f"data path {data} does not exist: pass a text file, a folder of .txt/.jsonl files, or omit --data")
+    files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
+    if not files:
+        raise UsageError(f"data folder {data} holds no .txt or .jsonl files")
+    docs: list[str] = []
+    for f in files:
+        if f.suffix == ".jsonl":
+            for n, line in enumerate(f.read_text(encoding="utf-8").splitlines(), 1):
+                if not line.strip():
+                    continue
+                try:
+                    text = json.loads(line)["text"]
+                except (json.JSONDecodeError, KeyError, TypeError):
+                    raise UsageError(f"{f}:{n} is not a JSON object with a 'text' field") from None
+                docs.append(str(text))
+        else:
+            docs.append(f.read_text(encoding="utf-8", errors="replace"))
+    docs = [d for d in docs if d.strip()]
+    if not docs:
+        raise UsageError(f"data {data} is empty: it holds no text to train on")
+    return docs
+
+
+def read_split(folder: Path, split: str, dtype: str) -> np.ndarray:
+    """A run's tokenized split (train or val) as a read-only memory map."""
+    return np.memmap(Path(folder) / f"{split}.bin", dtype=dtype, mode="r")

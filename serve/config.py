@@ -1,0 +1,230 @@
+"""The options of `dstool export`, `serve`, `gateway` and `infer` (importing this loads no torch, no grpc)."""
+
+from __future__ import annotations
+
+import os
+import re
+from pathlib import Path
+from typing import Literal
+from urllib.parse import urlsplit
+
+from pydantic import Field, field_validator, model_validator
+
+from dstool.config import CommandConfig, positional
+
+NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+CACHE_SCHEMES = ("redis", "rediss", "unix", "memory")
+
+
+def model_names(name: str) -> dict[str, str]:
+    """The repository's models: NAME (token ids -> logits) and the text-generation models around it."""
+    return {"logits": name, "decoder": f"{name}_decoder", "tokenizer": f"{name}_tokenizer",
+            "detokenizer": f"{name}_detokenizer", "generate": f"{name}_generate"}
+
+
+class RepositorySettings(CommandConfig):
+    """How a model family is laid out in a Triton repository (the export options but the paths)."""
+
+    name: str = Field("dstool_lm", description="model name in the repository")
+    version: int | None = Field(None, ge=1, description="version folder (default: the next one)")
+    max_batch_size: int = Field(8, ge=0, description="0 = no batching")
+    instances: int = Field(1, ge=1, description="model instances (instance_group count)")
+    device: Literal["cpu", "gpu"] = Field("cpu", description="gpu: KIND_GPU for the onnxruntime_onnx models "
+                                          "(python-backend models run on the CPU)")
+    backend: Literal["python", "onnxruntime"] = Field(
+        "python", description="python: python backend running onnxruntime (any Triton); onnxruntime: platform "
+        "onnxruntime_onnx (Triton with the ONNX Runtime backend)")
+    dynamic_batching: bool = Field(True, description="dynamic_batching block")
+    queue_delay_us: int = Field(2000, ge=0, description="dynamic batching: longest wait for more requests (µs)")
+    response_cache: bool = Field(False, description="enable Triton's response cache for NAME and NAME_generate")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, v: str) -> str:
+        if not NAME_RE.match(v) or v in (".", ".."):
+            raise ValueError(f"'{v}' is not a name Triton accepts: use letters, digits, '_', '-' and '.'")
+        return v
+
+    @model_validator(mode="after")
+    def _batching(self) -> "RepositorySettings":
+        if self.max_batch_size == 0 and self.dynamic_batching:
+            raise ValueError("--max-batch-size 0 disables batching, so dynamic batching cannot be on: give a max "
+                             "batch size >= 1 or --no-dynamic-batching")
+        return self
+
+
+class ExportConfig(RepositorySettings):
+    """`dstool export`: a Triton model repository from a Hugging Face folder or a `dstool compress` output."""
+
+    model: str = positional("Hugging Face causal-LM folder or a dstool compress output", metavar="MODEL_DIR")
+    repository: str = Field("model_repository", description="repository folder")
+
+    def settings(self) -> RepositorySettings:
+        return RepositorySettings(**self.model_dump(exclude={"model", "repository"}))
+
+
+def check_cache_url(url: str) -> str:
+    """`url` if the gateway can use it as a cache, else ValueError naming what is wrong."""
+    if url == "memory":
+        return url
+    parts = urlsplit(url)
+    if parts.scheme not in CACHE_SCHEMES:
+        raise ValueError(f"'{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, unix:// or memory)")
+    if parts.scheme == "unix":
+        if not parts.path:
+            raise ValueError(f"'{url}' names no socket path")
+        return url
+    try:
+        parts.port
+    except ValueError:
+        raise ValueError(f"'{url}': the port is not a number from 0 to 65535") from None
+    if not parts.hostname:
+        raise ValueError(f"'{url}' names no host")
+    db = parts.path.strip("/")
+    if db and not db.isdigit():
+        raise ValueError(f"'{url}': the database '{db}' is not a number")
+    return url
+
+
+def _host_port(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"'{address}' is not HOST:PORT")
+    return address
+
+
+class GatewayOptions(CommandConfig):
+    """How the cache gateway behaves (shared by `dstool gateway` and `dstool serve --cache`)."""
+
+    host: str = Field("127.0.0.1", description="address the gateway binds")
+    cache_ttl: float = Field(3600.0, gt=0, description="seconds an entry lives")
+    max_entry_bytes: int = Field(16 << 20, ge=1, description="larger results are not cached")
+    memory_cache_bytes: int = Field(256 << 20, ge=1, description="in-process LRU in front of Redis")
+    redis_timeout: float = Field(0.1, gt=0, description="seconds before a Redis call counts as failed and Triton "
+                                 "answers")
+    max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body accepted")
+    upstream_timeout: float = Field(300.0, gt=0, description="seconds a request may take on Triton")
+    token_file: str | None = Field(None, description="file holding a bearer token every request must carry "
+                                   "($DSTOOL_GATEWAY_TOKEN also works)")
+    token: str | None = Field(None, description="the bearer token (from --token-file or $DSTOOL_GATEWAY_TOKEN; not "
+                              "a flag, so it never shows in a process list)", json_schema_extra={"cli": False})
+    version_check_interval: float = Field(1.0, gt=0, description="seconds between checks of which model version "
+                                          "Triton serves")
+
+    @model_validator(mode="after")
+    def _token(self) -> "GatewayOptions":
+        if self.token is None and self.token_file:
+            try:
+                token = Path(self.token_file).read_text().strip()
+            except OSError as e:
+                raise ValueError(f"--token-file {self.token_file}: {e.strerror}") from None
+            if not token:
+                raise ValueError(f"--token-file {self.token_file} is empty")
+            object.__setattr__(self, "token", token)
+        elif self.token is None and os.environ.get("DSTOOL_GATEWAY_TOKEN"):
+            object.__setattr__(self, "token", os.environ["DSTOOL_GATEWAY_TOKEN"])
+        return self
+
+
+class GatewayConfig(GatewayOptions):
+    """`dstool gateway`: KServe v2 HTTP/gRPC with a Redis result cache in front of Triton servers."""
+
+    upstreams: list[str] = Field(description="a Triton HTTP endpoint HOST:PORT (repeat for several, used in turn)",
+                                 json_schema_extra={"cli": {"flag": "--upstream", "metavar": "HOST:PORT"}})
+    upstreams_grpc: list[str] = Field(default_factory=list, description="the matching Triton gRPC endpoints "
+                                      "(default: each HTTP port + 1)",
+                                      json_schema_extra={"cli": {"flag": "--upstream-grpc", "metavar": "HOST:PORT"}})
+    cache: str | None = Field(None, description="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH or "
+                              "memory (default: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0 if it answers, else an "
+                              "in-process LRU)", json_schema_extra={"cli": {"metavar": "URL"}})
+    http_port: int = Field(8000, ge=0, le=65535)
+    grpc_port: int = Field(8001, ge=0, le=65535)
+    repository: str | None = Field(None, description="the upstream's model repository, if readable here: version "
+                                   "fingerprints then include its files")
+
+    @field_validator("upstreams", "upstreams_grpc")
+    @classmethod
+    def _addresses(cls, v: list[str]) -> list[str]:
+        return [_host_port(a) for a in v]
+
+    @field_validator("cache")
+    @classmethod
+    def _cache(cls, v: str | None) -> str | None:
+        return None if v is None else check_cache_url(v)
+
+    @model_validator(mode="after")
+    def _pairs(self) -> "GatewayConfig":
+        if not self.upstreams:
+            raise ValueError("give at least one --upstream HOST:PORT (a Triton HTTP endpoint)")
+        if self.upstreams_grpc and len(self.upstreams_grpc) != len(self.upstreams):
+            raise ValueError("give one --upstream-grpc per --upstream (or none: HTTP port + 1)")
+        return self
+
+    def grpc_targets(self) -> list[str]:
+        if self.upstreams_grpc:
+            return list(self.upstreams_grpc)
+        return [f"{a.rpartition(':')[0]}:{int(a.rpartition(':')[2]) + 1}" for a in self.upstreams]
+
+
+class ServeConfig(GatewayOptions):
+    """`dstool serve`: a real Triton on a repository; with `cache`, behind the cache gateway."""
+
+    repository: str = Field("model_repository", description="the model repository (from dstool export)")
+    http_port: int = Field(8000, ge=0, le=65535, description="KServe v2 HTTP port clients use")
+    grpc_port: int = Field(8001, ge=0, le=65535, description="KServe v2 gRPC port clients use")
+    metrics_port: int = Field(8002, ge=0, le=65535, description="Triton's Prometheus metrics port")
+    tritonserver: str | None = Field(None, description="path of the tritonserver binary (default: "
+                                     "$DSTOOL_TRITONSERVER, PATH, or the nvidia-pytriton wheel's)")
+    log_file: str = Field("tritonserver.log", description="Triton's log")
+    timeout: float = Field(120.0, gt=0, description="seconds to wait for readiness")
+    cache_config: str | None = Field(None, description="Triton's own response cache, passed to tritonserver "
+                                     "--cache-config, e.g. local,size=268435456 (for models exported with "
+                                     "--response-cache)", json_schema_extra={"cli": {"metavar": "SPEC"}})
+    cache: str | None = Field(None, description="put the caching gateway on --http-port/--grpc-port and Triton on "
+                              "internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, "
+                              "or no value (auto): local Redis if it answers, else an in-process LRU",
+                              json_schema_extra={"cli": {"const": "auto", "metavar": "URL"}})
+
+    @field_validator("cache")
+    @classmethod
+    def _cache(cls, v: str | None) -> str | None:
+        return v if v in (None, "auto") else check_cache_url(v)
+
+    def gateway(self, upstream_http: str, upstream_grpc: str) -> GatewayConfig:
+        """The gateway in front of a Triton listening on these internal addresses."""
+        shared = {k: getattr(self, k) for k in GatewayOptions.model_fields}
+        return GatewayConfig(**shared, upstreams=[upstream_http], upstreams_grpc=[upstream_grpc],
+                             cache=None if self.cache == "auto" else self.cache, http_port=self.http_port,
+                             grpc_port=self.grpc_port, repository=str(Path(self.repository).resolve()))
+
+
+class InferConfig(CommandConfig):
+    """`dstool infer`: text through MODEL_generate, or token ids through the tensor model, with tritonclient."""
+
+    prompt: str | None = positional("text to continue", default=None)
+    ids: str | None = Field(None, description="comma-separated token ids for the tensor model (instead of PROMPT)")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the model's, 32)")
+    kv_cache: bool = Field(True, description="decode with the key/value cache")
+    url: str | None = Field(None, description="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
+    protocol: Literal["http", "grpc"] = "http"
+    model: str = Field("dstool_lm", description="the model family's name in the repository")
+
+    @field_validator("ids")
+    @classmethod
+    def _ids(cls, v: str | None) -> str | None:
+        if v is not None and not re.fullmatch(r"\s*\d+\s*(,\s*\d+\s*)*,?\s*", v):
+            raise ValueError(f"--ids takes comma-separated token ids, got '{v}'")
+        return v
+
+    @model_validator(mode="after")
+    def _one_input(self) -> "InferConfig":
+        if (self.prompt is None) == (self.ids is None):
+            raise ValueError("give a PROMPT to generate from, or --ids for the tensor model (one of the two)")
+        return self
+
+    def token_ids(self) -> list[int]:
+        return [int(x) for x in (self.ids or "").split(",") if x.strip()]
+
+    @property
+    def address(self) -> str:
+        return self.url or ("127.0.0.1:8001" if self.protocol == "grpc" else "127.0.0.1:8000")
