@@ -27,7 +27,7 @@ ENV DS_BUILD_OPS=0 \
 WORKDIR /opt/dstool
 COPY --from=source /src/ ./
 # The image's own torch satisfies dstool's torch>=2.4: it is kept, not replaced by a PyPI build.
-RUN python -m pip install --no-cache-dir . \
+RUN python -m pip install --no-cache-dir "./[train]" \
     && python -c "import dstool, deepspeed, torch; print('dstool', dstool.__version__, 'torch', torch.__version__)"
 WORKDIR /workspace
 ENTRYPOINT ["dstool"]
@@ -41,12 +41,11 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONUNBUFFERED=1
 WORKDIR /opt/dstool
 COPY --from=source /src/ ./
-# Triton's python backend runs the tokenizer, detokenizer and generation models with this Python, so
-# dstool's dependencies (transformers, onnxruntime, numpy<2) go into the system interpreter. torch is
-# the CPU build: nothing in serving needs CUDA torch.
-RUN python3 -m pip install --no-cache-dir --index-url https://download.pytorch.org/whl/cpu torch==2.13.0 \
-    && python3 -m pip install --no-cache-dir . \
-    && python3 -c "import dstool, tritonclient.grpc, redis"
+# Only what serving needs (the `serve` extra: no torch, no DeepSpeed). Triton's python backend runs the
+# tokenizer, detokenizer and generation models with this Python, so onnxruntime, the tokenizer and numpy<2
+# go into the system interpreter.
+RUN python3 -m pip install --no-cache-dir "./[serve]" \
+    && python3 -c "import dstool.serve.server, dstool.serve.gateway, tritonclient.grpc, redis"
 COPY model_repository/ /models/
 # the gateway's KServe v2 HTTP (+ /metrics) and gRPC ports; Triton listens on internal ports only
 EXPOSE 8000 8001

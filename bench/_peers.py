@@ -16,8 +16,7 @@ from pathlib import Path
 import torch
 
 from dstool import models
-from dstool.config import TrainConfig
-from dstool.train import data
+from dstool.train import TrainConfig, data
 
 
 def _model_and_data(run_dir: Path):

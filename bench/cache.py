@@ -31,12 +31,12 @@ from pathlib import Path
 
 import numpy as np
 
+from dstool.proc import free_port
 from dstool.serve import triton
-from dstool.train.launch import free_port
 
 DSTOOL = [sys.executable, "-m", "dstool.cli"]
-GATEWAY = ("import json, sys; from dstool.serve.gateway import GatewayConfig, run_gateway; "
-           "sys.exit(run_gateway(GatewayConfig(**json.loads(sys.argv[1]))))")
+GATEWAY = ("import json, sys; from dstool import log; from dstool.serve.gateway import GatewayConfig, run_gateway; "
+           "log.setup(); sys.exit(run_gateway(GatewayConfig(**json.loads(sys.argv[1]))))")
 WRK_LUA = """local f = io.open(os.getenv("BODY"), "rb"); wrk.body = f:read("*a"); f:close()
 wrk.method = "POST"
 wrk.headers["Inference-Header-Content-Length"] = os.getenv("HLEN")
@@ -133,9 +133,9 @@ async def asyncio_load(url: str, protocol: str, model: str, ids: np.ndarray, con
 
 
 def http_body(ids: np.ndarray) -> tuple[bytes, int]:
-    header = json.dumps({"inputs": [
-        {"name": n, "shape": list(ids.shape), "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}}
-        for n in ("input_ids", "attention_mask")], "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]})
+    inputs = [{"name": n, "shape": list(ids.shape), "datatype": "INT64", "parameters": {"binary_data_size": ids.nbytes}}
+              for n in ("input_ids", "attention_mask")]
+    header = json.dumps({"inputs": inputs, "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]})
     return header.encode() + ids.tobytes() + np.ones_like(ids).tobytes(), len(header)
 
 
@@ -274,7 +274,8 @@ def report(r: dict) -> None:
         hit, own = r[f"gateway hit/{protocol}"]["p50_ms"], r[f"Triton cache hit/{protocol}"]["p50_ms"]
         miss = r[f"gateway miss/{protocol}"]["p50_ms"] - r[f"direct Triton/{protocol}"]["p50_ms"]
         print(f"\n{protocol}: gateway hit p50 {hit:.3f} ms vs Triton cache hit {own:.3f} ms "
-              f"({'met' if hit <= own else 'missed'}); miss overhead {miss:+.3f} ms ({'met' if miss <= 0.3 else 'missed'})")
+              f"({'met' if hit <= own else 'missed'}); miss overhead {miss:+.3f} ms "
+              f"({'met' if miss <= 0.3 else 'missed'})")
     best = max(r["wrk gateway hit"]["requests_per_s"], r["h2load gateway hit"]["requests_per_s"])
     print(f"hit throughput: wrk {r['wrk gateway hit']['requests_per_s']:,}/s, h2load "
           f"{r['h2load gateway hit']['requests_per_s']:,}/s (target 5,000: {'met' if best >= 5000 else 'missed'} "

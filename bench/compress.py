@@ -19,7 +19,6 @@ accurate as Optimum; 40 % pruning >= 1.6x faster, perplexity +<= 5 % after recov
 from __future__ import annotations
 
 import argparse
-import json
 import shutil
 import subprocess
 import sys
@@ -37,9 +36,10 @@ def sh(*args: str) -> None:
 def build_model(folder: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from dstool.corpus import read_documents
     from dstool.train import data
 
-    tok = data.train_tokenizer(data.read_documents(None), 4096)
+    tok = data.train_tokenizer(read_documents(None), 4096)
     cfg = LlamaConfig(vocab_size=len(tok), hidden_size=512, intermediate_size=1536, num_hidden_layers=12,
                       num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
                       tie_word_embeddings=False, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
@@ -48,7 +48,7 @@ def build_model(folder: Path) -> None:
     tok.save_pretrained(folder)
 
 
-def optimum_side_by_side(model_dir: Path, int8_report: dict, heldout, work: Path) -> dict:
+def optimum_side_by_side(model_dir: Path, int8, heldout, work: Path) -> dict:
     import torch
     from transformers import AutoModelForCausalLM
 
@@ -57,7 +57,7 @@ def optimum_side_by_side(model_dir: Path, int8_report: dict, heldout, work: Path
 
     fp32 = export_logits_model(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32), work / "fp32")
     choice = quantize.int8_choice_for_this_cpu()
-    choice.activation_matmuls = "activation x activation MatMuls int8" in int8_report["choices"]["int8 reasoning"]
+    choice.activation_matmuls = bool(int8.recipe.quantization.activation_matmuls)  # as compress chose
     ours = quantize.quantize_int8(fp32.path, work / "dstool_int8.onnx", choice)
     venv_py = HERE / ".optimum-venv" / "bin" / "python"
     paths = {"fp32": fp32.path, "dstool int8": ours}
@@ -115,7 +115,7 @@ def recovery_control(model_dir: Path, steps: int, heldout, work: Path) -> float:
     from dstool.train import train
 
     lr = CompressConfig.model_fields["recover_lr"].default
-    run = train(recovery_train_config(model_dir, work, steps, lr), echo=lambda *_: None)
+    run = train(recovery_train_config(model_dir, work, steps, lr))
     return measure.perplexity_torch(AutoModelForCausalLM.from_pretrained(run.model_dir, dtype=torch.float32).eval(),
                                     heldout)
 
@@ -129,7 +129,9 @@ def main() -> None:
     a = p.parse_args()
     work = Path(a.keep) if a.keep else Path(tempfile.mkdtemp(prefix="dstool-bench-compress-"))
     work.mkdir(parents=True, exist_ok=True)
-    reports: dict[str, dict] = {}
+    from dstool.artifacts import CompressedModel
+
+    reports: dict[str, CompressedModel] = {}
     try:
         if a.model:
             model_dir = Path(a.model)
@@ -142,29 +144,31 @@ def main() -> None:
         for i, (name, args) in enumerate(MODES.items()):
             recover = ["--recover-steps", str(a.recover_steps)] if "--prune" in args else []
             sh("compress", str(model_dir), *args, *recover, "--output", str(work / f"mode{i}"))
-            reports[name] = json.loads((work / f"mode{i}" / "report.json").read_text())
+            reports[name] = CompressedModel.read(work / f"mode{i}")
         from transformers import AutoTokenizer
 
         from dstool.compress import measure
 
-        _, heldout = measure.heldout_tokens(model_dir, AutoTokenizer.from_pretrained(model_dir), None)
+        _, heldout, _ = measure.heldout_tokens(model_dir, AutoTokenizer.from_pretrained(model_dir), None)
         control = recovery_control(model_dir, a.recover_steps, heldout, work / "control")
         side = optimum_side_by_side(model_dir, reports["int8"], heldout, work / "side")
     finally:
         if not a.keep:
             shutil.rmtree(work, ignore_errors=True)
 
-    print(f"\nmodel: {reports['int8']['before']['parameters']:,} parameters")
+    from dstool.compress.report import recipe_lines
+
+    print(f"\nmodel: {reports['int8'].figures.before.parameters:,} parameters")
     print("| mode | size | perplexity | batch 1 | batch 8 | choice |")
     print("|---|---:|---:|---:|---:|---|")
-    for name, r in reports.items():
-        chosen = r["choices"].get("pruning", r["choices"].get("int8 reasoning", "")).split(";")[0]
-        print(f"| dstool {name} | {r['compression_ratio']:.3f}x | {r['perplexity_change_pct']:+.2f} % | "
-              f"{r['speedup']['1']:.2f}x | {r['speedup']['8']:.2f}x | {chosen} |")
-    base_ppl = reports["int8"]["before"]["perplexity"]
-    print(f"\ncontrol, unpruned + the same {a.recover_steps} recovery steps: perplexity {base_ppl:.3f} -> {control:.3f} "
-          f"({100 * (control / base_ppl - 1):+.2f} %); pruned, against this control: " + ", ".join(
-              f"{name} {100 * (reports[name]['after']['perplexity'] / control - 1):+.2f} %" for name in PRUNED))
+    for name, m in reports.items():
+        f, chosen = m.figures, recipe_lines(m.recipe)[0].split(";")[0]
+        print(f"| dstool {name} | {f.compression_ratio:.3f}x | {f.perplexity_change_pct:+.2f} % | "
+              f"{f.speedup['1']:.2f}x | {f.speedup['8']:.2f}x | {chosen} |")
+    base_ppl = reports["int8"].figures.before.perplexity
+    print(f"\ncontrol, unpruned + the same {a.recover_steps} recovery steps: perplexity {base_ppl:.3f} -> "
+          f"{control:.3f} ({100 * (control / base_ppl - 1):+.2f} %); pruned, against this control: " + ", ".join(
+              f"{name} {100 * (reports[name].figures.after.perplexity / control - 1):+.2f} %" for name in PRUNED))
     base = side["fp32"]
     print("\nsame fp32 ONNX, quantized two ways (latencies interleaved in one process):")
     print("| | size | perplexity | batch 1 ms | batch 8 ms |")
@@ -172,13 +176,14 @@ def main() -> None:
     for name, r in side.items():
         print(f"| {name} | {r['bytes'] / base['bytes']:.3f}x | {r['perplexity']:.3f} | {r['latency_ms_batch1']:.2f} | "
               f"{r['latency_ms_batch8']:.2f} |")
-    i8 = reports["int8"]
-    checks = [("int8 size <= 0.27x", i8["compression_ratio"] <= 0.27),
-              ("int8 >= 2x faster at batch 8", i8["speedup"]["8"] >= 2),
-              ("int8 perplexity +<= 1 %", i8["perplexity_change_pct"] <= 1)]
+    i8 = reports["int8"].figures
+    checks = [("int8 size <= 0.27x", i8.compression_ratio <= 0.27),
+              ("int8 >= 2x faster at batch 8", i8.speedup["8"] >= 2),
+              ("int8 perplexity +<= 1 %", i8.perplexity_change_pct <= 1)]
     for name in PRUNED:
-        checks += [(f"{name}: >= 1.6x faster (batch 8)", reports[name]["speedup"]["8"] >= 1.6),
-                   (f"{name}: perplexity +<= 5 %", reports[name]["perplexity_change_pct"] <= 5)]
+        f = reports[name].figures
+        checks += [(f"{name}: >= 1.6x faster (batch 8)", f.speedup["8"] >= 1.6),
+                   (f"{name}: perplexity +<= 5 %", f.perplexity_change_pct <= 5)]
     if "Optimum ORTQuantizer int8" in side:
         opt, ours, again = side["Optimum ORTQuantizer int8"], side["dstool int8"], side["dstool int8, second session"]
         noise = abs(ours["latency_ms_batch8"] - again["latency_ms_batch8"])

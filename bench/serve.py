@@ -39,9 +39,10 @@ def build_tiny(folder: Path) -> None:
     from transformers import AutoModelForCausalLM
 
     from dstool import models
+    from dstool.corpus import read_documents
     from dstool.train import data
 
-    tok = data.train_tokenizer(data.read_documents(None), 2048)
+    tok = data.train_tokenizer(read_documents(None), 2048)
     special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
     AutoModelForCausalLM.from_config(models.preset_config("tiny", len(tok), special)).save_pretrained(folder)
     tok.save_pretrained(folder)
@@ -79,7 +80,8 @@ def tensor_load(url: str, model: str, concurrency: int, requests: int, seq_len: 
     asyncio.run(run())  # warm-up round (connections, first batches)
     latencies, wall = asyncio.run(run())
     ms = np.array(latencies) * 1e3
-    return {"throughput_rps": requests / wall, "p50_ms": float(np.percentile(ms, 50)), "p99_ms": float(np.percentile(ms, 99))}
+    return {"throughput_rps": requests / wall, "p50_ms": float(np.percentile(ms, 50)),
+            "p99_ms": float(np.percentile(ms, 99))}
 
 
 def generation_load(url: str, model: str, concurrency: int, requests: int, prompt: str, new_tokens: int) -> dict:
@@ -133,11 +135,12 @@ def wrk_load(url: str, model: str, concurrency: int, seq_len: int, seconds: int,
     p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
     scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"throughput_rps": rps, "p50_ms": float(p50.group(1)) * scale, "non_2xx": int(non2xx.group(1)) if non2xx else 0}
+    return {"throughput_rps": rps, "p50_ms": float(p50.group(1)) * scale,
+            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
 def generation(url: str, model: str, prompt: str, new_tokens: int, use_kv_cache: bool, rounds: int) -> dict:
-    from dstool.serve.api import generate_text
+    from dstool.serve.client import generate_text
 
     generate_text(url, "grpc", model, prompt, 4, use_kv_cache)  # warm-up
     times, tokens = [], 0
@@ -162,21 +165,22 @@ def main() -> None:
     parser.add_argument("--keep", action="store_true", help="keep the work folder")
     args = parser.parse_args()
 
+    from dstool.proc import free_port
     from dstool.serve import repository, triton
-    from dstool.serve.api import export
-    from dstool.train.launch import free_port
+    from dstool.serve.config import ExportConfig, RepositorySettings
+    from dstool.serve.export import export
 
     work = Path(tempfile.mkdtemp(prefix="dstool-bench-serve-"))
     try:
         print(f"[model] building the {args.size} model and exporting it (logits + key/value-cache decoder)", flush=True)
         (build_model if args.size == "40m" else build_tiny)(work / "model")
         repo = work / "repo"
-        placed = export(str(work / "model"), str(repo), repository.ModelSettings(name="lm", max_batch_size=16),
-                        echo=lambda *_: None)
-        repository.write_repository(repo, repository.ModelSettings(name="lm_unbatched", max_batch_size=16,
-                                                                   dynamic_batching=False),
-                                    repository.Artefacts(placed["logits"] / "model.onnx", placed["decoder"] / "model.onnx",
-                                                         work / "model", [-1], 1024))  # no end-of-sequence: full length
+        export(ExportConfig(model=str(work / "model"), repository=str(repo), name="lm", max_batch_size=16))
+        graphs = {role: repo / name / "1" / "model.onnx" for role, name in repository.model_names("lm").items()}
+        repository.write_repository(repo, RepositorySettings(name="lm_unbatched", max_batch_size=16,
+                                                             dynamic_batching=False),
+                                    repository.Artefacts(graphs["logits"], graphs["decoder"], work / "model", [-1],
+                                                         1024))  # no end-of-sequence: the full length
         ports = [free_port() for _ in range(3)]
         server = triton.start(repo, triton.find_tritonserver(), *ports, work / "triton.log", timeout=300)
         try:
@@ -185,8 +189,9 @@ def main() -> None:
                 for concurrency in (1, 4, 16):
                     r = tensor_load(server.grpc_url, model, concurrency, args.requests, args.seq_len)
                     rows.append({"client": "grpc.aio", "dynamic_batching": batching, "concurrency": concurrency, **r})
-                    print(f"[tensor] grpc.aio  batching {batching:3} c={concurrency:2}: {r['throughput_rps']:7.1f} req/s, "
-                          f"p50 {r['p50_ms']:7.2f} ms, p99 {r['p99_ms']:7.2f} ms", flush=True)
+                    print(f"[tensor] grpc.aio  batching {batching:3} c={concurrency:2}: "
+                          f"{r['throughput_rps']:7.1f} req/s, p50 {r['p50_ms']:7.2f} ms, p99 {r['p99_ms']:7.2f} ms",
+                          flush=True)
                 w = wrk_load(server.http_url, model, 16, args.seq_len, args.wrk_seconds, work)
                 if w:
                     rows.append({"client": "wrk (HTTP)", "dynamic_batching": batching, "concurrency": 16, **w})
@@ -199,8 +204,8 @@ def main() -> None:
                                         prompt, args.batch_tokens)
                     rows.append({"client": "generate", "dynamic_batching": batching, "concurrency": concurrency, **r})
                     print(f"[generate] {args.batch_tokens} tokens, batching {batching:3} c={concurrency:2}: "
-                          f"{r['throughput_rps']:6.2f} req/s = {r['tokens_per_s']:7.1f} tokens/s, p50 {r['p50_ms']:7.0f} ms, "
-                          f"p99 {r['p99_ms']:7.0f} ms", flush=True)
+                          f"{r['throughput_rps']:6.2f} req/s = {r['tokens_per_s']:7.1f} tokens/s, "
+                          f"p50 {r['p50_ms']:7.0f} ms, p99 {r['p99_ms']:7.0f} ms", flush=True)
             gen = {kv: generation(server.grpc_url, "lm", prompt, args.new_tokens, kv, rounds=3) for kv in (True, False)}
             for kv, g in gen.items():
                 print(f"[generate] key/value cache {'on ' if kv else 'off'}: {g['tokens']} tokens in "
@@ -212,8 +217,8 @@ def main() -> None:
             return next(r["throughput_rps"] for r in rows if r["client"] == client and r["dynamic_batching"] == batching
                         and r["concurrency"] == c)
         print("\nsummary (target >= 3x each):")
-        print(f"  dynamic batching at concurrency 16 (grpc.aio): {rps('grpc.aio', 'on', 16) / rps('grpc.aio', 'off', 16):.2f}x "
-              "throughput")
+        ratio = rps('grpc.aio', 'on', 16) / rps('grpc.aio', 'off', 16)
+        print(f"  dynamic batching at concurrency 16 (grpc.aio): {ratio:.2f}x throughput")
         if any(r["client"].startswith("wrk") for r in rows):
             print(f"  dynamic batching at concurrency 16 (wrk HTTP): "
                   f"{rps('wrk (HTTP)', 'on', 16) / rps('wrk (HTTP)', 'off', 16):.2f}x throughput")

@@ -22,7 +22,7 @@ from pathlib import Path
 
 import psutil
 
-from dstool.manifest import ManifestError, verify_manifest
+from dstool.artifacts import Checkpoint, ManifestError
 from dstool.train import checkpoint
 
 
@@ -57,7 +57,7 @@ def _corrupt_tags(out: Path) -> list[str]:
     bad = []
     for tag in checkpoint.complete_tags(root):
         try:
-            verify_manifest(root / tag, checkpoint.KIND)
+            Checkpoint.read(root / tag, verify=True)
         except ManifestError as e:
             bad.append(f"{tag}: {e}")
     latest = root / "latest"

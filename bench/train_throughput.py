@@ -18,7 +18,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from dstool.train.launch import free_port
+from dstool.proc import free_port
 
 HERE = Path(__file__).resolve().parent
 
@@ -36,7 +36,7 @@ def run_dstool(a, out: Path) -> list[float]:
            "--save-every", str(a.steps), "--log-every", "1", "--seq-len", str(a.seq_len),
            "--micro-batch-size", str(a.micro_batch_size), "--no-tensorboard", "--resume", "none"]
     subprocess.run(cmd, check=True, env=_env(a.nproc), stdout=subprocess.DEVNULL)
-    rows = [json.loads(l) for l in (out / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return [r["step_time_s"] for r in rows if "step_time_s" in r]
 
 

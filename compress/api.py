@@ -16,6 +16,7 @@ compress.log) for inspection, and the next run replaces it.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import shutil
@@ -28,8 +29,21 @@ import torch
 
 from dstool import artifacts, models
 from dstool import log as dlog
-from dstool.artifacts import (CompressedModel, Figures, Graph, Int8Trial, LayerRemoval, Measured, PruneCandidate,
-                              Pruning, Quantization, Recipe, Recovery, Sparsity, TorchaoFigures)
+from dstool.artifacts import (
+    CompressedModel,
+    Figures,
+    Graph,
+    Int8Trial,
+    LayerRemoval,
+    Measured,
+    PruneCandidate,
+    Pruning,
+    Quantization,
+    Recipe,
+    Recovery,
+    Sparsity,
+    TorchaoFigures,
+)
 from dstool.compress import measure, quantize, report
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
@@ -121,8 +135,8 @@ class _Compression:
     def baseline(self) -> None:
         self.base = export_logits_model(self.model, self.work / "baseline")
         self.before = _measure(self.base.path, self.model, self.heldout)
-        log.info(f"perplexity {self.before.perplexity:.3f} ({self.heldout_label}), "
-                 f"{self.before.onnx_bytes / 1e6:.2f} MB")
+        log.info(f"perplexity {self.before['perplexity']:.3f} ({self.heldout_label}), "
+                 f"{self.before['onnx_bytes'] / 1e6:.2f} MB")
 
     def prune(self) -> None:
         from dstool.compress import prune
@@ -151,21 +165,22 @@ class _Compression:
             total_fraction_removed=1 - result.params_after / result.params_before,
             removed=[LayerRemoval(**r) for r in result.removed],
             candidates=[PruneCandidate(**c) for c in result.candidates])
-        log.info(f"{p.decoder_fraction_removed:.1%} of decoder-layer parameters removed ({p.total_fraction_removed:.1%} "
-                 f"of all): per layer key/value groups {p.kv_heads[0]} -> {p.kv_heads[1]}, query heads "
-                 f"{p.query_heads[0]} -> {p.query_heads[1]}, MLP channels {p.mlp_channels[0]} -> {p.mlp_channels[1]} "
-                 f"({rule} layout)")
+        log.info(f"{p.decoder_fraction_removed:.1%} of decoder-layer parameters removed "
+                 f"({p.total_fraction_removed:.1%} of all): per layer key/value groups {p.kv_heads[0]} -> "
+                 f"{p.kv_heads[1]}, query heads {p.query_heads[0]} -> {p.query_heads[1]}, MLP channels "
+                 f"{p.mlp_channels[0]} -> {p.mlp_channels[1]} ({rule} layout)")
 
     def sparsify(self) -> None:
         from dstool.compress import prune
 
-        n, m = map(int, self.cfg.sparsity.split(":"))
+        pattern = self.cfg.sparsity or "2:4"  # this step runs only with --sparsity
+        n, m = map(int, pattern.split(":"))
         self.masks = prune.apply_n_m_sparsity(self.model, n, m)
         try:
             prune.check_n_m(self.model, self.masks, n, m)
         except ValueError as e:
             raise StageFailed(f"N:M masks: {e}") from None
-        self.recipe.sparsity = Sparsity(pattern=self.cfg.sparsity, n=n, m=m, weights=len(self.masks),
+        self.recipe.sparsity = Sparsity(pattern=pattern, n=n, m=m, weights=len(self.masks),
                                         sparse_kernels=_semi_structured_available())
         log.info(f"{self.cfg.sparsity} masks on {len(self.masks)} decoder Linear weights (verified); sparse kernels: "
                  + ("used" if self.recipe.sparsity.sparse_kernels else "not used (no GPU semi-structured kernels "
@@ -196,9 +211,10 @@ class _Compression:
 
         cfg, folder = self.cfg, self.stage / "model"
         run = self.work / "recover"
-        result = train(recovery_train_config(folder, run, cfg.recover_steps, cfg.recover_lr, cfg.calibration,
-                                             keep_zero_weights=self.masks is not None,
-                                             distill_from=self.src if cfg.distill else None))
+        with dlog.details_to_file():  # the training engine's own lines: in the log
+            result = train(recovery_train_config(folder, run, cfg.recover_steps, cfg.recover_lr, cfg.calibration,
+                                                 keep_zero_weights=self.masks is not None,
+                                                 distill_from=self.src if cfg.distill else None))
         kl = [r["distill_kl"] for r in read_metrics(run) if "distill_kl" in r] if cfg.distill else []
         recovered = AutoModelForCausalLM.from_pretrained(result.model_dir, dtype=torch.float32).eval()
         # Calibration tokens come from the training split, never from the held-out split the report measures.
@@ -219,8 +235,13 @@ class _Compression:
         self.model = recovered
 
     def export(self) -> None:
-        self.fp32 = {"logits": export_logits_model(self.model, self.stage / "onnx" / "logits"),
-                     "decoder": export_decoder_model(self.model, self.stage / "onnx" / "decoder")}
+        r = self.recipe
+        if r.pruning or r.sparsity or (r.recovery and r.recovery.kept):
+            logits = export_logits_model(self.model, self.stage / "onnx" / "logits")
+        else:  # the weights are the input's: its baseline graph is this one (parity-checked when it was made)
+            shutil.copytree(self.base.path.parent, self.stage / "onnx" / "logits")
+            logits = dataclasses.replace(self.base, path=self.stage / "onnx" / "logits" / self.base.path.name)
+        self.fp32 = {"logits": logits, "decoder": export_decoder_model(self.model, self.stage / "onnx" / "decoder")}
         self.deploy = {role: e.path for role, e in self.fp32.items()}
         log.info("max |logit diff| to PyTorch: " + ", ".join(f"{role} {e.max_abs_diff:.2e}"
                                                             for role, e in self.fp32.items()))
@@ -268,14 +289,12 @@ class _Compression:
         self.deploy = {"logits": q_logits, "decoder": q_decoder}
 
     def measure(self) -> Figures:
-        cfg = self.cfg
-        self.after = _measure(self.deploy["logits"], self.model, self.heldout)
+        figures = {"before": self.before, "after": _measure(self.deploy["logits"], self.model, self.heldout)}
         for batch in (1, 8):
             ms = measure.latency_ms([self.base.path, self.deploy["logits"]], self.model.config.vocab_size, batch,
-                                    repeats=cfg.latency_repeats)
-            setattr(self.before, f"latency_ms_batch{batch}", ms[0])
-            setattr(self.after, f"latency_ms_batch{batch}", ms[1])
-        b, a = self.before, self.after
+                                    repeats=self.cfg.latency_repeats)
+            figures["before"][f"latency_ms_batch{batch}"], figures["after"][f"latency_ms_batch{batch}"] = ms
+        b, a = (Measured(**figures[k]) for k in ("before", "after"))
         self.figures = Figures(
             before=b, after=a, compression_ratio=a.onnx_bytes / b.onnx_bytes,
             perplexity_change_pct=100 * (a.perplexity / b.perplexity - 1),
@@ -328,9 +347,10 @@ def _graph(stage: Path, path: Path, parity: float) -> Graph:
                  outputs=[o.name for o in proto.output], fp32_parity=parity)
 
 
-def _measure(onnx_path: Path, model, heldout: np.ndarray) -> Measured:
-    return Measured(parameters=sum(p.numel() for p in model.parameters()), onnx_bytes=measure.onnx_bytes(onnx_path),
-                    perplexity=measure.perplexity_onnx(onnx_path, heldout))
+def _measure(onnx_path: Path, model, heldout: np.ndarray) -> dict:
+    """What `Measured` holds but the latencies (timed later, the two models interleaved)."""
+    return {"parameters": sum(p.numel() for p in model.parameters()), "onnx_bytes": measure.onnx_bytes(onnx_path),
+            "perplexity": measure.perplexity_onnx(onnx_path, heldout)}
 
 
 class _OnnxLayoutTimer:
@@ -338,7 +358,8 @@ class _OnnxLayoutTimer:
     interleaved at batch 8 x 128 on ONNX Runtime, the report's latency figure."""
 
     def __init__(self, work: Path, repeats: int):
-        self.work, self.repeats, self.paths, self.vocab = work / "layouts", repeats, [], 0
+        self.work, self.repeats, self.vocab = work / "layouts", repeats, 0
+        self.paths: list[Path] = []
 
     def add(self, trial) -> None:
         self.vocab = trial.config.vocab_size

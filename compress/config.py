@@ -29,14 +29,17 @@ class CompressConfig(CommandConfig):
     recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
     recover_lr: float = Field(1e-3, gt=0, description="recovery peak learning rate (warm-up, cosine decay)")
     distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
-    calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and recovery")
-    max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less than this %")
+    calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and "
+                                    "recovery")
+    max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less "
+                                    "than this %")
     allow_slower: bool = Field(False, description="accept a quantized model that measures slower than fp32")
     latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure")
-    engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or torchao's PyTorch int8")
+    engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or "
+                                                      "torchao's PyTorch int8")
 
     @model_validator(mode="after")
-    def _check(self) -> "CompressConfig":
+    def _check(self) -> CompressConfig:
         if self.bits not in (None, 8, 4):
             raise ValueError(f"bits must be 8 or 4, not {self.bits}")
         for name in ("prune", "prune_heads", "prune_mlp"):

@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstool.errors import UsageError
 from dstool import corpus
 from dstool.artifacts import HFModel, ManifestError, kind_of
+from dstool.errors import UsageError
 from dstool.onnx_export import ort_session, run_logits
 
 
@@ -38,7 +38,8 @@ def heldout_tokens(model_dir: Path, tokenizer, calibration: str | None) -> tuple
         ids.append(tokenizer.eos_token_id)
     arr = np.asarray(ids, dtype=np.int64)
     n_val = max(len(arr) // 20, 1)
-    return arr[:-n_val][:200_000], arr[-n_val:], f"the last 5 % of {calibration or 'the embedded corpus'} ({n_val:,} tokens)"
+    where = f"the last 5 % of {calibration or 'the embedded corpus'} ({n_val:,} tokens)"
+    return arr[:-n_val][:200_000], arr[-n_val:], where
 
 
 def windows(tokens: np.ndarray, seq_len: int, limit: int) -> np.ndarray:

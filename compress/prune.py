@@ -17,7 +17,7 @@ from __future__ import annotations
 import copy
 import math
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -114,7 +114,7 @@ def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
     target = ratio * sum(p.numel() for p in layers[0].parameters())
     scores = importance_scores(model, calibration)
     probe = selection if selection is not None else calibration
-    candidates = []
+    candidates: list[dict[str, Any]] = []
     for kv_groups in range(kv_heads, 0, -1):
         for heads_per_group in range(group, 0, -1):
             if config.hidden_size % (kv_groups * heads_per_group):
@@ -165,7 +165,8 @@ def _apply_layout(model, layout: Layout, scores) -> PruneResult:
     group, head_dim = heads // kv_heads, layers[0].self_attn.head_dim
     if config.hidden_size % (layout.kv_groups * layout.heads_per_group):
         raise ValueError(f"{layout.kv_groups} key/value groups x {layout.heads_per_group} query heads would leave "
-                         f"{layout.kv_groups * layout.heads_per_group} attention heads, which do not divide hidden size "
+                         f"{layout.kv_groups * layout.heads_per_group} attention heads, which do not divide hidden "
+                         "size "
                          f"{config.hidden_size} (transformers rejects such a config): choose other ratios")
     params_before = sum(p.numel() for p in model.parameters())
     decoder_before = sum(p.numel() for p in layers.parameters())

@@ -35,7 +35,7 @@ class Int8Choice:
     excluded_nodes: list[str] = field(default_factory=list)
     fp32_layers: list[str] = field(default_factory=list)  # what excluded_nodes are: lm_head, layer N
 
-    def with_excluded(self, nodes: list[str]) -> "Int8Choice":
+    def with_excluded(self, nodes: list[str]) -> Int8Choice:
         """The same recipe for another graph of the same model, whose nodes holding those weights are `nodes`."""
         return dataclasses.replace(self, excluded_nodes=list(nodes))
 
@@ -136,7 +136,9 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
         trials.append({"fp32_layers": [label], "activation_matmuls": choice.activation_matmuls, "perplexity": ppl})
         gains.append((ppl, label, group))
         dlog.log.info(f"int8 sensitivity: keeping {label} in fp32 -> perplexity {ppl:.3f} (all int8: {ppl_all:.3f})")
-    excluded, labels, best = [], [], ppl_all
+    excluded: list[str] = []
+    labels: list[str] = []
+    best = ppl_all
     for ppl, label, group in sorted(gains):
         if best <= base_ppl * (1 + budget) or len(excluded) + len(group) > len(nodes) // 4 or ppl >= ppl_all:
             break

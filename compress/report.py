@@ -61,7 +61,8 @@ def recipe_lines(r: Recipe) -> list[str]:
             lines.append(f"4-bit: weight-only, MatMul -> MatMulNBits and embedding Gather -> GatherBlockQuantized, "
                          f"block {q.block_size}, symmetric, fp32 compute")
         else:
-            lines.append(f"torchao int8: Int8DynamicActivationInt8WeightConfig via TorchAoConfig in {q.torchao_folder}/ "
+            lines.append("torchao int8: Int8DynamicActivationInt8WeightConfig via TorchAoConfig in "
+                         f"{q.torchao_folder}/ "
                          "(AutoModelForCausalLM.from_pretrained reloads it quantized; needs torchao); embeddings and "
                          "lm_head fp32")
     return lines

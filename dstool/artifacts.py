@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, TypeVar, Union
+from typing import Annotated, ClassVar, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
 
@@ -55,7 +55,7 @@ class Manifest(_Model):
     files: dict[str, FileEntry] = Field(default_factory=dict, description="path -> sha256 and size of every file "
                                         "(empty where the folder keeps changing, as a run folder does)")
 
-    def write(self, folder: Path, hash_files: bool = True) -> "Manifest":
+    def write(self, folder: Path, hash_files: bool = True) -> Manifest:
         """Hash the folder's files (not logs, not the manifest) into `files`, then write `folder/dstool.json`."""
         folder = Path(folder)
         if hash_files:
@@ -76,7 +76,8 @@ class Manifest(_Model):
         if "schema_version" not in raw and cls.LEGACY_OK:
             raw["schema_version"] = SCHEMA_VERSION
         if raw.get("schema_version") != SCHEMA_VERSION:
-            raise ManifestError(f"{folder} was written by dstool {raw.get('dstool_version', '(unknown)')} with manifest "
+            raise ManifestError(f"{folder} was written by dstool {raw.get('dstool_version', '(unknown)')} with "
+                                f"manifest "
                                 f"schema {raw.get('schema_version', 0)}; this dstool reads schema {SCHEMA_VERSION}: "
                                 f"re-run `{cls.PRODUCER}` to redo it")
         try:
@@ -298,8 +299,8 @@ class Measured(_Model):
     parameters: int
     onnx_bytes: int
     perplexity: float
-    latency_ms_batch1: float | None = None
-    latency_ms_batch8: float | None = None
+    latency_ms_batch1: float = Field(description="ONNX Runtime CPU, batch 1 x latency_seq_len tokens, median (ms)")
+    latency_ms_batch8: float
 
 
 class Figures(_Model):
@@ -367,7 +368,7 @@ class Repository(Manifest):
     deployments: list[Deployment] = Field(default_factory=list, description="newest last")
 
 
-AnyManifest = Annotated[Union[TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository],
+AnyManifest = Annotated[TrainRun | HFModel | Checkpoint | UniversalCheckpoint | CompressedModel | Repository,
                         Field(discriminator="kind")]
 KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository)
 

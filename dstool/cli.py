@@ -6,9 +6,10 @@ from __future__ import annotations
 import argparse
 import logging
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 from pydantic import BaseModel
 
@@ -71,7 +72,8 @@ def _compress(cfg) -> int:
     m = compress(cfg)
     f = m.figures
     dlog.log.info(f"dstool compress: {Path(cfg.output) / m.graphs['logits'].path}: size {f.compression_ratio:.3f}x, "
-                  f"perplexity {f.before.perplexity:.3f} -> {f.after.perplexity:.3f} ({f.perplexity_change_pct:+.2f} %), "
+                  f"perplexity {f.before.perplexity:.3f} -> {f.after.perplexity:.3f} "
+                  f"({f.perplexity_change_pct:+.2f} %), "
                   f"speed-up {f.speedup['1']:.2f}x (batch 1), {f.speedup['8']:.2f}x (batch 8); report: "
                   f"{Path(cfg.output) / m.report}")
     return 0
@@ -150,8 +152,8 @@ def _pipeline_config():
 
 COMMANDS: dict[str, Command] = {
     "train": Command(_train_config, _train, "DeepSpeed training (ZeRO 0-3, offload, bf16/fp16, one process to many "
-                     "nodes)", "Train a Hugging Face causal LM with DeepSpeed. Flags override --config; the options that "
-                     "differ from the defaults are printed, the whole config is saved under --output."),
+                     "nodes)", "Train a Hugging Face causal LM with DeepSpeed. Flags override --config; the options "
+                     "that differ from the defaults are printed, the whole config is saved under --output."),
     "doctor": Command(_doctor_config, _doctor, "preflight checks before a launch: versions, ssh, port, interfaces, "
                       "GPUs, output folder, all-reduce", "One line per check with pass/FAIL and the fix. Exit code 0 "
                       "when all pass, 1 when one fails, 2 for bad usage."),
@@ -185,9 +187,10 @@ COMMANDS: dict[str, Command] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(prog="dstool", description="DeepSpeed training -> compression -> Triton serving with a Redis cache.")
+    parser = _Parser(prog="dstool",
+                     description="DeepSpeed training -> compression -> Triton serving with a Redis cache.")
     parser.add_argument("--version", action="version", version=f"dstool {__version__}")
-    common = argparse.ArgumentParser(add_help=False)
+    common = _Parser(add_help=False)
     common.add_argument("-v", "--verbose", action="store_true", help="also show other libraries' logs, warnings and "
                         "progress bars, and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)

@@ -24,7 +24,8 @@ def read_documents(data: str | None) -> list[str]:
         return [d for d in text.split("\n\n") if d.strip()]
     path = Path(data)
     if not path.exists():
-        raise UsageError(f"data path {data} does not exist: pass a text file, a folder of .txt/.jsonl files, or omit --data")
+        raise UsageError(f"data path {data} does not exist: pass a text file, a folder of .txt/.jsonl files, or omit "
+                         "--data")
     files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.suffix in (".txt", ".jsonl"))
     if not files:
         raise UsageError(f"data folder {data} holds no .txt or .jsonl files")

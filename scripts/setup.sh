@@ -10,7 +10,7 @@ python=${PYTHON:-python3}
 .venv/bin/python -c "import torch" 2>/dev/null || .venv/bin/pip install -q --disable-pip-version-check "torch==${DSTOOL_TORCH:-2.13.0}"
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==$torch_version" > .venv/constraints.txt
-DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[dev]" -c .venv/constraints.txt
+DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[all,dev]" -c .venv/constraints.txt
 # The cache gateway's tests start their own redis-server (Debian's package) on a free port.
 if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
   { apt-get install -y -qq redis-server || { apt-get update -qq && apt-get install -y -qq redis-server; }; } >/dev/null \

@@ -46,7 +46,7 @@ class RepositorySettings(CommandConfig):
         return v
 
     @model_validator(mode="after")
-    def _batching(self) -> "RepositorySettings":
+    def _batching(self) -> RepositorySettings:
         if self.max_batch_size == 0 and self.dynamic_batching:
             raise ValueError("--max-batch-size 0 disables batching, so dynamic batching cannot be on: give a max "
                              "batch size >= 1 or --no-dynamic-batching")
@@ -75,7 +75,7 @@ def check_cache_url(url: str) -> str:
             raise ValueError(f"'{url}' names no socket path")
         return url
     try:
-        parts.port
+        _ = parts.port  # urllib checks the port when it is read
     except ValueError:
         raise ValueError(f"'{url}': the port is not a number from 0 to 65535") from None
     if not parts.hostname:
@@ -112,7 +112,7 @@ class GatewayOptions(CommandConfig):
                                           "Triton serves")
 
     @model_validator(mode="after")
-    def _token(self) -> "GatewayOptions":
+    def _token(self) -> GatewayOptions:
         if self.token is None and self.token_file:
             try:
                 token = Path(self.token_file).read_text().strip()
@@ -153,7 +153,7 @@ class GatewayConfig(GatewayOptions):
         return None if v is None else check_cache_url(v)
 
     @model_validator(mode="after")
-    def _pairs(self) -> "GatewayConfig":
+    def _pairs(self) -> GatewayConfig:
         if not self.upstreams:
             raise ValueError("give at least one --upstream HOST:PORT (a Triton HTTP endpoint)")
         if self.upstreams_grpc and len(self.upstreams_grpc) != len(self.upstreams):
@@ -217,7 +217,7 @@ class InferConfig(CommandConfig):
         return v
 
     @model_validator(mode="after")
-    def _one_input(self) -> "InferConfig":
+    def _one_input(self) -> InferConfig:
         if (self.prompt is None) == (self.ids is None):
             raise ValueError("give a PROMPT to generate from, or --ids for the tensor model (one of the two)")
         return self

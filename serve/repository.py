@@ -43,7 +43,8 @@ def _common(name: str, s: RepositorySettings, max_batch_size: int, dynamic_batch
     else:
         cfg.backend = "python"
     gpu = s.device == "gpu" and onnx_platform
-    cfg.instance_group.add(count=s.instances, kind=mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU)
+    kind = mc.ModelInstanceGroup.KIND_GPU if gpu else mc.ModelInstanceGroup.KIND_CPU
+    cfg.instance_group.add(count=s.instances, kind=kind)
     cfg.version_policy.latest.num_versions = 1
     if dynamic_batching:
         cfg.dynamic_batching.preferred_batch_size.extend(sorted({max(1, max_batch_size // 2), max_batch_size}))
@@ -95,7 +96,8 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
     "tokenizer": ("tokenizer.py", [("text_input", mc.TYPE_STRING, [1], False)], [("input_ids", mc.TYPE_INT64, [-1])]),
     "detokenizer": ("detokenizer.py", [("output_ids", mc.TYPE_INT64, [-1], False)],
                     [("text_output", mc.TYPE_STRING, [1])]),
-    "generate": ("generate.py", [("text_input", mc.TYPE_STRING, [1], False), ("max_new_tokens", mc.TYPE_INT32, [1], True),
+    "generate": ("generate.py", [("text_input", mc.TYPE_STRING, [1], False),
+                                 ("max_new_tokens", mc.TYPE_INT32, [1], True),
                                  ("use_kv_cache", mc.TYPE_BOOL, [1], True)],
                  [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
 }
@@ -202,7 +204,8 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
         empty_cache = {v.name: [d.dim_value for d in v.type.tensor_type.shape.dim][1::2]
                        for v in inputs if v.name.startswith("past_key_values.")}
         if any(0 in dims for dims in empty_cache.values()):
-            raise StageFailed(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got {empty_cache}")
+            raise StageFailed(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got "
+                              f"{empty_cache}")
         parameters = {"generate": {"models": json.dumps(names), "empty_cache": json.dumps(empty_cache),
                                    "eos_token_ids": json.dumps(a.eos_token_ids), "max_positions": str(a.max_positions),
                                    "default_max_new_tokens": str(a.default_max_new_tokens)}}
@@ -211,9 +214,9 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
             if role != "generate":
-                for f in TOKENIZER_FILES:
-                    if (a.tokenizer_dir / f).is_file():
-                        shutil.copy2(a.tokenizer_dir / f, folder / f)
+                for name in TOKENIZER_FILES:
+                    if (a.tokenizer_dir / name).is_file():
+                        shutil.copy2(a.tokenizer_dir / name, folder / name)
             _write(text_model_config(role, names[role], s, parameters.get(role, {})),
                    staging / names[role] / "config.pbtxt")
         placed = {}

@@ -60,7 +60,8 @@ def _prepare_from_wheel(root: Path, work: Path) -> TritonBinary:
     libs = root.parent.parent / "nvidia_pytriton.libs"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
-           "LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(libs), libdir, os.environ.get("LD_LIBRARY_PATH", "")) if p)}
+           "LD_LIBRARY_PATH": os.pathsep.join(p for p in (str(libs), libdir, os.environ.get("LD_LIBRARY_PATH", ""))
+                                              if p)}
     return TritonBinary(work / "bin" / "tritonserver", work / "backends", work / "caches", env)
 
 

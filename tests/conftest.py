@@ -20,7 +20,8 @@ DSTOOL = [sys.executable, "-m", "dstool.cli"]
 FAST = ["--seq-len", "64", "--micro-batch-size", "4", "--log-every", "1", "--no-tensorboard"]
 
 
-def dstool(*args: str, timeout: float = 600, check: bool = True, cwd: Path | None = None) -> subprocess.CompletedProcess:
+def dstool(*args: str, timeout: float = 600, check: bool = True,
+           cwd: Path | None = None) -> subprocess.CompletedProcess:
     """The real `dstool` CLI in its own process, as a user runs it."""
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     proc = subprocess.run([*DSTOOL, *args], capture_output=True, text=True, timeout=timeout, env=env, cwd=cwd)
@@ -68,7 +69,7 @@ def one_line_usage_error(result: Result, needle: str) -> None:
 
 def losses(output: Path) -> dict[int, float]:
     """Per-step training loss from metrics.jsonl (a resumed run's later rows win)."""
-    rows = [json.loads(l) for l in (Path(output) / "metrics.jsonl").read_text().splitlines() if l.strip()]
+    rows = [json.loads(line) for line in (Path(output) / "metrics.jsonl").read_text().splitlines() if line.strip()]
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 

@@ -12,11 +12,12 @@ import onnx
 import pytest
 import torch
 
-from conftest import cli, dstool, one_line_usage_error
 from dstool.artifacts import CompressedModel
 from dstool.compress import CompressConfig
 from dstool.compress.api import speed_gate
 from dstool.compress.prune import check_n_m
+
+from conftest import cli, dstool, one_line_usage_error
 
 
 def _ops(path: Path) -> set[str]:
@@ -81,12 +82,14 @@ def _decoder_params(model) -> int:
     return sum(p.numel() for p in model.model.layers.parameters())
 
 
-def test_structured_pruning_with_distilled_recovery(trained, tmp_path):
+def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
+    """The structural steps in one recipe: 40 % pruned, 2:4 masks on what is left, recovery (distilled from the
+    original's logits) that keeps the masks."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "pruned"
-    dstool("compress", str(trained), "--prune", "0.4", "--recover-steps", "8", "--distill", "--latency-repeats", "3",
-           "--output", str(out))
+    dstool("compress", str(trained), "--prune", "0.4", "--sparsity", "2:4", "--recover-steps", "8", "--distill",
+           "--latency-repeats", "3", "--output", str(out))
     original = AutoModelForCausalLM.from_pretrained(trained)
     m = _manifest(out)
     pruned = AutoModelForCausalLM.from_pretrained(out / m.model)
@@ -105,6 +108,10 @@ def test_structured_pruning_with_distilled_recovery(trained, tmp_path):
     assert (chosen.kv_groups, chosen.kv_groups * chosen.heads_per_group, chosen.channels) == (
         cfg.num_key_value_heads, cfg.num_attention_heads, cfg.intermediate_size)
     assert all(c.latency_ms is None for c in p.candidates)
+    masks = {n: w != 0 for n, w in pruned.named_parameters() if ".layers." in n and w.dim() == 2}
+    check_n_m(pruned, masks, 2, 4)  # every group of 4 still has 2 zeros after fine-tuning
+    assert sum(int((~mask).sum()) for mask in masks.values()) == sum(mask.numel() for mask in masks.values()) // 2
+    assert m.recipe.sparsity.weights == len(masks) and not m.recipe.sparsity.sparse_kernels
     r = m.recipe.recovery
     assert r.distill and r.distill_kl[0] > 0 and r.kept
     assert r.calibration_ppl_after < r.calibration_ppl_before
@@ -144,21 +151,6 @@ def test_explicit_ratios_then_int8_in_one_recipe(trained, tmp_path):
     past = [i for i in decoder.input if i.name.startswith("past_key_values.")]
     assert past and all(i.type.tensor_type.shape.dim[1].dim_value == 2 for i in past)  # the pruned model's cache
     assert "MatMulInteger" in _ops(out / m.graphs["decoder"].path)
-
-
-def test_2_4_sparsity_kept_through_recovery(trained, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "sparse"
-    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "5", "--latency-repeats", "3",
-           "--output", str(out))
-    m = _manifest(out)
-    model = AutoModelForCausalLM.from_pretrained(out / m.model)
-    masks = {n: p != 0 for n, p in model.named_parameters() if ".layers." in n and p.dim() == 2}
-    check_n_m(model, masks, 2, 4)  # every group of 4 still has 2 zeros after fine-tuning
-    zeros = sum(int((~mask).sum()) for mask in masks.values())
-    assert zeros == sum(mask.numel() for mask in masks.values()) // 2
-    assert m.recipe.sparsity.weights == len(masks) and not m.recipe.sparsity.sparse_kernels
 
 
 def test_recovery_that_raises_calibration_perplexity_is_discarded(trained, tmp_path):

@@ -2,11 +2,12 @@ from __future__ import annotations
 
 import pytest
 
-from conftest import cli
 from dstool.cli import COMMANDS, build_parser
 from dstool.config import cli_extra, load_config, overrides
 from dstool.errors import UsageError
 from dstool.train import TrainConfig, deepspeed_config
+
+from conftest import cli
 
 
 def test_yaml_then_flags_override(tmp_path):

@@ -18,9 +18,10 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from conftest import DSTOOL, dstool
-from dstool.serve import triton
 from dstool.proc import free_port
+from dstool.serve import triton
+
+from conftest import DSTOOL, dstool
 
 MODEL = "dstool_lm"
 REDIS_SERVER = shutil.which("redis-server")
@@ -304,7 +305,7 @@ def test_grpc_stream_infer_is_relayed(server, gateway):
     try:
         for i in range(3):
             c.async_stream_infer(MODEL, make_inputs(grpc, ids), request_id=str(i))
-        for i in range(3):
+        for _ in range(3):
             result, error = answers.get(timeout=60)
             assert error is None and np.array_equal(result.as_numpy("logits"), expected)
     finally:
@@ -370,7 +371,7 @@ def holds(value: bytes | None, expected: np.ndarray) -> bool:
 
 
 def test_entries_expire_after_the_ttl(server, redis_server, session_tmp):
-    gw = api_gateway(server, session_tmp / "gateway-ttl.log", cache=redis_server.url, ttl=1.0)
+    gw = api_gateway(server, session_tmp / "gateway-ttl.log", cache=redis_server.url, cache_ttl=1.0)
     try:
         ids = ids_for(5)
         before = triton_inferences(server)

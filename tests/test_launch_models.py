@@ -4,9 +4,8 @@ import pytest
 import torch
 
 from dstool import models
-from dstool.train import TrainConfig
 from dstool.errors import UsageError
-from dstool.train import launch
+from dstool.train import TrainConfig, launch
 
 
 def test_hostfile_and_deepspeed_command(tmp_path):

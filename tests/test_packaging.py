@@ -1,4 +1,5 @@
-"""The Dockerfile (two targets, linted by hadolint) and the serving stack's docker-compose file."""
+"""Packaging: the Dockerfile (two targets, linted by hadolint), the serving stack's docker-compose file, the
+extras per stage (every import declared; serving loads no torch), the static checks, the generated docs."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -61,3 +63,69 @@ def test_docs_links_resolve():
     for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
         for target in re.findall(r"\]\(([^)#:]+\.(?:md|yml|yaml|py|json|toml)|[^)#:]*Dockerfile)\)", page.read_text()):
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
+
+
+def test_static_checks_pass():
+    """ruff over the tree and mypy over the dstool.* packages (scripts/check.py maps the source folders)."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py")], capture_output=True, text=True,
+                          timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert "Success: no issues found" in proc.stdout
+
+
+def _third_party_imports(folder: Path) -> set[str]:
+    import ast
+
+    found = set()
+    for path in folder.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
+                [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
+            found.update(n.split(".")[0] for n in names)
+    provided_by_triton = {"triton_python_backend_utils"}  # the python backend's own module
+    return {m for m in found if m not in sys.stdlib_module_names and m != "dstool"} - provided_by_triton
+
+
+def _declared(extra: str | None) -> set[str]:
+    """Distribution names (normalized) that `dstool[extra]` (or the core, for None) requires, extras followed."""
+    import tomllib
+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+
+    def name(req: str) -> str:
+        return re.split(r"[\[<>=!~;\s]", req, maxsplit=1)[0].lower().replace("_", "-")
+
+    out = {name(r) for r in project["dependencies"]}
+    todo = [extra] if extra else []
+    while todo:
+        for req in project["optional-dependencies"][todo.pop()]:
+            if name(req) == "dstool":
+                todo += re.findall(r"[\w-]+", req.split("[", 1)[1])
+            else:
+                out.add(name(req))
+    return out
+
+
+@pytest.mark.parametrize("folder,extra", [("train", "train"), ("compress", "compress"), ("serve/gateway", "serve"),
+                                          ("serve/triton_models", "serve"), (".", "all")])
+def test_every_imported_package_is_declared_in_its_stage_extra(folder, extra):
+    from importlib.metadata import packages_distributions
+
+    dists = packages_distributions()
+    root = ROOT / folder
+    imports = _third_party_imports(root) if folder != "." else set().union(
+        *(_third_party_imports(ROOT / f) for f in ("dstool", "train", "compress", "serve")))
+    declared = _declared(extra)
+    missing = {m: dists.get(m, [m]) for m in imports
+               if not any(d.lower().replace("_", "-") in declared for d in dists.get(m, [m]))}
+    assert not missing, f"{folder}: imported but not declared in dstool[{extra}]: {missing}"
+
+
+def test_serving_loads_neither_torch_nor_deepspeed():
+    """What `dstool serve`, `gateway` and `infer` run imports only the `serve` extra's packages."""
+    code = ("import sys; import dstool.cli as c; c.build_parser(); import dstool.serve.server, dstool.serve.client, "
+            "dstool.serve.gateway.http, dstool.serve.gateway.grpc, dstool.serve.gateway.core, "
+            "dstool.serve.gateway.cache; print(sorted({m.split('.')[0] for m in sys.modules} & "
+            "{'torch', 'deepspeed', 'transformers', 'onnx', 'torchao', 'onnxscript'}))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr

@@ -11,8 +11,9 @@ import time
 
 import pytest
 
-from conftest import cli, dstool
 from dstool.proc import free_port
+
+from conftest import cli, dstool
 
 
 @pytest.fixture

@@ -9,8 +9,14 @@ import torch
 from torch import nn
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from dstool.compress.prune import (PruneResult, apply_n_m_sparsity, check_n_m, prune_structured, prune_to_ratio,
-                                   reapply_masks)
+from dstool.compress.prune import (
+    PruneResult,
+    apply_n_m_sparsity,
+    check_n_m,
+    prune_structured,
+    prune_to_ratio,
+    reapply_masks,
+)
 
 HIDDEN, INTERMEDIATE, HEADS, KV_HEADS, HEAD_DIM, LAYERS = 96, 128, 6, 2, 16, 2
 

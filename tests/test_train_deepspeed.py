@@ -13,8 +13,9 @@ import psutil
 import pytest
 import torch
 
-from conftest import DSTOOL, FAST, dstool, losses
 from dstool.artifacts import Checkpoint, HFModel
+
+from conftest import DSTOOL, FAST, dstool, losses
 
 BF16 = ["--nproc", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "16", "--save-every", "4",
         "--trace-samples", *FAST]
@@ -42,7 +43,7 @@ def bf16_runs(session_tmp):
 
 def _trace(out: Path, rank: int) -> list[dict]:
     path = out / f"samples.rank{rank}.jsonl"
-    return [json.loads(l) for l in path.read_text().splitlines() if l.strip()] if path.exists() else []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
 
 
 def test_bf16_zero2_trains_with_falling_loss(bf16_runs):
@@ -205,7 +206,8 @@ def test_continue_from_a_model_folder_on_jsonl_data(bf16_runs, tmp_path):
     dstool("train", "--output", str(out), "--model", str(bf16_runs[0] / "model"), "--data", str(corpus),
            "--nproc", "1", "--zero", "0", "--max-steps", "3", "--save-every", "3", *FAST)
     src = json.loads((bf16_runs[0] / "model" / "tokenizer.json").read_text())
-    assert json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"] == src["model"]  # reused, not retrained
+    reused = json.loads((out / "tokenizer" / "tokenizer.json").read_text())["model"]
+    assert reused == src["model"]  # reused, not retrained
     assert json.loads((out / "data" / "meta.json").read_text())["documents"] == 401
 
 

@@ -12,9 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from conftest import DSTOOL, FAST, dstool, losses
 from dstool.artifacts import Checkpoint, HFModel, UniversalCheckpoint
 from dstool.train import checkpoint
+
+from conftest import DSTOOL, FAST, dstool, losses
 
 # Same global batch (8) on any world size and no lr scaling: a resumed run can match an uninterrupted one.
 SCALE = ["--zero", "2", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "8",
@@ -41,8 +42,8 @@ def _rewind(src: Path, dst: Path, step: int) -> Path:
             shutil.rmtree(root / tag)
     (root / "latest").write_text(checkpoint.tag_for(step))
     for f in dst.glob("samples.rank*.jsonl"):
-        rows = [l for l in f.read_text().splitlines() if json.loads(l)["step"] < step]
-        f.write_text("".join(l + "\n" for l in rows))
+        rows = [line for line in f.read_text().splitlines() if json.loads(line)["step"] < step]
+        f.write_text("".join(line + "\n" for line in rows))
     return dst
 
 
@@ -124,15 +125,15 @@ def test_rank_killed_while_saving_restarts_and_continues(reference, tmp_path):
 def _doctor(*args: str) -> tuple[int, dict[str, str]]:
     """Exit code and {check name: its line} of `dstool doctor`."""
     proc = dstool("doctor", *args, check=False, timeout=300)
-    lines = [l for l in proc.stdout.splitlines() if l.startswith("[")]
-    return proc.returncode, {l.split("] ", 1)[1].split(":", 1)[0]: l for l in lines}
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("[")]
+    return proc.returncode, {line.split("] ", 1)[1].split(":", 1)[0]: line for line in lines}
 
 
 def test_doctor_passes_on_this_machine(tmp_path):
     port = _free_port()
     code, checks = _doctor("--output", str(tmp_path / "run"), "--master-port", str(port))
     assert code == 0, checks
-    assert all(l.startswith("[pass]") for l in checks.values())
+    assert all(line.startswith("[pass]") for line in checks.values())
     assert "no GPU visible" in checks["GPUs"] and "passwordless" not in checks["ssh localhost"]
     assert "GB/s" in checks["all-reduce (2 local gloo processes)"]
 
@@ -261,16 +262,15 @@ def test_model_parallel_model_folder_reloads(model_parallel, kind):
 ])
 def test_model_parallel_bad_input(args, needle, tmp_path):
     proc = dstool("train", "--output", str(tmp_path / "run"), *args, check=False, timeout=120)
-    lines = [l for l in proc.stderr.splitlines() if l.strip()]
+    lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert proc.returncode == 2 and len(lines) == 1 and needle in lines[0], proc.stderr
     assert not (tmp_path / "run").exists()
 
 
 def test_model_parallel_bad_config():
     from dstool.config import load_config
-    from dstool.train import TrainConfig
     from dstool.errors import UsageError
-    from dstool.train import deepspeed_config
+    from dstool.train import TrainConfig, deepspeed_config
 
     for flags, needle in [({"pipeline_stages": 2}, "needs zero 0 or 1"),
                           ({"pipeline_stages": 2, "tensor_parallel": 2, "zero": 1}, "cannot be combined"),

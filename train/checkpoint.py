@@ -19,8 +19,8 @@ from pathlib import Path
 import torch.distributed as dist
 
 from dstool import log as dlog
-from dstool.errors import EngineFailed, UsageError
 from dstool.artifacts import Checkpoint, ManifestError, UniversalCheckpoint
+from dstool.errors import EngineFailed, UsageError
 from dstool.files import write_text_atomic
 
 log = dlog.log

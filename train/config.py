@@ -14,7 +14,8 @@ class TrainConfig(CommandConfig):
 
     # What to train on
     model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder")
-    data: str | None = Field(None, description="text file, folder of .txt/.jsonl files, or none for the embedded corpus")
+    data: str | None = Field(None, description="text file, folder of .txt/.jsonl files, or none for the embedded "
+                             "corpus")
     output: str = Field("runs/train", description="run folder: checkpoints/, model/, metrics.jsonl, tensorboard/")
     vocab_size: int = Field(4096, ge=256, le=65535, description="BPE vocabulary when a tokenizer is trained")
     seq_len: int = Field(128, ge=8, description="packed sequence length in tokens")
@@ -69,7 +70,7 @@ class TrainConfig(CommandConfig):
                                      "student) on the logits (knowledge distillation)")
 
     @model_validator(mode="after")
-    def _consistent(self) -> "TrainConfig":
+    def _consistent(self) -> TrainConfig:
         if self.keep_zero_weights and self.zero == 3:
             raise ValueError("keep_zero_weights needs zero 0, 1 or 2 (ranks must hold whole weights)")
         if self.pipeline_stages > 1 and self.zero > 1:

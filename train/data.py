@@ -11,9 +11,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstool.errors import UsageError
-
 from dstool.corpus import read_documents
+from dstool.errors import UsageError
 
 __all__ = ["read_documents", "train_tokenizer", "load_or_train_tokenizer", "prepare_dataset", "open_split",
            "corpus_fingerprint", "GlobalOrder", "TokenSplit"]
@@ -115,7 +114,7 @@ class GlobalOrder:
         if n_samples == 0:
             raise UsageError("the training split holds no full sequence: give more data or a smaller --seq-len")
         self.n, self.seed = n_samples, seed
-        self._epoch, self._perm = -1, None
+        self._epoch, self._perm = -1, torch.empty(0, dtype=torch.long)
 
     def sample_at(self, position: int) -> int:
         epoch, i = divmod(position, self.n)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from dstool.train.config import TrainConfig
 from dstool.errors import UsageError
+from dstool.train.config import TrainConfig
 
 
 def data_parallel_size(cfg: TrainConfig, world: int) -> int:
@@ -29,7 +29,8 @@ def batch_plan(cfg: TrainConfig, world: int) -> tuple[int, int]:
         raise UsageError(f"global_batch_size {cfg.global_batch_size} is not a multiple of micro_batch_size {micro} "
                          f"x {'world' if dp == world else 'data-parallel'} size {dp} = {micro * dp}: choose a multiple")
     if cfg.gradient_accumulation_steps not in (None, accum):
-        raise UsageError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} disagrees with global_batch_size "
+        raise UsageError(f"gradient_accumulation_steps {cfg.gradient_accumulation_steps} disagrees with "
+                         f"global_batch_size "
                          f"{cfg.global_batch_size} = {micro} x {dp} x {accum}: set one of them")
     return micro, accum
 
@@ -106,7 +107,8 @@ def _read_user_json(path: str) -> dict:
 
 
 def _check_batch(ds: dict, world: int) -> None:
-    micro, accum, total = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"], ds["train_batch_size"]
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    total = ds["train_batch_size"]
     if micro * accum * world != total:
         raise UsageError(f"DeepSpeed batch sizes disagree: train_batch_size {total} != micro {micro} x accumulation "
                          f"{accum} x ranks {world}; fix the JSON or drop its batch keys")

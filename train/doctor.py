@@ -37,7 +37,8 @@ class Check:
     fix: str = ""
 
     def line(self) -> str:
-        return f"[{'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}" + (f" -> fix: {self.fix}" if self.fix else "")
+        fix = f" -> fix: {self.fix}" if self.fix else ""
+        return f"[{'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}{fix}"
 
 
 def is_local(host: str) -> bool:
@@ -61,9 +62,10 @@ def check_ssh(host: str) -> Check:
     except FileNotFoundError:
         return Check(name, False, "no ssh client on this machine", "install openssh-client")
     except subprocess.TimeoutExpired:
-        return Check(name, False, "ssh timed out", f"check that sshd runs on {host} and a firewall lets port 22 through")
+        return Check(name, False, "ssh timed out",
+                     f"check that sshd runs on {host} and a firewall lets port 22 through")
     if proc.returncode != 0:
-        err = (proc.stderr.strip().splitlines() or ["exit code %d" % proc.returncode])[-1]
+        err = (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
         return Check(name, False, f"passwordless ssh failed ({err})",
                      f"ssh-keygen -t ed25519 (once), then ssh-copy-id {host}, then 'ssh {host} true' once to accept "
                      "its host key")

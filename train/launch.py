@@ -9,9 +9,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from dstool.train.config import TrainConfig
 from dstool.errors import UsageError
 from dstool.proc import free_port
+from dstool.train.config import TrainConfig
 
 _HOST_LINE = re.compile(r"^(\S+)\s+slots=(\d+)\s*$")
 
@@ -119,7 +119,8 @@ def unreachable(host: str, port: int = 22, timeout: float = 3.0) -> str | None:
 
 
 def _single_local_host(hosts: dict[str, int] | None) -> bool:
-    return bool(hosts) and len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1", socket.gethostname())
+    return hosts is not None and len(hosts) == 1 and next(iter(hosts)) in ("localhost", "127.0.0.1",
+                                                                           socket.gethostname())
 
 
 def environment(cfg: TrainConfig, topo: Topology, on_gpu: bool) -> dict[str, str]:

@@ -10,6 +10,8 @@ LlamaForCausalLM names.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -22,7 +24,8 @@ def check_model(model_ref: str) -> None:
     """Refuse, before any rank starts, a model the pipeline cannot cut (one-line UsageError)."""
     from transformers import AutoConfig
 
-    cfg = models.preset_config(model_ref, 256, {}) if models.is_preset(model_ref) else AutoConfig.from_pretrained(model_ref)
+    cfg = (models.preset_config(model_ref, 256, {}) if models.is_preset(model_ref)
+           else AutoConfig.from_pretrained(model_ref))
     if cfg.model_type != "llama":
         raise UsageError(f"--pipeline-stages needs a Llama-architecture model; {model_ref} is {cfg.model_type}: "
                          "use --model tiny or a Llama folder, or train it data-parallel")
@@ -100,11 +103,11 @@ def hf_state_dict(engine, hf_model) -> dict[str, torch.Tensor] | None:
     for layer in engine.module.children():
         if hasattr(layer, "hf_state_dict"):
             local.update({k: v.detach().cpu() for k, v in layer.hf_state_dict().items()})
-    parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, parts, dst=0)
     if parts is None:
         return None
-    state = {k: v for part in parts for k, v in part.items()}
+    state = {k: v for part in parts if part is not None for k, v in part.items()}
     missing = sorted(set(hf_model.state_dict()) - set(state))
     if missing:
         raise RuntimeError(f"pipeline stages did not return {len(missing)} weights, e.g. {missing[0]}")

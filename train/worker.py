@@ -146,7 +146,8 @@ def main(run_file: str) -> None:
             t0 = time.perf_counter()
             if cfg.pipeline_stages > 1:  # the pipeline engine runs the step's micro-batches itself
                 batches = ((batch, batch) for batch in map(micro_batch, range(accum)))
-                window_loss += engine.train_batch(data_iter=batches).float().reshape(())  # shape (1,) off the last stage
+                # shape (1,) off the last stage
+                window_loss += engine.train_batch(data_iter=batches).float().reshape(())
             else:
                 for m in range(accum):
                     batch = micro_batch(m)
@@ -172,7 +173,7 @@ def main(run_file: str) -> None:
             progress.update()
             if rank == 0:
                 _heartbeat(out, step)
-                if failed_at:
+                if failed_at and metrics:
                     _log_recovery(metrics, failed_at, restarts, start_step, step)
                     failed_at = None
 
@@ -320,7 +321,8 @@ def evaluate(engine, split: data.TokenSplit, micro: int, batches: int) -> float:
     shard = (torch.stack([split[((b * world + rank) * micro + k) % n] for k in range(micro)]).to(engine.device)
              for b in range(per_rank))
     if engine.pipeline_parallelism:  # the mean over the micro-batches, on every stage
-        total = engine.eval_batch(((batch, batch) for batch in shard), num_micro_batches=per_rank).reshape(()) * per_rank
+        mean = engine.eval_batch(((batch, batch) for batch in shard), num_micro_batches=per_rank).reshape(())
+        total = mean * per_rank
     else:
         engine.eval()
         total = sum(engine(input_ids=batch, labels=batch).loss.float() for batch in shard)
@@ -355,7 +357,7 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
             state = engine._consolidated_16bit_state_dict()  # collective; ZeRO-3 and AutoTP shards joined on rank 0
         else:
             state = engine.module.state_dict() if rank == 0 else None
-    if rank != 0:
+    if rank != 0 or state is None:
         return
     target, tmp = out / "model", out / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)

@@ -14,12 +14,16 @@ import asyncio
 import errno
 import os
 import signal
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING
 
 from dstool import log as dlog
 from dstool.errors import UsageError
 from dstool.serve.config import GatewayConfig
+
+if TYPE_CHECKING:
+    import grpc
 
 __all__ = ["Gateway", "GatewayConfig", "run_gateway"]
 log = dlog.log
@@ -31,8 +35,8 @@ class Gateway:
 
     def __init__(self, config: GatewayConfig):
         self.config = config
-        self._http_server = None
-        self._grpc_server = None
+        self._http_server: asyncio.Server | None = None
+        self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
         from dstool.serve.gateway.cache import RedisStore, ResultCache

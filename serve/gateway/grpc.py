@@ -36,7 +36,8 @@ class _Passthrough(Exception):
 
 
 def _parameters(params) -> dict:
-    return {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in params.items() if p.WhichOneof("parameter_choice")}
+    return {k: getattr(p, p.WhichOneof("parameter_choice")) for k, p in params.items()
+            if p.WhichOneof("parameter_choice")}
 
 
 def _set_parameter(target, key: str, value) -> None:
@@ -139,7 +140,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
 
     async def _relay_unary(self, method: str, raw: bytes, context) -> bytes:
         first = next(self._turn)
-        error = None
+        error: grpc.aio.AioRpcError | None = None
         for i in range(len(self.channels)):
             call = self.channels[(first + i) % len(self.channels)].unary_unary(method)
             try:
@@ -148,11 +149,13 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 error = e
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
+        assert error is not None  # there is at least one channel
         if error.code() == grpc.StatusCode.UNAVAILABLE:
             self.metrics.error("upstream")
         if method.endswith(("RepositoryModelLoad", "RepositoryModelUnload")):
             self.core.deployments.invalidate()
         await context.abort(error.code(), error.details() or "")
+        raise AssertionError("context.abort raises")
 
     def _stream_relay(self, method: str):
         async def relay(requests, context):

@@ -18,6 +18,7 @@ import zlib
 from collections import deque
 from dataclasses import dataclass, field
 from http import HTTPStatus
+from typing import Any
 from urllib.parse import unquote
 
 import httptools
@@ -25,7 +26,15 @@ import orjson
 
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values, to_values
+from dstool.serve.gateway.tensors import (
+    GatewayError,
+    InferRequest,
+    InferResult,
+    Tensor,
+    check_tensor,
+    from_values,
+    to_values,
+)
 from dstool.serve.gateway.upstream import UpstreamUnavailable
 
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "host", "content-length", "transfer-encoding", "authorization",
@@ -113,7 +122,8 @@ def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes)
     if offset != len(binary):
         raise GatewayError(400, f"{len(binary) - offset} bytes of binary data belong to no input")
     default_binary = bool(parameters.get("binary_data_output", False))
-    outputs, formats = None, ()
+    outputs = None
+    formats: tuple[tuple[str, bool], ...] = ()
     if header.get("outputs") is not None:
         if not isinstance(header["outputs"], list):
             raise GatewayError(400, "'outputs' must be a list")
@@ -145,14 +155,15 @@ def render_infer(result: InferResult, request_id: str, output_format: tuple) -> 
     binary_of = dict(formats)
     outputs, blobs = [], []
     for t in result.outputs:
-        o = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
+        o: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
         if binary_of.get(t.name, default_binary):
             o["parameters"] = {"binary_data_size": len(t.raw)}
             blobs.append(t.raw)
         else:
             o["data"] = to_values(t)
         outputs.append(o)
-    header = {"model_name": result.model_name, "model_version": result.model_version, "outputs": outputs}
+    header: dict[str, Any] = {"model_name": result.model_name, "model_version": result.model_version,
+                              "outputs": outputs}
     if request_id:
         header = {"id": request_id, **header}
     if result.parameters:
@@ -192,7 +203,8 @@ class HttpFrontend:
 
     def infer(self, req: HttpRequest, model: str, version: str):
         started = time.perf_counter()
-        opt_out = "no-store" in req.headers.get("cache-control", "") or "no-cache" in req.headers.get("cache-control", "")
+        cache_control = req.headers.get("cache-control", "")
+        opt_out = "no-store" in cache_control or "no-cache" in cache_control
         try:
             request, output_format = decode_infer(model, version, req.headers, self._body(req))
         except _Passthrough:
@@ -317,7 +329,7 @@ class HttpConnection(asyncio.Protocol):
             self.too_large = int(self.headers.get("content-length", "0")) > limit
         except ValueError:
             self.too_large = False
-        if self.headers.get("expect", "").lower() == "100-continue" and not self.too_large:
+        if self.headers.get("expect", "").lower() == "100-continue" and not self.too_large and self.transport:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
@@ -335,7 +347,7 @@ class HttpConnection(asyncio.Protocol):
         keep_alive = self.parser.should_keep_alive() and not self.too_large
         if self.busy:
             self.queue.append((req, keep_alive))
-            if len(self.queue) > 32:
+            if len(self.queue) > 32 and self.transport is not None:
                 self.transport.pause_reading()
         else:
             self._dispatch(req, keep_alive)

@@ -33,7 +33,7 @@ def cache_key(fingerprint: str, version: str, request: InferRequest, model_outpu
     outputs = request.outputs if request.outputs is not None else [(n, {}) for n in model_outputs]
     meta = [request.model, version,
             sorted(([n, {k: v for k, v in p.items() if k not in OUTPUT_FORMAT_PARAMETERS}] for n, p in outputs),
-                   key=lambda o: o[0]),
+                   key=lambda o: str(o[0])),
             {k: v for k, v in request.parameters.items() if k not in DELIVERY_PARAMETERS}]
     for t in sorted(request.inputs, key=lambda t: t.name):
         meta.append([t.name, t.datatype, t.shape, len(t.raw)])

@@ -26,9 +26,10 @@ class Response:
 
 
 class _Connection(asyncio.Protocol):
+    transport: asyncio.Transport  # set by connection_made, before the connection is handed out
+
     def __init__(self):
         self.parser = httptools.HttpResponseParser(self)
-        self.transport: asyncio.Transport | None = None
         self.waiter: asyncio.Future | None = None
         self.closed = False
         self._reset()
@@ -121,7 +122,7 @@ class HttpUpstream:
                 return await self._exchange(conn, head, body)
             except ConnectionResetError:
                 if conn.received:  # Triton started answering, then failed: do not send the request twice
-                    raise UpstreamUnavailable(f"Triton at {self.address} closed the connection mid-response")
+                    raise UpstreamUnavailable(f"Triton at {self.address} closed the connection mid-response") from None
                 # a kept-alive connection Triton had already closed: try the next one
         return await self._exchange(await self._connect(), head, body)
 

@@ -30,7 +30,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = [None] * len(requests)
-        jobs = {True: [], False: []}  # use_kv_cache -> [(request index, prompt ids, max new tokens)]
+        jobs: dict[bool, list] = {True: [], False: []}  # use_kv_cache -> [(request, prompt ids, max new tokens)]
         for i, r in enumerate(requests):
             try:
                 jobs[self._flag(r, "use_kv_cache", True)].append((i, *self._prepare(r)))
@@ -89,7 +89,8 @@ class TritonPythonModel:
         positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
         cache = {name: np.zeros((batch, heads, 0, dim), np.float32) for name, (heads, dim) in self.empty_cache.items()}
         cache_outputs = [name.replace("past_key_values.", "cache.", 1) for name in cache]
-        generated, done = [[] for _ in prompts], [False] * batch
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [False] * batch
         logits, *values = self._infer(self.models["decoder"], {"input_ids": ids, "attention_mask": mask,
                                                                "position_ids": positions, **cache},
                                       ["logits", *cache_outputs])
@@ -107,7 +108,8 @@ class TritonPythonModel:
         return generated
 
     def _generate_without_cache(self, prompts, limits):
-        generated, done = [[] for _ in prompts], [False] * len(prompts)
+        generated: list[list[int]] = [[] for _ in prompts]
+        done = [False] * len(prompts)
         while not all(done):
             active = [b for b in range(len(prompts)) if not done[b]]  # finished rows are not recomputed
             sequences = [prompts[b] + generated[b] for b in active]

@@ -35,7 +35,8 @@ class TritonPythonModel:
         for r in requests:
             feeds = {n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.input_names}
             values = self.session.run(self.output_names, feeds)
-            responses.append(pb_utils.InferenceResponse([pb_utils.Tensor(n, v) for n, v in zip(self.output_names, values)]))
+            tensors = [pb_utils.Tensor(n, v) for n, v in zip(self.output_names, values)]
+            responses.append(pb_utils.InferenceResponse(tensors))
         return responses
 
     def _execute_padded(self, requests):
@@ -46,8 +47,9 @@ class TritonPythonModel:
             masks.append(m.as_numpy() if m is not None else np.ones_like(x))
         longest = max(x.shape[1] for x in ids)
         pad = lambda a: np.pad(a, ((0, 0), (0, longest - a.shape[1])))  # noqa: E731
-        logits = self.session.run(["logits"], {"input_ids": np.concatenate([pad(x) for x in ids]).astype(np.int64),
-                                               "attention_mask": np.concatenate([pad(m) for m in masks]).astype(np.int64)})[0]
+        feeds = {"input_ids": np.concatenate([pad(x) for x in ids]).astype(np.int64),
+                 "attention_mask": np.concatenate([pad(m) for m in masks]).astype(np.int64)}
+        logits = self.session.run(["logits"], feeds)[0]
         responses, start = [], 0
         for x in ids:
             out = logits[start:start + x.shape[0], :x.shape[1]]
