@@ -38,8 +38,10 @@ class _Model(BaseModel):
 
 
 class FileEntry(_Model):
+    """One file of an artefact, as it was written."""
+
     sha256: str
-    bytes: int
+    bytes: int = Field(description="size; checked before the (slower) digest")
 
 
 class Manifest(_Model):
@@ -51,7 +53,8 @@ class Manifest(_Model):
     kind: str = Field(description="what the folder is")
     schema_version: int = Field(SCHEMA_VERSION, description="this manifest's schema; readers refuse others")
     dstool_version: str = Field(__version__, description="the dstool that wrote it")
-    created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
+    created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"),
+                         description="when it was written")
     files: dict[str, FileEntry] = Field(default_factory=dict, description="path -> sha256 and size of every file "
                                         "(empty where the folder keeps changing, as a run folder does)")
 
@@ -152,9 +155,11 @@ class TrainRun(Manifest):
 
 
 class Parity(_Model):
+    """transformers' reload of the saved folder against the training engine, on held-out tokens."""
+
     max_abs_logit_diff: float
-    tolerance: float
-    probe_shape: list[int]
+    tolerance: float = Field(description="1e-4 for fp32 weights, 5e-2 for bf16/fp16")
+    probe_shape: list[int] = Field(description="[sequences, tokens] of the probe")
 
 
 class HFModel(Manifest):
@@ -179,9 +184,10 @@ class Checkpoint(Manifest):
     LEGACY_OK: ClassVar[bool] = True
 
     kind: Literal["deepspeed-checkpoint"] = "deepspeed-checkpoint"
-    step: int | None = None
-    world_size: int = 0
-    zero_stage: int = 0
+    step: int | None = Field(None, description="the optimizer step it holds")
+    world_size: int = Field(0, description="ranks that saved it (another world size resumes through the universal "
+                            "form)")
+    zero_stage: int = Field(0, description="ZeRO stage of its optimizer shards")
     model_shapes: dict[str, list[int]] | None = Field(None, description="every parameter's whole shape: a run of "
                                                       "another model refuses it")
 
@@ -208,21 +214,26 @@ class Graph(_Model):
     path: str = Field(description="the .onnx file, relative to the manifest")
     data: str | None = Field(None, description="its external-data (weights) file, if any")
     sha256: str = Field(description="of the .onnx file")
-    inputs: list[str]
-    outputs: list[str]
+    inputs: list[str] = Field(description="graph input names (the decoder's include past_key_values.layers.N.*)")
+    outputs: list[str] = Field(description="graph output names (the decoder's include cache.layers.N.*)")
     fp32_parity: float = Field(description="max |logit diff| of the fp32 graph against PyTorch, before quantization")
 
 
 class Int8Trial(_Model):
+    """One int8 layout tried while choosing what stays fp32."""
+
     fp32_layers: list[str] = Field(description="layers kept fp32 in this trial")
     activation_matmuls: bool
     perplexity: float = Field(description="on calibration tokens (never the held-out split)")
 
 
 class Quantization(_Model):
+    """How the graphs (or, with torchao, the PyTorch weights) were quantized."""
+
     bits: Literal[8, 4]
     engine: Literal["onnxruntime", "torchao"]
-    format: Literal["int8-dynamic-qoperator", "int4-matmulnbits", "torchao-int8-dynamic"]
+    format: Literal["int8-dynamic-qoperator", "int4-matmulnbits", "torchao-int8-dynamic"] = Field(
+        description="int8: ORT dynamic (MatMulInteger); 4-bit: weight-only MatMulNBits; torchao: PyTorch int8")
     weight_type: str | None = Field(None, description="QInt8 / QUInt8 (int8), int4 symmetric (4-bit)")
     activation_type: str | None = None
     per_channel: bool | None = None
@@ -234,7 +245,7 @@ class Quantization(_Model):
     fp32_layers: list[str] = Field(default_factory=list, description="layers kept fp32 by measured perplexity "
                                    "(lm_head, layer N)")
     fp32_nodes: dict[str, list[str]] = Field(default_factory=dict, description="graph role -> MatMul nodes kept fp32")
-    trials: list[Int8Trial] = Field(default_factory=list)
+    trials: list[Int8Trial] = Field(default_factory=list, description="every int8 layout measured")
     torchao_folder: str | None = Field(None, description="torchao: the Hugging Face folder that reloads quantized")
 
 
@@ -247,27 +258,35 @@ class LayerRemoval(_Model):
 
 
 class PruneCandidate(_Model):
+    """A layout pruning tried: what every layer would keep."""
+
     kv_groups: int
     heads_per_group: int
-    channels: int
-    calibration_loss: float
-    latency_ms: float | None = None
+    channels: int = Field(description="MLP intermediate channels")
+    calibration_loss: float = Field(description="cross-entropy on calibration tokens, pruned, before recovery")
+    latency_ms: float | None = Field(None, description="ONNX Runtime, batch 8 x 128 (with --prune-ppl-tolerance)")
 
 
 class Pruning(_Model):
-    rule: Literal["lowest-loss", "fastest-within-tolerance", "given-ratios"]
+    """Structured pruning: the same layout in every decoder layer."""
+
+    rule: Literal["lowest-loss", "fastest-within-tolerance", "given-ratios"] = Field(
+        description="how the layout was chosen among the candidates")
     target_ratio: float | None = Field(None, description="--prune: share of decoder-layer parameters to remove")
-    ppl_tolerance_pct: float = 0.0
+    ppl_tolerance_pct: float = Field(0.0, description="fastest-within-tolerance: calibration perplexity within "
+                                     "this % of the best layout's")
     kv_heads: tuple[int, int] = Field(description="key/value groups per layer, before and after")
-    query_heads: tuple[int, int]
-    mlp_channels: tuple[int, int]
-    decoder_fraction_removed: float
-    total_fraction_removed: float
-    removed: list[LayerRemoval]
-    candidates: list[PruneCandidate] = Field(default_factory=list)
+    query_heads: tuple[int, int] = Field(description="per layer, before and after")
+    mlp_channels: tuple[int, int] = Field(description="per layer, before and after")
+    decoder_fraction_removed: float = Field(description="share of the decoder layers' parameters removed")
+    total_fraction_removed: float = Field(description="share of all parameters removed")
+    removed: list[LayerRemoval] = Field(description="per layer, what was removed")
+    candidates: list[PruneCandidate] = Field(default_factory=list, description="every layout tried (--prune)")
 
 
 class Sparsity(_Model):
+    """N:M magnitude sparsity on the decoder's Linear weights (masks held fixed through recovery)."""
+
     pattern: str = Field(description="N:M, e.g. 2:4")
     n: int
     m: int
@@ -276,11 +295,13 @@ class Sparsity(_Model):
 
 
 class Recovery(_Model):
+    """The fine-tuning after pruning or sparsity, with the dstool training engine, and its gate."""
+
     steps: int
-    lr: float
-    distill: bool
+    lr: float = Field(description="peak learning rate (warm-up, cosine decay)")
+    distill: bool = Field(description="loss = cross-entropy + KL to the original model's logits")
     kept: bool = Field(description="false: it raised the calibration perplexity, the weights before it are kept")
-    calibration_ppl_before: float
+    calibration_ppl_before: float = Field(description="on calibration tokens (training split), before recovery")
     calibration_ppl_after: float
     final_train_loss: float | None
     distill_kl: tuple[float, float] | None = Field(None, description="KL to the teacher, first and last window")
@@ -296,9 +317,11 @@ class Recipe(_Model):
 
 
 class Measured(_Model):
+    """One model as measured: the input (before) or the result (after)."""
+
     parameters: int
-    onnx_bytes: int
-    perplexity: float
+    onnx_bytes: int = Field(description="the logits graph and its weights file")
+    perplexity: float = Field(description="on the held-out tokens `heldout` names")
     latency_ms_batch1: float = Field(description="ONNX Runtime CPU, batch 1 x latency_seq_len tokens, median (ms)")
     latency_ms_batch8: float
 
@@ -317,6 +340,8 @@ class Figures(_Model):
 
 
 class TorchaoFigures(_Model):
+    """torchao int8, measured in PyTorch (CPU)."""
+
     int8_weights: int
     bytes: int
     fp32_bytes: int
@@ -332,14 +357,14 @@ class CompressedModel(Manifest):
     PRODUCER: ClassVar[str] = "dstool compress"
 
     kind: Literal["compressed-model"] = "compressed-model"
-    source: SourceModel
+    source: SourceModel = Field(description="the input model")
     settings: dict = Field(description="the CompressConfig it ran with")
     model: str = Field("model", description="Hugging Face folder of the compressed weights (and the tokenizer)")
     graphs: dict[Literal["logits", "decoder"], Graph] = Field(
         description="logits: ids -> logits; decoder: with a key/value cache (prefill and decoding steps)")
-    recipe: Recipe
-    figures: Figures
-    torchao: TorchaoFigures | None = None
+    recipe: Recipe = Field(description="what was done to the model, as data")
+    figures: Figures = Field(description="measured in this run: before against after")
+    torchao: TorchaoFigures | None = Field(None, description="--engine torchao: the PyTorch-side figures")
     report: str = Field("report.md", description="the human-readable report (and report.png)")
 
 
@@ -348,8 +373,8 @@ class CompressedModel(Manifest):
 class Deployment(_Model):
     """One version of one model family (NAME, NAME_decoder, ..., NAME_generate) in a Triton repository."""
 
-    name: str
-    version: int
+    name: str = Field(description="the family's name (the tensor model's)")
+    version: int = Field(description="the version folder every model of the family got")
     models: dict[str, str] = Field(description="role -> Triton model name")
     source: SourceModel = Field(description="the Hugging Face folder the graphs and the tokenizer come from")
     compressed: str | None = Field(None, description="the dstool compress output it was deployed from")

@@ -227,6 +227,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"dstool: {command} failed: {type(e).__name__}: {first}{_log_hint(None)}"
               + ("" if verbose else " (-v shows the traceback)"), file=sys.stderr)
         return 1
+    finally:
+        dlog.shutdown()
 
 
 def _log_hint(log: Path | None) -> str:

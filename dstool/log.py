@@ -71,18 +71,19 @@ class _Held(logging.Handler):
 
 
 def setup(verbose: bool = False) -> None:
-    """Configure logging for this process: call once, at the entry point, before the work starts."""
+    """Configure logging for this process: call once, at the entry point, before the work starts (`shutdown`
+    undoes it, for a program that calls the CLI's `main` in-process)."""
+    shutdown()
     verbose = verbose or os.environ.get(VERBOSE_ENV) == "1"
     root = logging.getLogger()
+    _state["saved"] = (list(root.handlers), root.level, {k: os.environ.get(k) for k in (*QUIET_ENV, VERBOSE_ENV)})
     for h in list(root.handlers):
         root.removeHandler(h)
-    if _state.get("file") is not None:
-        _state["file"].close()
     _state.update(verbose=verbose, file=None, held=_Held())
     root.setLevel(logging.DEBUG if verbose else logging.INFO)
     root.addHandler(_state["held"])  # everything, third-party included, until the run's log file is known
     if verbose:
-        os.environ[VERBOSE_ENV] = "1"
+        os.environ[VERBOSE_ENV] = "1"  # the ranks and other dstool processes started from here speak up too
         third_party = logging.StreamHandler(sys.stderr)
         third_party.addFilter(_NotDstool())
         third_party.setFormatter(logging.Formatter("%(levelname)s %(name)s: %(message)s"))
@@ -139,6 +140,30 @@ class _AdoptingLoader(importlib.abc.Loader):
 
     def __getattr__(self, name):  # get_resource_reader, is_package, ... as the real loader has them
         return getattr(self.loader, name)
+
+
+def shutdown() -> None:
+    """Undo `setup`: close the log file, give the root logger and the environment back as they were."""
+    saved = _state.pop("saved", None)
+    if _state.get("file") is not None:
+        _state["file"].close()
+    log.handlers = []
+    log.setLevel(logging.NOTSET)
+    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _AdoptAfterImport)]
+    if saved is not None:
+        handlers, level, env = saved
+        root = logging.getLogger()
+        for h in list(root.handlers):
+            root.removeHandler(h)
+        for h in handlers:
+            root.addHandler(h)
+        root.setLevel(level)
+        for key, value in env.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    _state.update(verbose=False, console=None, held=None, file=None)
 
 
 def adopt_libraries() -> None:

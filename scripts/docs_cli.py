@@ -55,18 +55,20 @@ def _nested(annotation) -> list[type[BaseModel]]:
     return [m for a in typing.get_args(annotation) for m in _nested(a)]
 
 
-def schema_markdown(kind: str) -> str:
-    """Tables of the manifest of `kind` and of every model it holds, in the order they appear."""
+def schema_markdown(kind: str, shown: set) -> str:
+    """Tables of the manifest of `kind` and of every model it holds, in the order they appear (those already
+    `shown` on the page are linked, not repeated)."""
     from dstool import artifacts
 
     root = next(cls for cls in artifacts.KINDS if cls.model_fields["kind"].default == kind)
-    order, seen = [root], {root}
+    order, seen = [root], {root} | shown
     for model in order:
         for field in model.model_fields.values():
             for nested in _nested(field.annotation):
                 if nested not in seen:
                     seen.add(nested)
                     order.append(nested)
+    shown.update(order)
     out = []
     for model in order:
         doc = (model.__doc__ or "").strip().splitlines()[0] if model.__doc__ else ""
@@ -76,14 +78,16 @@ def schema_markdown(kind: str) -> str:
             default = "required" if field.is_required() else (
                 "[]" if field.default_factory is list else "{}" if field.default_factory is dict else
                 "now" if field.default_factory else f"`{field.default!r}`")
-            out.append(f"| `{name}` | {_type_name(field.annotation)} | {default} | {field.description or ''} |")
+            meaning = (field.description or "").replace("|", "\\|")
+            out.append(f"| `{name}` | {_type_name(field.annotation)} | {default} | {meaning} |")
         out.append("")
     return "\n".join(out)
 
 
 def render(text: str) -> str:
     text = CLI.sub(lambda m: f"{m.group(1)}```\n{cli_help(m.group(2))}```\n{m.group(4)}", text)
-    return SCHEMA.sub(lambda m: f"{m.group(1)}{schema_markdown(m.group(2))}{m.group(4)}", text)
+    shown: set = set()
+    return SCHEMA.sub(lambda m: f"{m.group(1)}{schema_markdown(m.group(2), shown)}{m.group(4)}", text)
 
 
 def main() -> int:

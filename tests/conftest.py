@@ -6,7 +6,6 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import logging
 import os
 import subprocess
 import sys
@@ -39,25 +38,13 @@ class Result:
 
 
 def cli(*args: str) -> Result:
-    """`dstool.cli.main` in this process (for bad-input cases, where no process boundary is under test); the
-    logging setup it makes is undone afterwards."""
+    """`dstool.cli.main` in this process (for bad-input cases, where no process boundary is under test); its
+    logging setup is undone when it returns (`dstool.log.shutdown`)."""
     from dstool.cli import main
 
-    root = logging.getLogger()
-    handlers, level, env = list(root.handlers), root.level, dict(os.environ)
     out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(list(args))
-    finally:
-        for h in list(root.handlers):
-            root.removeHandler(h)
-        for h in handlers:
-            root.addHandler(h)
-        root.setLevel(level)
-        logging.getLogger("dstool").handlers.clear()
-        os.environ.clear()
-        os.environ.update(env)
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(list(args))
     return Result(code, out.getvalue(), err.getvalue())
 
 

@@ -119,68 +119,58 @@ def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     assert cached == recomputed
 
 
-def test_prune_ppl_tolerance_times_each_layout_and_takes_the_fastest_within_it(trained, tmp_path):
-    """At 10 % the tiny preset has two layouts: all 6 query heads, or 4 in 2 groups with more MLP channels."""
+def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(trained, tmp_path):
+    """--prune 0.1 --prune-ppl-tolerance 25: the tiny preset has two layouts (all 6 query heads, or 4 in 2 groups
+    with more MLP channels), each exported and timed on ONNX Runtime; the fastest within 25 % is kept. Then a
+    recovery at an lr far too high: its gate keeps the weights before it — exactly the original's kept rows."""
+    from transformers import AutoModelForCausalLM
+
     out = tmp_path / "timed"
-    dstool("compress", str(trained), "--prune", "0.1", "--prune-ppl-tolerance", "25", "--latency-repeats", "3",
-           "--output", str(out))
+    dstool("compress", str(trained), "--prune", "0.1", "--prune-ppl-tolerance", "25", "--recover-steps", "3",
+           "--recover-lr", "0.3", "--latency-repeats", "3", "--output", str(out))
     m = _manifest(out)
-    candidates = m.recipe.pruning.candidates
-    assert len(candidates) == 2 and all(c.latency_ms > 0 for c in candidates)  # each exported and timed on ORT
-    best_loss = min(c.calibration_loss for c in candidates)
-    chosen = min((c for c in candidates if math.exp(c.calibration_loss - best_loss) <= 1.25 + 1e-9),
+    p = m.recipe.pruning
+    assert len(p.candidates) == 2 and all(c.latency_ms > 0 for c in p.candidates)
+    best_loss = min(c.calibration_loss for c in p.candidates)
+    chosen = min((c for c in p.candidates if math.exp(c.calibration_loss - best_loss) <= 1.25 + 1e-9),
                  key=lambda c: c.latency_ms)
     cfg = json.loads((out / "model" / "config.json").read_text())
     assert (chosen.kv_groups, chosen.kv_groups * chosen.heads_per_group, chosen.channels) == (
         cfg["num_key_value_heads"], cfg["num_attention_heads"], cfg["intermediate_size"])
-    assert m.recipe.pruning.rule == "fastest-within-tolerance" and m.recipe.pruning.ppl_tolerance_pct == 25
+    assert p.rule == "fastest-within-tolerance" and p.ppl_tolerance_pct == 25
     assert m.settings["prune_ppl_tolerance"] == 25
-
-
-def test_explicit_ratios_then_int8_in_one_recipe(trained, tmp_path):
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "ratios"
-    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--bits", "8", "--allow-slower",
-           "--latency-repeats", "3", "--output", str(out))
-    m = _manifest(out)
-    cfg = AutoModelForCausalLM.from_pretrained(out / m.model).config
-    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (4, 2, 256)
-    assert m.recipe.pruning.rule == "given-ratios" and m.recipe.quantization.bits == 8
-    decoder = onnx.load(str(out / m.graphs["decoder"].path), load_external_data=False).graph
-    past = [i for i in decoder.input if i.name.startswith("past_key_values.")]
-    assert past and all(i.type.tensor_type.shape.dim[1].dim_value == 2 for i in past)  # the pruned model's cache
-    assert "MatMulInteger" in _ops(out / m.graphs["decoder"].path)
-
-
-def test_recovery_that_raises_calibration_perplexity_is_discarded(trained, tmp_path):
-    """A recovery lr far too high: the gate keeps the weights before recovery, i.e. the original's 2:4-masked."""
-    from transformers import AutoModelForCausalLM
-
-    out = tmp_path / "bad_recovery"
-    dstool("compress", str(trained), "--sparsity", "2:4", "--recover-steps", "3", "--recover-lr", "0.3",
-           "--latency-repeats", "3", "--output", str(out))
-    r = _manifest(out).recipe.recovery
+    r = m.recipe.recovery
     assert not r.kept and r.calibration_ppl_after > r.calibration_ppl_before
-    original = dict(AutoModelForCausalLM.from_pretrained(trained).named_parameters())
-    for name, p in AutoModelForCausalLM.from_pretrained(out / "model").named_parameters():
-        kept = p != 0
-        assert torch.equal(p[kept], original[name][kept]), name  # untouched by the discarded fine-tuning
+    original = AutoModelForCausalLM.from_pretrained(trained).model.layers
+    pruned = AutoModelForCausalLM.from_pretrained(out / m.model).model.layers
+    for layer, before, removed in zip(pruned, original, p.removed):  # untouched by the discarded fine-tuning
+        kept = [c for c in range(512) if c not in removed.mlp_channels]
+        assert torch.equal(layer.mlp.up_proj.weight, before.mlp.up_proj.weight[kept])
+        assert torch.equal(layer.mlp.down_proj.weight, before.mlp.down_proj.weight[:, kept])
 
 
-def test_torchao_int8_folder_reloads_quantized(trained, tmp_path):
+def test_explicit_ratios_then_torchao_int8_in_one_recipe(trained, tmp_path):
+    """--prune-heads/--prune-mlp as given, then torchao's PyTorch int8: a Hugging Face folder that reloads
+    quantized, and both ONNX graphs of the pruned model (fp32)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "torchao"
-    dstool("compress", str(trained), "--bits", "8", "--engine", "torchao", "--latency-repeats", "3",
-           "--output", str(out))
+    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--bits", "8", "--engine",
+           "torchao", "--latency-repeats", "3", "--output", str(out))
     m = _manifest(out)
-    assert m.recipe.quantization.format == "torchao-int8-dynamic"
+    cfg = AutoModelForCausalLM.from_pretrained(out / m.model).config
+    assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (4, 2, 256)
+    assert m.recipe.pruning.rule == "given-ratios" and m.recipe.quantization.format == "torchao-int8-dynamic"
     model = AutoModelForCausalLM.from_pretrained(out / m.recipe.quantization.torchao_folder)  # as a user would
     assert type(model.model.layers[0].mlp.down_proj.weight).__name__ == "Int8Tensor"
     t = m.torchao
     assert t.int8_weights == 4 * 7 and t.bytes < 0.8 * t.fp32_bytes
     assert abs(t.perplexity_int8 / t.perplexity_fp32 - 1) < 0.02
+    decoder = onnx.load(str(out / m.graphs["decoder"].path), load_external_data=False).graph
+    past = [i for i in decoder.input if i.name.startswith("past_key_values.")]
+    assert past and all(i.type.tensor_type.shape.dim[1].dim_value == 2 for i in past)  # the pruned model's cache
+    cached, recomputed = _greedy(out, m, [5, 17, 300], 6)
+    assert cached == recomputed
 
 
 @pytest.mark.parametrize("args,needle", [
