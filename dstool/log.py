@@ -264,10 +264,12 @@ def captured_stdout(name: str) -> Iterator[None]:
                     logging.getLogger(name).info(line)
 
 
-def progress(total: int, desc: str, initial: int = 0):
-    """A progress bar when stderr is a terminal, else None (then the log lines tell the progress)."""
-    if not sys.stderr.isatty():
+def progress(total: int, desc: str, initial: int = 0, stream=None):
+    """A progress bar on `stream` (default stderr) when it is a terminal, else None (the log lines tell it)."""
+    stream = stream or sys.stderr
+    if not stream.isatty():
         return None
     from tqdm import tqdm
 
-    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=False)
+    return tqdm(total=total, initial=initial, desc=desc, unit="step", dynamic_ncols=True, leave=False, disable=False,
+                file=stream)

@@ -35,6 +35,8 @@ def run_steps(steps: list[Step], label: str) -> list[Step]:
     """Run `steps`; raise StageFailed naming the first step whose run raised or whose gate did not hold."""
     started = time.monotonic()
     failure: BaseException | None = None
+    # Inside another stage (compress within the pipeline) the step lines go to the log: a bar shows the progress.
+    bar = None if dlog.console_shows_info() else dlog.progress(len(steps), label)
     for i, step in enumerate(steps, 1):
         if failure is not None and not step.cleanup:
             step.status = "skipped"
@@ -55,6 +57,10 @@ def run_steps(steps: list[Step], label: str) -> list[Step]:
                 failure = e
         finally:
             step.duration_s = round(time.monotonic() - t0, 3)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
     if failure is not None:
         raise failure
     return steps

@@ -188,6 +188,19 @@ def test_http_and_grpc_match_onnxruntime_and_pytorch(server, repo, trained):
         assert np.abs(logits - torch_logits).max() < 1e-3
 
 
+def _settled_counts(client, model: str, at_least: int = 0) -> tuple[int, int]:
+    """(inference_count, execution_count) from Triton's statistics, which it updates just after answering: read
+    until two reads 50 ms apart agree and reach `at_least` inferences (or 5 s pass)."""
+    deadline, last = time.monotonic() + 5, None
+    while True:
+        s = client.get_inference_statistics(model)["model_stats"][0]
+        counts = int(s["inference_count"]), int(s["execution_count"])
+        if (counts == last and counts[0] >= at_least) or time.monotonic() > deadline:
+            return counts
+        last = counts
+        time.sleep(0.05)
+
+
 def test_dynamic_batching_under_concurrency(server, repo):
     import tritonclient.grpc.aio as grpc_aio
     import tritonclient.http as http
@@ -209,15 +222,10 @@ def test_dynamic_batching_under_concurrency(server, repo):
             await client.close()
 
     stats_client = http.InferenceServerClient(server.http_url)
-
-    def counts():
-        s = stats_client.get_inference_statistics("dstool_lm")["model_stats"][0]
-        return s["inference_count"], s["execution_count"]
-
     try:
-        inf0, exe0 = counts()
+        inf0, exe0 = _settled_counts(stats_client, "dstool_lm")
         results = asyncio.run(load(48))
-        inf1, exe1 = counts()
+        inf1, exe1 = _settled_counts(stats_client, "dstool_lm", inf0 + 48)
     finally:
         stats_client.close()  # an open keep-alive connection would hold up Triton's shutdown
     assert inf1 - inf0 == 48
@@ -324,13 +332,13 @@ def test_concurrent_prompts_are_batched_and_each_stays_exact(server, trained):
 
     stats = http.InferenceServerClient(server.http_url)
     try:
-        before = stats.get_inference_statistics("dstool_lm_generate")["model_stats"][0]
+        before = _settled_counts(stats, "dstool_lm_generate")
         results = asyncio.run(load())
-        after = stats.get_inference_statistics("dstool_lm_generate")["model_stats"][0]
+        after = _settled_counts(stats, "dstool_lm_generate", before[0] + len(prompts))
     finally:
         stats.close()
-    assert after["inference_count"] - before["inference_count"] == len(prompts)
-    assert after["execution_count"] - before["execution_count"] < len(prompts)  # decoded as batches
+    assert after[0] - before[0] == len(prompts)
+    assert after[1] - before[1] < len(prompts)  # decoded as batches
     assert results == [_torch_greedy(trained, p, 12)[1] for p in prompts]
 
 

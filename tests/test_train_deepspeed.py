@@ -217,6 +217,7 @@ def test_diverging_loss_stops_and_keeps_last_good_checkpoint(tmp_path):
                   "--max-steps", "12", "--save-every", "2", *FAST, check=False)
     assert proc.returncode != 0
     assert "became" in proc.stderr and "last good checkpoint is kept" in proc.stderr, proc.stderr[-2000:]
+    assert len(proc.stderr.strip().splitlines()) == 1 and f"(log: {out / 'logs'})" in proc.stderr  # no traceback
     failure = json.loads((out / "failure.json").read_text())
     latest = (out / "checkpoints" / "latest").read_text().strip()
     assert int(latest.split("-")[1]) < failure["step"]

@@ -387,7 +387,8 @@ class _progress:
     """Rank 0's progress: a bar on a terminal, and a line per logging window (on the console unless quiet)."""
 
     def __init__(self, rank: int, start: int, total: int):
-        self.bar = dlog.progress(total, "train", initial=start) if rank == 0 else None
+        # stdout: the launcher's stderr goes to a log file, its stdout is the terminal dstool was started from
+        self.bar = dlog.progress(total, "train", initial=start, stream=sys.stdout) if rank == 0 else None
 
     def update(self) -> None:
         if self.bar:
