@@ -17,9 +17,9 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import Annotated, ClassVar, Literal, TypeVar
+from typing import ClassVar, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict, Field, TypeAdapter, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from dstool import __version__
 from dstool.files import sha256_file, write_text_atomic
@@ -393,18 +393,7 @@ class Repository(Manifest):
     deployments: list[Deployment] = Field(default_factory=list, description="newest last")
 
 
-AnyManifest = Annotated[TrainRun | HFModel | Checkpoint | UniversalCheckpoint | CompressedModel | Repository,
-                        Field(discriminator="kind")]
 KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository)
-
-
-def read_any(folder: Path) -> Manifest:
-    """The manifest of `folder`, typed by its kind."""
-    kind = kind_of(folder)
-    for cls in KINDS:
-        if cls.model_fields["kind"].default == kind:
-            return cls.read(folder)
-    raise ManifestError(f"{folder} holds a manifest of unknown kind '{kind}'")
 
 
 def weights_sha256(folder: Path) -> str:
@@ -420,8 +409,3 @@ def weights_sha256(folder: Path) -> str:
 def source_model(folder: Path) -> SourceModel:
     return SourceModel(path=str(Path(folder).resolve()), kind=kind_of(folder) or "huggingface",
                        weights_sha256=weights_sha256(folder))
-
-
-def json_schemas() -> dict[str, dict]:
-    """kind -> JSON schema of every manifest (for the docs)."""
-    return {cls.model_fields["kind"].default: TypeAdapter(cls).json_schema() for cls in KINDS}
