@@ -144,18 +144,17 @@ class _Compression:
         cfg = self.cfg
         rows = torch.from_numpy(measure.windows(self.calib, 128, 24))
         ranking, selection = rows[:16], rows[16:]
-        if cfg.prune:
-            timer = _OnnxLayoutTimer(self.work, min(cfg.latency_repeats, 10)) if cfg.prune_ppl_tolerance else None
-            result = prune.prune_to_ratio(self.model, cfg.prune, calibration=ranking, selection=selection,
-                                          timer=timer, ppl_tolerance=cfg.prune_ppl_tolerance / 100)
-            rule = "fastest-within-tolerance" if timer else "lowest-loss"
-        else:
-            try:
+        timer = _OnnxLayoutTimer(self.work, min(cfg.latency_repeats, 10)) if cfg.prune_ppl_tolerance else None
+        try:  # a ratio this model's layers cannot meet is bad input
+            if cfg.prune:
+                result = prune.prune_to_ratio(self.model, cfg.prune, calibration=ranking, selection=selection,
+                                              timer=timer, ppl_tolerance=cfg.prune_ppl_tolerance / 100)
+            else:
                 result = prune.prune_structured(self.model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0,
                                                 calibration=ranking)
-            except ValueError as e:
-                raise UsageError(str(e)) from None
-            rule = "given-ratios"
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        rule = "given-ratios" if not cfg.prune else "fastest-within-tolerance" if timer else "lowest-loss"
         self.recipe.pruning = p = Pruning(
             rule=rule, target_ratio=cfg.prune, ppl_tolerance_pct=cfg.prune_ppl_tolerance,
             kv_heads=(result.kv_heads_before, result.kv_heads_after),

@@ -175,7 +175,8 @@ class ServeConfig(GatewayOptions):
     metrics_port: int = Field(8002, ge=0, le=65535, description="Triton's Prometheus metrics port")
     tritonserver: str | None = Field(None, description="path of the tritonserver binary (default: "
                                      "$DSTOOL_TRITONSERVER, PATH, or the nvidia-pytriton wheel's)")
-    log_file: str = Field("tritonserver.log", description="Triton's log")
+    log_file: str = Field("tritonserver.log", description="Triton's log (dstool's own goes beside it, "
+                          "dstool-serve.log)")
     timeout: float = Field(120.0, gt=0, description="seconds to wait for readiness")
     cache_config: str | None = Field(None, description="Triton's own response cache, passed to tritonserver "
                                      "--cache-config, e.g. local,size=268435456 (for models exported with "

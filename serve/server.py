@@ -26,6 +26,7 @@ def serve(cfg: ServeConfig) -> int:
     for port, host in ((cfg.http_port, cfg.host if cached else "127.0.0.1"),
                        (cfg.grpc_port, cfg.host if cached else "127.0.0.1"), (cfg.metrics_port, "127.0.0.1")):
         check_port_free(host, port)
+    dlog.to_file(Path(cfg.log_file).with_name("dstool-serve.log"))  # beside Triton's own log
     binary = triton.find_tritonserver(cfg.tritonserver)
     ports = (free_port(), free_port()) if cached else (cfg.http_port, cfg.grpc_port)
     server = triton.start(repo, binary, *ports, cfg.metrics_port, Path(cfg.log_file), cache_config=cfg.cache_config,

@@ -78,3 +78,32 @@ def test_a_flag_overrides_the_config_file_and_errors_name_the_key(tmp_path):
     assert result.returncode == 2 and "sparsity must be an N:M pattern" in result.stderr
     result = cli("compress", "--config", str(tmp_path / "c.yaml"), "--sparsity", "2:3", "--bits", "3")
     assert result.returncode == 2 and "bits must be 8 or 4" in result.stderr
+
+
+def test_a_failure_is_one_line_naming_its_log_and_the_traceback_is_in_the_log(monkeypatch, tmp_path):
+    """Exit codes: a defect (any exception) is exit 1 and one line; its traceback goes to the run's log, and to
+    the console only with -v. A failed gate or crashed engine (Failed) names its own log."""
+    import dataclasses
+
+    from dstool import cli as cli_module
+    from dstool import log
+    from dstool.errors import EngineFailed
+
+    def defect(cfg):
+        log.to_file(tmp_path / "run.log")
+        raise RuntimeError("something broke\nsecond line")
+
+    def crash(cfg):
+        raise EngineFailed("Triton exited on its own with code 137", log=tmp_path / "triton.log")
+
+    for run, code in ((defect, 1), (crash, 1)):
+        monkeypatch.setitem(cli_module.COMMANDS, "infer", dataclasses.replace(cli_module.COMMANDS["infer"], run=run))
+        result = cli("infer", "hello")
+        assert result.returncode == code and len(result.stderr.strip().splitlines()) == 1, result.stderr
+    assert "infer: Triton exited on its own with code 137 (log: " + str(tmp_path / "triton.log") in result.stderr
+    monkeypatch.setitem(cli_module.COMMANDS, "infer", dataclasses.replace(cli_module.COMMANDS["infer"], run=defect))
+    result = cli("infer", "hello")
+    assert "RuntimeError: something broke (log: " + str(tmp_path / "run.log") in result.stderr
+    assert "-v shows the traceback" in result.stderr and "Traceback" not in result.stderr
+    assert "Traceback" in (tmp_path / "run.log").read_text()
+    assert "Traceback" in cli("infer", "hello", "-v").stderr
