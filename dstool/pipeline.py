@@ -78,7 +78,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
     run = _Run(cfg, out)
     steps = [
         Step("train", f"tiny model, {cfg.nproc} DeepSpeed ranks, {cfg.train_steps} steps", run.train),
-        Step("compress", "int8 (ONNX Runtime), and a pruned variant with recovery", run.compress),
+        Step("compress", f"int8 (ONNX Runtime), and a variant pruned {cfg.prune:.0%}"
+             + (f" with {cfg.recover_steps} recovery steps" if cfg.recover_steps else ""), run.compress),
         Step("export", f"the int8 output -> {cfg.repository}/ (tensor model, decoder with cache, text models)",
              run.export),
         Step("serve", "Triton behind the cache gateway", run.serve),

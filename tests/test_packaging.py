@@ -129,3 +129,38 @@ def test_serving_loads_neither_torch_nor_deepspeed():
             "{'torch', 'deepspeed', 'transformers', 'onnx', 'torchao', 'onnxscript'}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[]", proc.stdout + proc.stderr
+
+
+STAGES = ("train", "compress", "serve")
+
+
+def _dstool_imports(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, imported names) of every `dstool.*` import in a file."""
+    import ast
+
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("dstool"):
+            found.append((node.module, [a.name for a in node.names]))
+        elif isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names if a.name.startswith("dstool")]
+    return found
+
+
+def test_stages_are_siblings_over_the_core():
+    """The core imports no stage (but the CLI and the pipeline, which run them); a stage imports another only
+    through its public API: compress fine-tunes with dstool.train's `train`; serve reads compress's manifest type
+    from the core."""
+    public = {"dstool.train": {"train", "TrainConfig", "TrainResult", "read_metrics"}}
+    for folder in ("dstool", *STAGES):
+        for path in (ROOT / folder).rglob("*.py"):
+            if folder == "dstool" and path.name in ("cli.py", "pipeline.py"):
+                continue
+            for module, names in _dstool_imports(path):
+                parts = module.split(".")
+                stage = parts[1] if len(parts) > 1 and parts[1] in STAGES else None
+                if stage is None or stage == folder:
+                    continue
+                where = f"{path.relative_to(ROOT)} imports {module}"
+                assert folder != "dstool", f"{where}: the core must not import a stage"
+                assert module in public and set(names) <= public[module], f"{where} {names}: not a public API"

@@ -38,7 +38,7 @@ def redis_url(tmp_path):
 
 def test_pipeline_runs_end_to_end(tmp_path, redis_url):
     proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--repository", str(tmp_path / "repo"),
-                  "--train-steps", "20", "--recover-steps", "4", "--cache", redis_url, "--max-new-tokens", "8",
+                  "--train-steps", "20", "--recover-steps", "0", "--cache", redis_url, "--max-new-tokens", "8",
                   "--latency-repeats", "3",
                   "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
                   timeout=1200)
