@@ -7,6 +7,7 @@ import contextlib
 import io
 import json
 import os
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -103,3 +104,52 @@ def server(repo, session_tmp):
     yield srv
     code = srv.stop()
     assert code == 0, f"Triton exited {code} on SIGTERM; its log ends:\n{srv.log_tail(30)}"
+
+
+@pytest.fixture(scope="session")
+def gateway_repo(repo, session_tmp) -> Path:
+    """What the gateway tests serve: the exported tensor model (what the cache serves; fewer models start faster)
+    and our own small python-backend models (echo, slow, failing, decoupled streaming)."""
+    from gatewaylib import write_test_models
+
+    path = session_tmp / "gateway_repository"
+    shutil.copytree(repo / "dstool_lm", path / "dstool_lm")
+    write_test_models(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def gateway_server(gateway_repo, session_tmp):
+    """A real Triton on `gateway_repo`, models loaded explicitly (so tests can load new versions)."""
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    srv = triton.start(gateway_repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                       session_tmp / "gateway-triton.log",
+                       extra_args=["--model-control-mode=explicit", "--load-model=*",
+                                   "--http-header-forward-pattern", "^x-fwd-.*",
+                                   "--grpc-header-forward-pattern", "^x-fwd-.*"])
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(session_tmp):
+    from gatewaylib import RedisServer
+
+    r = RedisServer(session_tmp / "redis-main")
+    yield r
+    r.stop()
+
+
+@pytest.fixture(scope="session")
+def gateway(gateway_server, redis_server, session_tmp):
+    """`dstool gateway` in front of `gateway_server`, caching in `redis_server`."""
+    from gatewaylib import GatewayProcess
+
+    gw = GatewayProcess(session_tmp / "gateway-main.log",
+                        argv=["--upstream", gateway_server.http_url, "--upstream-grpc", gateway_server.grpc_url,
+                              "--cache", redis_server.url, "--cache-ttl", "600", "--max-request-bytes", str(1 << 20),
+                              "--version-check-interval", "0.5"])
+    yield gw
+    gw.stop()

@@ -10,7 +10,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from types import SimpleNamespace
@@ -19,112 +18,16 @@ import numpy as np
 import pytest
 
 from dstool.proc import free_port
-from dstool.serve import triton
 
 from conftest import DSTOOL, dstool
+from gatewaylib import GatewayProcess, RedisServer, wait_for
 
 MODEL = "dstool_lm"
-REDIS_SERVER = shutil.which("redis-server")
-API_GATEWAY = ("import json, sys; from dstool import log; from dstool.serve.gateway import GatewayConfig, run_gateway; "
-               "log.setup(); sys.exit(run_gateway(GatewayConfig(**json.loads(sys.argv[1]))))")
 
 
-class RedisServer:
-    def __init__(self, workdir: Path, password: str | None = None, tls: bool = False):
-        if REDIS_SERVER is None:
-            pytest.fail("redis-server is not installed: run `bash scripts/setup.sh` (or apt-get install redis-server)")
-        self.port, self.workdir, self.password, self.tls = free_port(), workdir, password, tls
-        workdir.mkdir(parents=True, exist_ok=True)
-        if tls:  # a self-signed certificate for 127.0.0.1
-            if shutil.which("openssl") is None:
-                pytest.fail("openssl is not installed: apt-get install openssl")
-            subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                            "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1", "-keyout",
-                            str(workdir / "key.pem"), "-out", str(workdir / "cert.pem")], check=True,
-                           capture_output=True)
-        self.start()
-
-    @property
-    def url(self) -> str:
-        auth = f":{self.password}@" if self.password else ""
-        if self.tls:
-            return f"rediss://{auth}127.0.0.1:{self.port}/0?ssl_ca_certs={self.workdir / 'cert.pem'}"
-        return f"redis://{auth}127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        extra = ["--requirepass", self.password] if self.password else []
-        if self.tls:
-            extra += ["--port", "0", "--tls-port", str(self.port), "--tls-cert-file", str(self.workdir / "cert.pem"),
-                      "--tls-key-file", str(self.workdir / "key.pem"), "--tls-ca-cert-file",
-                      str(self.workdir / "cert.pem"), "--tls-auth-clients", "no"]
-        self.proc = subprocess.Popen([REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
-                                      "--appendonly", "no", "--dir", str(self.workdir), *extra],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.time() + 10
-        while time.time() < deadline:
-            try:
-                if self.client().ping():
-                    return
-            except Exception:
-                time.sleep(0.05)
-        raise AssertionError("redis-server did not start")
-
-    def client(self):
-        import redis
-
-        return redis.Redis.from_url(self.url, socket_timeout=2)
-
-    def kill(self) -> None:
-        self.proc.kill()
-        self.proc.wait()
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            self.proc.wait(10)
-
-
-class GatewayProcess:
-    """`dstool gateway` (argv) or the Python API (config dict) in its own process."""
-
-    def __init__(self, log: Path, argv: list[str] | None = None, config: dict | None = None):
-        self.http_port, self.grpc_port = free_port(), free_port()
-        if argv is not None:
-            cmd = [*DSTOOL, "gateway", *argv, "--http-port", str(self.http_port), "--grpc-port", str(self.grpc_port)]
-        else:
-            cmd = [sys.executable, "-c", API_GATEWAY,
-                   json.dumps({**config, "http_port": self.http_port, "grpc_port": self.grpc_port})]
-        self.log = log
-        self.out = open(log, "w")
-        self.proc = subprocess.Popen(cmd, stdout=self.out, stderr=subprocess.STDOUT,
-                                     env=dict(os.environ, PYTHONUNBUFFERED="1"))
-        deadline = time.time() + 60
-        while "ready" not in log.read_text():
-            assert self.proc.poll() is None and time.time() < deadline, log.read_text()
-            time.sleep(0.05)
-
-    http_url = property(lambda self: f"127.0.0.1:{self.http_port}")
-    grpc_url = property(lambda self: f"127.0.0.1:{self.grpc_port}")
-
-    def metric(self, name: str, **labels) -> float:
-        conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=10)
-        conn.request("GET", "/metrics")
-        text = conn.getresponse().read().decode()
-        conn.close()
-        want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-        total = 0.0
-        for line in text.splitlines():
-            if line.startswith(name + "{") or line.startswith(name + " "):
-                got = line[len(name):].split(" ")[0].strip("{}")
-                if all(part in got.split(",") for part in want.split(",") if part):
-                    total += float(line.rsplit(" ", 1)[1])
-        return total
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            self.proc.wait(15)
-        self.out.close()
+@pytest.fixture
+def server(gateway_server):
+    return gateway_server
 
 
 def test_cache_key_covers_what_changes_a_result_and_nothing_else():
@@ -157,40 +60,6 @@ def test_stored_entries_round_trip_and_damage_is_detected():
     for damaged in (blob[:-1], blob[:20], b"", b"DSG1" + blob[4:10], blob[:30] + bytes([blob[30] ^ 1]) + blob[31:]):
         with pytest.raises(CorruptEntry):
             decode(damaged)
-
-
-@pytest.fixture(scope="module")
-def repo(repo, session_tmp) -> Path:
-    """The session's exported repository, its tensor model alone: what the cache serves (fewer models start faster)."""
-    path = session_tmp / "gateway_repository"
-    shutil.copytree(repo / MODEL, path / MODEL)
-    return path
-
-
-@pytest.fixture(scope="module")
-def server(repo, session_tmp):
-    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
-                       session_tmp / "gateway-triton.log",
-                       extra_args=["--model-control-mode=explicit", "--load-model=*"])
-    yield srv
-    srv.stop()
-
-
-@pytest.fixture(scope="module")
-def redis_server(session_tmp):
-    r = RedisServer(session_tmp / "redis-main")
-    yield r
-    r.stop()
-
-
-@pytest.fixture(scope="module")
-def gateway(server, redis_server, session_tmp):
-    gw = GatewayProcess(session_tmp / "gateway-main.log",
-                        argv=["--upstream", server.http_url, "--upstream-grpc", server.grpc_url, "--cache",
-                              redis_server.url, "--cache-ttl", "600", "--max-request-bytes", str(1 << 20),
-                              "--version-check-interval", "0.5"])
-    yield gw
-    gw.stop()
 
 
 def api_gateway(server, log: Path, **config) -> GatewayProcess:
@@ -350,13 +219,6 @@ def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(se
     finally:
         third.stop()  # waits for its background Redis writes
     assert any(holds(r.get(k), expected) for k in r.keys("dstool:gw:1:dstool_lm:*"))  # replaced by a good entry
-
-
-def wait_for(condition, what: str, seconds: float = 10.0) -> None:
-    deadline = time.time() + seconds
-    while not condition():
-        assert time.time() < deadline, f"waited {seconds:.0f} s for {what}"
-        time.sleep(0.05)
 
 
 def holds(value: bytes | None, expected: np.ndarray) -> bool:
@@ -596,14 +458,14 @@ def test_bad_gateway_options_are_one_line_errors(server, gateway):
             proc.stderr
 
 
-def test_serve_with_cache_then_dstool_infer(repo, redis_server, session_tmp):
+def test_serve_with_cache_then_dstool_infer(gateway_repo, redis_server, session_tmp):
     http_port, grpc_port = free_port(), free_port()
     log = session_tmp / "serve-cache.log"
     out = open(log, "w")
-    proc = subprocess.Popen([*DSTOOL, "serve", "--repository", str(repo), "--cache", redis_server.url, "--http-port",
-                             str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(free_port()),
-                             "--log-file", str(session_tmp / "serve-cache-triton.log"), "--cache-config",
-                             f"local,size={1 << 20}"],
+    proc = subprocess.Popen([*DSTOOL, "serve", "--repository", str(gateway_repo), "--cache", redis_server.url,
+                             "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port",
+                             str(free_port()), "--log-file", str(session_tmp / "serve-cache-triton.log"),
+                             "--cache-config", f"local,size={1 << 20}"],
                             stdout=out, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     try:
         deadline = time.time() + 120
@@ -624,14 +486,14 @@ def test_serve_with_cache_then_dstool_infer(repo, redis_server, session_tmp):
     assert "Creating TritonCache with name: 'local'" in (session_tmp / "serve-cache-triton.log").read_text()
 
 
-def test_a_new_model_version_misses(server, gateway, repo):
+def test_a_new_model_version_misses(server, gateway, gateway_repo):
     import tritonclient.http as http
 
     ids = ids_for(9)
     _, version = infer("http-binary", gateway.http_url, ids)
     infer("http-binary", gateway.http_url, ids)
     new = str(int(version) + 1)
-    shutil.copytree(repo / MODEL / version, repo / MODEL / new)  # deploy the next version
+    shutil.copytree(gateway_repo / MODEL / version, gateway_repo / MODEL / new)  # deploy the next version
     c = http.InferenceServerClient(gateway.http_url)
     try:
         c.load_model(MODEL)  # through the gateway, like any repository call
