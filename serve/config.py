@@ -102,8 +102,23 @@ class GatewayOptions(CommandConfig):
     memory_cache_bytes: int = Field(256 << 20, ge=1, description="in-process LRU in front of Redis")
     redis_timeout: float = Field(0.1, gt=0, description="seconds before a Redis call counts as failed and Triton "
                                  "answers")
-    max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body accepted")
-    upstream_timeout: float = Field(300.0, gt=0, description="seconds a request may take on Triton")
+    max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body accepted (413 beyond)")
+    max_url_bytes: int = Field(8192, ge=64, description="longest request target, path and query (414 beyond)")
+    max_header_bytes: int = Field(8192, ge=64, description="longest single header line (431 beyond)")
+    max_headers_bytes: int = Field(65536, ge=256, description="request line and headers together (431 beyond)")
+    max_headers: int = Field(100, ge=4, description="headers per request (431 beyond)")
+    header_timeout: float = Field(15.0, gt=0, description="seconds a client may take to send a request's headers "
+                                  "(408, connection closed)")
+    body_timeout: float = Field(30.0, gt=0, description="seconds a client may pause while sending a body (408)")
+    keepalive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
+    max_connections: int = Field(1024, ge=1, description="HTTP connections at once (503 beyond)")
+    max_buffered_bytes: int = Field(256 << 20, ge=1, description="request bodies held at once, all HTTP "
+                                    "connections together (503 beyond)")
+    upstream_timeout: float = Field(60.0, gt=0, description="seconds an inference may take on Triton (504 beyond; "
+                                    "a gRPC client's own deadline applies when it is shorter)")
+    health_timeout: float = Field(2.0, gt=0, description="seconds Triton has to answer a health or readiness check "
+                                  "(not ready beyond)")
+    shutdown_grace: float = Field(30.0, ge=0, description="on SIGTERM: seconds in-flight requests have to finish")
     token_file: str | None = Field(None, description="file holding a bearer token every request must carry "
                                    "($DSTOOL_GATEWAY_TOKEN also works)")
     token: str | None = Field(None, description="the bearer token (from --token-file or $DSTOOL_GATEWAY_TOKEN; not "

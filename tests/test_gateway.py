@@ -505,31 +505,3 @@ def test_a_new_model_version_misses(server, gateway, gateway_repo):
     assert served == new and triton_inferences(server, before + 1) == before + 1  # not the old version's entry
     infer("http-json", gateway.http_url, ids)
     assert triton_inferences(server, before + 1) == before + 1
-
-
-def test_triton_down_is_503_and_unavailable(server, gateway):
-    import grpc
-
-    server.proc.kill()  # Triton gone at once
-    server.proc.wait()
-    conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
-    body = json.dumps({"inputs": [{"name": "input_ids", "shape": [1, 2], "datatype": "INT64", "data": [9, 9]},
-                                  {"name": "attention_mask", "shape": [1, 2], "datatype": "INT64", "data": [1, 1]}]})
-    for method, path, payload in (("POST", f"/v2/models/{MODEL}/infer", body), ("GET", "/v2/health/ready", None),
-                                  ("GET", f"/v2/models/{MODEL}", None)):
-        conn.request(method, path, payload)
-        response = conn.getresponse()
-        assert response.status == 503 and "error" in json.loads(response.read()), path
-    conn.close()
-    channel = grpc.insecure_channel(gateway.grpc_url)
-    from tritonclient.grpc import service_pb2
-
-    request = service_pb2.ModelInferRequest(model_name=MODEL)
-    request.inputs.add(name="input_ids", datatype="INT64", shape=[1, 2])
-    request.raw_input_contents.append(np.array([9, 9], dtype=np.int64).tobytes())
-    for method, payload in (("ModelInfer", request.SerializeToString()), ("ServerReady", b"")):
-        with pytest.raises(grpc.RpcError) as e:
-            channel.unary_unary(f"/inference.GRPCInferenceService/{method}")(payload, timeout=30)
-        assert e.value.code() == grpc.StatusCode.UNAVAILABLE, method
-    channel.close()
-    assert gateway.proc.poll() is None

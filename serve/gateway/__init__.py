@@ -57,32 +57,38 @@ class Gateway:
                 store = None
                 log.warning(f"gateway: no --cache given and no Redis answering at {_safe(url)}: using an "
                             "in-process LRU cache (not shared, lost on exit)")
-        return ResultCache(store, c.cache_ttl, c.max_entry_bytes, c.memory_cache_bytes, self.metrics.error)
+        def held(nbytes: int, entries: int) -> None:
+            self.metrics.memory_bytes.set(nbytes)
+            self.metrics.memory_entries.set(entries)
+
+        return ResultCache(store, c.cache_ttl, c.max_entry_bytes, c.memory_cache_bytes, self.metrics.error, held)
 
     async def start(self) -> None:
         import grpc
 
         from dstool.serve.gateway.core import GatewayCore
         from dstool.serve.gateway.grpc import GrpcFrontend
-        from dstool.serve.gateway.http import HttpConnection, HttpFrontend
+        from dstool.serve.gateway.http import HttpConnection, HttpFrontend, HttpLimits
         from dstool.serve.gateway.metrics import Metrics
         from dstool.serve.gateway.upstream import Upstreams
 
         c = self.config
         self.metrics = Metrics()
         self.cache = await self._open_cache()
-        self.upstreams = Upstreams(c.upstreams, c.upstream_timeout)
+        self.upstreams = Upstreams(c.upstreams, c.upstream_timeout, c.health_timeout)
         self.core = GatewayCore(self.upstreams, self.cache, self.metrics, c.version_check_interval,
                                 Path(c.repository) if c.repository else None)
-        frontend = HttpFrontend(self.core, self.metrics, c.token, c.max_request_bytes)
+        limits = HttpLimits(**{name: getattr(c, name) for name in HttpLimits.__dataclass_fields__})
+        self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits)
         loop = asyncio.get_running_loop()
         try:
-            self._http_server = await loop.create_server(lambda: HttpConnection(frontend), c.host, c.http_port,
-                                                         reuse_address=True, backlog=1024)
+            self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,
+                                                         c.http_port, reuse_address=True, backlog=1024)
         except OSError as e:
             raise UsageError(_bind_error(c.host, c.http_port, e)) from None
         self.http_port = self._http_server.sockets[0].getsockname()[1]
-        self.grpc_frontend = GrpcFrontend(self.core, self.metrics, c.grpc_targets(), c.token, c.upstream_timeout)
+        self.grpc_frontend = GrpcFrontend(self.core, self.metrics, c.grpc_targets(), c.token, c.upstream_timeout,
+                                          c.health_timeout)
         self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                                      ("grpc.max_receive_message_length", c.max_request_bytes),
                                                      ("grpc.max_send_message_length", -1)])
@@ -97,14 +103,29 @@ class Gateway:
                  f"metrics http://{c.host}:{self.http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; "
                  f"TTL {c.cache_ttl:g} s" + ("; bearer token required" if c.token else ""))
 
-    async def stop(self) -> None:
-        if self._grpc_server is not None:
-            await self._grpc_server.stop(1.0)
+    async def stop(self, grace: float = 0.0) -> None:
+        """Drain, then stop: no new connection or call is accepted, idle HTTP connections close, requests in flight
+        get up to `grace` seconds to finish (their answers close the connection), then everything closes."""
+        http_server, grpc_server = self._http_server, self._grpc_server
+        self._http_server = self._grpc_server = None
+        if http_server is not None:
+            self.http_frontend.draining = True
+            http_server.close()  # no new connections
+            for conn in list(self.http_frontend.connections):
+                if conn.idle():
+                    conn._close()
+        if grpc_server is not None:
+            grpc_stopped = asyncio.ensure_future(grpc_server.stop(grace))  # new calls refused, in-flight ones finish
+        deadline = asyncio.get_running_loop().time() + grace
+        while http_server is not None and self.http_frontend.connections \
+                and asyncio.get_running_loop().time() < deadline:
+            await asyncio.sleep(0.05)
+        if grpc_server is not None:
+            await grpc_stopped
             await self.grpc_frontend.close()
-            self._grpc_server = None
-        if self._http_server is not None:
-            self._http_server.close()
-            self._http_server = None
+        if http_server is not None:
+            for conn in list(self.http_frontend.connections):
+                conn._close()
             self.upstreams.close()
             await self.cache.close()
 
@@ -149,7 +170,10 @@ def run_gateway(config: GatewayConfig, while_true: Callable[[], bool] | None = N
                 except asyncio.TimeoutError:
                     pass
         finally:
-            await gateway.stop()
+            drain = config.shutdown_grace if stop.is_set() else 0.0  # Triton gone: nothing left to finish
+            if drain:
+                log.info(f"dstool gateway: stopping — requests in flight have {drain:g} s to finish")
+            await gateway.stop(drain)
         log.info("dstool gateway: stopped")
         return 0
 

@@ -59,20 +59,34 @@ def decode(blob: bytes) -> tuple[InferResult, float]:
         raise CorruptEntry(f"{type(e).__name__}: {e}") from None
 
 
-@dataclass(slots=True)
+# What an entry costs besides its bytes (the objects holding them, its key): counted so that many tiny
+# results cannot exceed the bound either.
+ENTRY_OVERHEAD = 512
+
+
+@dataclass(slots=True, eq=False)
 class Entry:
     result: InferResult
     expires_at: float  # time.time() seconds
-    size: int
+    size: int  # bytes counted against the in-process bound: outputs, renderings, overhead
     rendered: dict = field(default_factory=dict)  # protocol-specific encodings, built on first use
+    owner: MemoryLRU | None = None  # the LRU that holds it (None once evicted)
+
+    def keep(self, form, value, nbytes: int) -> None:
+        """Keep a rendering of the result for the next hit, counting its `nbytes` against the bound."""
+        self.rendered[form] = value
+        if self.owner is not None:
+            self.owner.grow(self, nbytes)
 
 
 class MemoryLRU:
-    """Entries up to `max_bytes` in total, least recently used evicted first, expired ones dropped on read."""
+    """Entries up to `max_bytes` in total — results and every rendering kept with them — least recently used
+    evicted first, expired ones dropped on read."""
 
-    def __init__(self, max_bytes: int):
+    def __init__(self, max_bytes: int, on_change=lambda nbytes, entries: None):
         self.max_bytes = max_bytes
         self.bytes = 0
+        self.on_change = on_change
         self._entries: OrderedDict[str, Entry] = OrderedDict()
 
     def get(self, key: str) -> Entry | None:
@@ -86,19 +100,35 @@ class MemoryLRU:
         return entry
 
     def put(self, key: str, entry: Entry) -> None:
+        self.pop(key)
         if entry.size > self.max_bytes:
             return
-        self.pop(key)
         self._entries[key] = entry
+        entry.owner = self
         self.bytes += entry.size
-        while self.bytes > self.max_bytes:
-            _, old = self._entries.popitem(last=False)
-            self.bytes -= old.size
+        self._evict()
+
+    def grow(self, entry: Entry, nbytes: int) -> None:
+        entry.size += nbytes
+        if entry.owner is self:
+            self.bytes += nbytes
+            self._evict()
 
     def pop(self, key: str) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
-            self.bytes -= old.size
+            self._forget(old)
+            self.on_change(self.bytes, len(self._entries))
+
+    def _forget(self, entry: Entry) -> None:
+        self.bytes -= entry.size
+        entry.owner = None
+
+    def _evict(self) -> None:
+        while self.bytes > self.max_bytes and self._entries:
+            _, old = self._entries.popitem(last=False)
+            self._forget(old)
+        self.on_change(self.bytes, len(self._entries))
 
 
 class RedisStore:
@@ -167,11 +197,11 @@ class ResultCache:
     """Front LRU + optional Redis. `ttl` seconds per entry; results larger than `max_entry_bytes` are not kept."""
 
     def __init__(self, redis_store: RedisStore | None, ttl: float, max_entry_bytes: int, memory_bytes: int,
-                 on_error=lambda kind: None):
+                 on_error=lambda kind: None, on_change=lambda nbytes, entries: None):
         self.redis = redis_store
         self.ttl = ttl
         self.max_entry_bytes = max_entry_bytes
-        self.front = MemoryLRU(memory_bytes)
+        self.front = MemoryLRU(memory_bytes, on_change)
         self.on_error = on_error
         self._writes: set[asyncio.Task] = set()
 
@@ -192,7 +222,7 @@ class ResultCache:
             self.on_error("corrupt_entry")
             self._spawn(self.redis.call("delete", key))
             return None
-        entry = Entry(result, expires_at, len(blob))
+        entry = Entry(result, expires_at, len(blob) + ENTRY_OVERHEAD)
         self.front.put(key, entry)
         return entry
 
@@ -202,7 +232,7 @@ class ResultCache:
         if size > self.max_entry_bytes:
             return None
         expires_at = time.time() + self.ttl
-        entry = Entry(result, expires_at, size)
+        entry = Entry(result, expires_at, size + ENTRY_OVERHEAD)
         self.front.put(key, entry)
         if self.redis is not None and self.redis.available:
             self._spawn(self.redis.call("set", key, encode(result, expires_at), None, max(1, int(self.ttl * 1000))))

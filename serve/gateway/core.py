@@ -15,7 +15,7 @@ from dstool.serve.gateway.cache import Entry, ResultCache
 from dstool.serve.gateway.keys import cache_key, is_sequence_request, model_fingerprint
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
-from dstool.serve.gateway.upstream import Response, Upstreams
+from dstool.serve.gateway.upstream import Upstreams, UpstreamTimeout, UpstreamUnavailable
 
 
 @dataclass
@@ -46,19 +46,21 @@ class Deployment:
         return fp
 
 
-def error_message(response: Response) -> str:
+def error_message(status: int, body: bytes) -> str:
+    """The message of a KServe error body, or the body itself."""
     try:
-        return str(orjson.loads(response.body)["error"])
+        return str(orjson.loads(body)["error"])
     except Exception:
-        return response.body.decode(errors="replace")[:500] or f"HTTP {response.status}"
+        return body.decode(errors="replace")[:500] or f"HTTP {status}"
 
 
 class Deployments:
     """Model versions as Triton reports them, re-checked at most every `interval` seconds (and at once after a
     repository load/unload through the gateway, or when Triton answers with another version)."""
 
-    def __init__(self, upstreams: Upstreams, interval: float, repository: Path | None):
+    def __init__(self, upstreams: Upstreams, interval: float, repository: Path | None, metrics: Metrics):
         self.upstreams = upstreams
+        self.metrics = metrics
         self.interval = interval
         self.repository = repository
         self._known: dict[str, Deployment] = {}
@@ -69,28 +71,41 @@ class Deployments:
         return d if d is not None and time.monotonic() - d.checked_at < self.interval else None
 
     async def get(self, model: str) -> Deployment:
+        """The model's deployment as Triton reports it now; while Triton cannot be asked, the last one seen (so the
+        cache answers what it holds, and only misses fail)."""
         d = self.now(model)
         if d is not None:
             return d
         pending = self._pending.get(model)
         if pending is None:
             pending = self._pending[model] = asyncio.ensure_future(self._fetch(model))
-            pending.add_done_callback(lambda _: self._pending.pop(model, None))
-        return await asyncio.shield(pending)
+            pending.add_done_callback(lambda t: (self._pending.pop(model, None), t.cancelled() or t.exception()))
+        try:
+            return await asyncio.shield(pending)
+        except (UpstreamUnavailable, UpstreamTimeout):
+            last = self._known.get(model)
+            if last is None:
+                raise
+            return last
 
     async def _fetch(self, model: str) -> Deployment:
         path = f"/v2/models/{quote(model, safe='')}"
         meta, config = await asyncio.gather(self.upstreams.request("GET", path),
-                                            self.upstreams.request("GET", path + "/config"))
+                                            self.upstreams.request("GET", path + "/config"), return_exceptions=True)
+        for answer in (meta, config):
+            if isinstance(answer, BaseException):
+                raise answer
+        assert not isinstance(meta, BaseException) and not isinstance(config, BaseException)
         for r in (meta, config):
             if r.status != 200:
                 self._known.pop(model, None)
-                raise GatewayError(r.status, error_message(r))
+                raise GatewayError(r.status, error_message(r.status, r.body))
         metadata = orjson.loads(meta.body)
         versions = sorted(metadata.get("versions") or [], key=lambda v: (len(v), v))
         outputs = [o["name"] for o in metadata.get("outputs") or []]
         d = Deployment(model, versions, outputs, orjson.loads(config.body), time.monotonic(), self.repository)
         self._known[model] = d
+        self.metrics.models.add(model)
         return d
 
     def invalidate(self, model: str | None = None) -> None:
@@ -113,7 +128,7 @@ class GatewayCore:
         self.upstreams = upstreams
         self.cache = cache
         self.metrics = metrics
-        self.deployments = Deployments(upstreams, version_check_interval, repository)
+        self.deployments = Deployments(upstreams, version_check_interval, repository, metrics)
         self._computing: dict[str, asyncio.Future] = {}
 
     def key_now(self, request: InferRequest) -> str | None:
@@ -136,23 +151,22 @@ class GatewayCore:
         return await self.cache.get(key)
 
     async def compute(self, key: str, version: str, request: InferRequest) -> tuple[InferResult, Entry | None]:
-        """Run a miss on Triton (identical concurrent misses share one Triton request) and keep the result."""
-        pending = self._computing.get(key)
-        if pending is not None:
-            return await asyncio.shield(pending)
-        # The first request computes in its own task (no extra task or loop turn on the common path);
-        # identical requests arriving meanwhile wait on `shared`.
-        shared = self._computing[key] = asyncio.get_running_loop().create_future()
-        shared.add_done_callback(lambda f: f.cancelled() or f.exception())  # retrieved even with no waiter
-        try:
-            answer = await self._compute_and_store(key, version, request)
-        except BaseException as e:
-            shared.set_exception(e)
-            raise
-        finally:
+        """Run a miss on Triton (identical concurrent misses share one Triton request) and keep the result.
+
+        The computation is a task of its own that no request owns: a client that gives up (a gRPC deadline, a
+        closed connection) stops waiting, and the others that joined the same miss still get its result."""
+        task = self._computing.get(key)
+        if task is None:
+            task = asyncio.ensure_future(self._compute_and_store(key, version, request))
+            self._computing[key] = task
+            task.add_done_callback(lambda t: self._finished(key, t))
+        return await asyncio.shield(task)
+
+    def _finished(self, key: str, task: asyncio.Task) -> None:
+        if self._computing.get(key) is task:
             del self._computing[key]
-        shared.set_result(answer)
-        return answer
+        if not task.cancelled():
+            task.exception()  # retrieved here: every waiter may have given up
 
     async def _compute_and_store(self, key: str, version: str, request: InferRequest):
         result = await self.infer_upstream(request)
@@ -161,7 +175,7 @@ class GatewayCore:
             return result, None
         entry = self.cache.put(key, result)
         if entry is not None:
-            self.metrics.bytes.labels(request.model, "store").inc(entry.size)
+            self.metrics.bytes.labels(self.metrics.model(request.model), "store").inc(entry.size)
         return result, entry
 
     async def infer_upstream(self, request: InferRequest) -> InferResult:
@@ -181,7 +195,7 @@ class GatewayCore:
             "POST", path + "/infer", [head, *(t.raw for t in request.inputs)],
             (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream")))
         if response.status != 200:
-            raise GatewayError(response.status, error_message(response))
+            raise GatewayError(response.status, error_message(response.status, response.body))
         return parse_binary_response(response.body, response.headers.get("inference-header-content-length"))
 
 

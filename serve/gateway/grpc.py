@@ -17,13 +17,20 @@ from tritonclient.grpc import service_pb2
 from dstool.serve.gateway.core import GatewayCore
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
-from dstool.serve.gateway.upstream import UpstreamUnavailable
+from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
 SERVICE = "/inference.GRPCInferenceService/"
-HEALTH_METHODS = frozenset({SERVICE + m for m in ("ServerLive", "ServerReady", "ModelReady")})
+HEALTH_CHECK = "/grpc.health.v1.Health/Check"  # the standard gRPC health service, which Triton implements too
+# Health methods: open to every client, answered within the health timeout, and "not ready" when Triton is not.
+NOT_READY = {SERVICE + "ServerLive": service_pb2.ServerLiveResponse(live=False).SerializeToString(),
+             SERVICE + "ServerReady": service_pb2.ServerReadyResponse(ready=False).SerializeToString(),
+             SERVICE + "ModelReady": service_pb2.ModelReadyResponse(ready=False).SerializeToString(),
+             HEALTH_CHECK: b"\x08\x02"}  # HealthCheckResponse{status: NOT_SERVING}
+HEALTH_METHODS = frozenset(NOT_READY)
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
-                503: grpc.StatusCode.UNAVAILABLE, 504: grpc.StatusCode.DEADLINE_EXCEEDED}
+                429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
+                504: grpc.StatusCode.DEADLINE_EXCEEDED}
 CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents", "INT32": "int_contents",
                   "INT64": "int64_contents", "UINT8": "uint_contents", "UINT16": "uint_contents",
                   "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
@@ -33,6 +40,10 @@ NOT_FORWARDED = frozenset({"authorization", "user-agent", "cache-control"})
 
 class _Passthrough(Exception):
     """Shared-memory tensors: relayed to Triton as they are."""
+
+
+class _Failed(Exception):
+    """A relayed health call that Triton did not answer."""
 
 
 def _parameters(params) -> dict:
@@ -96,11 +107,11 @@ def render_infer(result: InferResult, request_id: str) -> bytes:
 
 class GrpcFrontend(grpc.GenericRpcHandler):
     def __init__(self, core: GatewayCore, metrics: Metrics, upstream_targets: list[str], token: str | None,
-                 timeout: float):
+                 timeout: float, health_timeout: float):
         self.core = core
         self.metrics = metrics
-        self.token = f"Bearer {token}" if token else None
-        self.timeout = timeout
+        self.token = f"Bearer {token}".encode() if token else None
+        self.timeout, self.health_timeout = timeout, health_timeout
         options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
         self.channels = [grpc.aio.insecure_channel(t, options=options) for t in upstream_targets]
         self._turn = itertools.cycle(range(len(self.channels)))
@@ -108,7 +119,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
 
     def service(self, details):
         method = details.method
-        if not method.startswith(SERVICE):
+        if not method.startswith(SERVICE) and method != HEALTH_CHECK:
             return None
         handler = self._handlers.get(method)
         if handler is None:
@@ -124,7 +135,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
     async def _check_token(self, context, method: str) -> None:
         if self.token and method not in HEALTH_METHODS:
             given = dict(context.invocation_metadata()).get("authorization", "")
-            if not hmac.compare_digest(given, self.token):
+            given_bytes = given if isinstance(given, bytes) else given.encode("utf-8", "surrogateescape")
+            if not hmac.compare_digest(given_bytes, self.token):  # bytes: any metadata value compares
                 self.metrics.error("unauthorized")
                 await context.abort(grpc.StatusCode.UNAUTHENTICATED, "missing or wrong bearer token")
 
@@ -135,26 +147,47 @@ class GrpcFrontend(grpc.GenericRpcHandler):
     def _unary_relay(self, method: str):
         async def relay(raw: bytes, context) -> bytes:
             await self._check_token(context, method)
-            return await self._relay_unary(method, raw, context)
+            if method in HEALTH_METHODS:  # a Triton that does not answer in time is not ready
+                try:
+                    return await self._relay_unary(method, raw, context, self.health_timeout, quiet=True)
+                except _Failed:
+                    return NOT_READY[method]
+            return await self._relay_unary(method, raw, context, self.timeout)
         return relay
 
-    async def _relay_unary(self, method: str, raw: bytes, context) -> bytes:
+    def _deadline(self, context, timeout: float) -> float:
+        """This call's deadline on Triton: ours, or the client's own when that is shorter."""
+        remaining = context.time_remaining()
+        return timeout if remaining is None else max(0.001, min(timeout, remaining))
+
+    async def _relay_unary(self, method: str, raw: bytes, context, timeout: float, quiet: bool = False) -> bytes:
         first = next(self._turn)
-        error: grpc.aio.AioRpcError | None = None
+        servers = self.core.upstreams.servers
+        error: tuple[grpc.StatusCode, str] | None = None
         for i in range(len(self.channels)):
-            call = self.channels[(first + i) % len(self.channels)].unary_unary(method)
+            k = (first + i) % len(self.channels)
+            if k < len(servers) and servers[k].down:  # marked down: fail at once, do not wait out a deadline
+                error = error or (grpc.StatusCode.UNAVAILABLE, f"Triton at {servers[k].address} is not answering: "
+                                  "retry later")
+                continue
+            call = self.channels[k].unary_unary(method)
             try:
-                return await call(raw, metadata=self._forwarded_metadata(context), timeout=self.timeout)
+                return await call(raw, metadata=self._forwarded_metadata(context),
+                                  timeout=self._deadline(context, timeout))
             except grpc.aio.AioRpcError as e:
-                error = e
+                error = (e.code(), e.details() or "")
+                if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and k < len(servers):
+                    servers[k].check_health()
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
         assert error is not None  # there is at least one channel
-        if error.code() == grpc.StatusCode.UNAVAILABLE:
+        if error[0] == grpc.StatusCode.UNAVAILABLE:
             self.metrics.error("upstream")
         if method.endswith(("RepositoryModelLoad", "RepositoryModelUnload")):
             self.core.deployments.invalidate()
-        await context.abort(error.code(), error.details() or "")
+        if quiet:
+            raise _Failed()
+        await context.abort(*error)
         raise AssertionError("context.abort raises")
 
     def _stream_relay(self, method: str):
@@ -196,15 +229,16 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 outcome = "miss"
             else:
                 result = entry.result
-        except (GatewayError, UpstreamUnavailable) as e:
-            status = e.status if isinstance(e, GatewayError) else 503
+        except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
+            status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
             self.metrics.error("upstream" if status >= 500 else "bad_request")
             self.metrics.observe(request.model, "grpc", "error", time.perf_counter() - started)
             await context.abort(STATUS_CODES.get(status, grpc.StatusCode.INTERNAL), str(e))
         if entry is not None and not request.id:
             body = entry.rendered.get("grpc")
             if body is None:
-                body = entry.rendered["grpc"] = render_infer(result, "")
+                body = render_infer(result, "")
+                entry.keep("grpc", body, len(body))
         else:
             body = render_infer(result, request.id)
         self.metrics.observe(request.model, "grpc", outcome, time.perf_counter() - started,
@@ -213,7 +247,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
 
     async def _relay_infer(self, raw: bytes, context, started: float, model: str) -> bytes:
         try:
-            body = await self._relay_unary(SERVICE + "ModelInfer", raw, context)
+            body = await self._relay_unary(SERVICE + "ModelInfer", raw, context, self.timeout)
         except BaseException:
             self.metrics.observe(model, "grpc", "error", time.perf_counter() - started)
             raise

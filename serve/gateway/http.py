@@ -1,12 +1,14 @@
 """The gateway's KServe v2 HTTP/REST endpoint: inference (JSON and the binary tensor extension) through the
-cache; every other route (health, metadata, config, statistics, repository, shared memory, ...) relayed to
-Triton unchanged; /metrics for Prometheus.
+cache; every other route (health, metadata, config, statistics, repository, shared memory, generate, ...)
+relayed to Triton (generate_stream's server-sent events as they come); /metrics for Prometheus.
 
 The server is an asyncio.Protocol on httptools' parser rather than aiohttp: with the same HttpFrontend
 behind both, a cache hit (1-token request, 16 KB of logits; wrk, 1 connection) measured p50 59-117 µs here
 against 135-179 µs behind an aiohttp 3.14 web.Application, and 7,700 against 7,400 requests/s with 16
 connections (2 shared cores, loaded; uvloop for both). A hit whose model version was checked recently is
-answered synchronously in data_received, without creating a task.
+answered synchronously in data_received, without creating a task. It guards itself as a well-kept server
+does (limits and timeouts in `HttpLimits`, all options of the gateway): the token is checked before a body is
+read, headers, URL and bodies are bounded, slow or silent clients are timed out, and a shutdown drains.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import hmac
 import time
 import zlib
 from collections import deque
+from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -35,14 +38,31 @@ from dstool.serve.gateway.tensors import (
     from_values,
     to_values,
 )
-from dstool.serve.gateway.upstream import UpstreamUnavailable
+from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
+LINGER_SECONDS = 2.0  # after refusing a request: how long what the client still sends is read and dropped
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "host", "content-length", "transfer-encoding", "authorization",
                         "expect", "upgrade", "te", "trailer", "proxy-authorization", "cache-control"})
 
 
 class _Passthrough(Exception):
     """The request uses features the cache does not model (shared memory): relay it to Triton as it is."""
+
+
+@dataclass(frozen=True)
+class HttpLimits:
+    """What one client may ask of the server (defaults like nginx's and uvicorn's; all gateway options)."""
+
+    max_request_bytes: int = 64 << 20
+    max_url_bytes: int = 8192
+    max_header_bytes: int = 8192
+    max_headers_bytes: int = 65536
+    max_headers: int = 100
+    header_timeout: float = 15.0
+    body_timeout: float = 30.0
+    keepalive_timeout: float = 5.0
+    max_connections: int = 1024
+    max_buffered_bytes: int = 256 << 20
 
 
 @dataclass(slots=True)
@@ -52,7 +72,6 @@ class HttpRequest:
     path: str
     headers: dict[str, str]  # lower-case names
     body: bytes
-    too_large: bool = False
 
 
 @dataclass(slots=True)
@@ -63,12 +82,28 @@ class HttpResponse:
 
     def encode(self, keep_alive: bool) -> list[bytes]:
         length = sum(map(len, self.chunks))
-        head = [f"HTTP/1.1 {self.status} {HTTPStatus(self.status).phrase}\r\nContent-Length: {length}\r\n"]
+        head = [f"HTTP/1.1 {self.status} {_phrase(self.status)}\r\nContent-Length: {length}\r\n"]
         head += [f"{k}: {v}\r\n" for k, v in self.headers]
         if not keep_alive:
             head.append("Connection: close\r\n")
         head.append("\r\n")
         return ["".join(head).encode("latin-1"), *self.chunks]
+
+
+@dataclass(slots=True)
+class StreamingResponse:
+    """A response whose body arrives in parts (server-sent events), sent with chunked transfer encoding."""
+
+    status: int
+    headers: list[tuple[str, str]]
+    body: AsyncIterator[bytes]
+
+
+def _phrase(status: int) -> str:
+    try:
+        return HTTPStatus(status).phrase
+    except ValueError:
+        return "Unknown"
 
 
 def error_response(status: int, message: str) -> HttpResponse:
@@ -175,23 +210,28 @@ def render_infer(result: InferResult, request_id: str, output_format: tuple) -> 
                                               ("Inference-Header-Content-Length", str(len(head)))])
 
 
-class HttpFrontend:
-    """Routes one parsed request; `handle` returns an HttpResponse, or an awaitable of one when it must wait."""
+Response = HttpResponse | StreamingResponse
 
-    def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, max_request_bytes: int):
+
+class HttpFrontend:
+    """Routes one parsed request; `handle` returns a response, or an awaitable of one when it must wait."""
+
+    def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, limits: HttpLimits):
         self.core = core
         self.metrics = metrics
-        self.token = f"Bearer {token}" if token else None
-        self.max_request_bytes = max_request_bytes
+        self.token = f"Bearer {token}".encode() if token else None
+        self.limits = limits
+        self.connections: set[HttpConnection] = set()
+        self.buffered = 0  # request body bytes held by all connections
+        self.draining = False
 
-    def handle(self, req: HttpRequest):
-        if req.too_large:
-            self.metrics.error("bad_request")
-            return error_response(413, f"request body exceeds the gateway's limit of {self.max_request_bytes} bytes")
-        if self.token and not req.path.startswith("/v2/health/") and not hmac.compare_digest(
-                req.headers.get("authorization", ""), self.token):
-            self.metrics.error("unauthorized")
-            return error_response(401, "missing or wrong bearer token")
+    def authorized(self, path: str, headers: dict[str, str]) -> bool:
+        """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes)."""
+        if self.token is None or path.startswith("/v2/health/"):
+            return True
+        return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.token)
+
+    def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if req.path == "/metrics":
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
         parts = req.path.split("/")
@@ -219,7 +259,7 @@ class HttpFrontend:
                 return self._answer(entry.result, entry, request, output_format, model, "hit", started)
         return self._infer_async(req, request, output_format, opt_out, started)
 
-    async def _infer_async(self, req, request, output_format, opt_out: bool, started: float) -> HttpResponse:
+    async def _infer_async(self, req, request, output_format, opt_out: bool, started: float) -> Response:
         try:
             key, version = await self.core.key(request, opt_out)
             if key is None:
@@ -229,20 +269,20 @@ class HttpFrontend:
                 return self._answer(entry.result, entry, request, output_format, request.model, "hit", started)
             result, entry = await self.core.compute(key, version, request)
             return self._answer(result, entry, request, output_format, request.model, "miss", started)
-        except GatewayError as e:
-            self.metrics.error("upstream" if e.status >= 500 else "bad_request")
+        except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
+            status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
+            self.metrics.error("bad_request" if status < 500 else "timeout" if status == 504 else "upstream")
             self.metrics.observe(request.model, "http", "error", time.perf_counter() - started)
-            return error_response(e.status, e.message)
-        except UpstreamUnavailable as e:
-            self.metrics.error("upstream")
-            self.metrics.observe(request.model, "http", "error", time.perf_counter() - started)
-            return error_response(503, str(e))
+            return error_response(status, str(e))
 
     def _answer(self, result, entry, request, output_format, model, outcome, started) -> HttpResponse:
         if entry is not None and not request.id:
             response = entry.rendered.get(("http", output_format))
             if response is None:
-                response = entry.rendered[("http", output_format)] = render_infer(result, "", output_format)
+                response = render_infer(result, "", output_format)
+                shared = {id(t.raw) for t in result.outputs}  # binary outputs are the result's own bytes
+                entry.keep(("http", output_format), response,
+                           sum(len(c) for c in response.chunks if id(c) not in shared))
         else:
             response = render_infer(result, request.id, output_format)
         self.metrics.observe(model, "http", outcome, time.perf_counter() - started,
@@ -256,95 +296,194 @@ class HttpFrontend:
         if encoding not in ("gzip", "deflate"):
             raise GatewayError(400, f"unsupported Content-Encoding '{encoding}'")
         inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
+        limit = self.limits.max_request_bytes
         try:
-            body = inflater.decompress(req.body, self.max_request_bytes + 1)
+            body = inflater.decompress(req.body, limit + 1)
         except zlib.error as e:
             raise GatewayError(400, f"request body does not decompress as {encoding}: {e}") from None
-        if len(body) > self.max_request_bytes:
-            raise GatewayError(413, f"decompressed request body exceeds {self.max_request_bytes} bytes")
+        if len(body) > limit:
+            raise GatewayError(413, f"decompressed request body exceeds {limit} bytes")
         return body
 
-    async def _relay_infer(self, req: HttpRequest, model: str, started: float) -> HttpResponse:
+    async def _relay_infer(self, req: HttpRequest, model: str, started: float) -> Response:
         response = await self.relay(req)
         self.metrics.observe(model, "http", "bypass" if response.status == 200 else "error",
                              time.perf_counter() - started)
         return response
 
-    async def relay(self, req: HttpRequest) -> HttpResponse:
-        """Send the request to Triton as it came and return Triton's answer as it is."""
+    async def relay(self, req: HttpRequest) -> Response:
+        """Send the request to Triton as it came and return Triton's answer as it is (a streamed answer, such as
+        generate_stream's server-sent events, as its parts come)."""
         headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
+        health = req.path.startswith("/v2/health/")
         try:
-            r = await self.core.upstreams.request(req.method, req.target, req.body, headers)
-        except UpstreamUnavailable as e:
+            r = await self.core.upstreams.open(req.method, req.target, req.body, headers, health=health)
+        except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
         if req.method == "POST" and req.path.startswith("/v2/repository/models/"):
             self.core.deployments.invalidate(req.path.split("/")[4])  # a load/unload may change the version
         elif r.status >= 500:
             self.metrics.error("upstream")
-        if r.status >= 400 and not r.body:
-            return error_response(r.status, error_message(r))
-        return HttpResponse(r.status, [r.body], [(k, v) for k, v in r.headers.items() if k not in HOP_BY_HOP])
+        passed = [(k, v) for k, v in r.headers.items() if k not in HOP_BY_HOP]
+        if r.streaming:
+            return StreamingResponse(r.status, passed, r.chunks())
+        body = await r.read()
+        if r.status >= 400 and not body:
+            return error_response(r.status, error_message(r.status, body))
+        return HttpResponse(r.status, [body], passed)
 
 
 class HttpConnection(asyncio.Protocol):
-    """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order."""
+    """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order. Each phase has a
+    deadline (headers, body, idle), and a request that breaks a limit is answered and the connection closed."""
 
     def __init__(self, frontend: HttpFrontend):
         self.frontend = frontend
+        self.limits = frontend.limits
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
         self.queue: deque[tuple[HttpRequest, bool]] = deque()
         self.busy = False
-        self.url = b""
-        self.headers: dict[str, str] = {}
-        self.body: list[bytes] = []
-        self.size = 0
-        self.too_large = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.lingering = False
+        self._begin_request()
 
+    # ---- lifecycle and timeouts --------------------------------------------------------------------------
     def connection_made(self, transport) -> None:
         self.transport = transport
+        front = self.frontend
+        if front.draining or len(front.connections) >= self.limits.max_connections:
+            self._refuse(503, "the gateway is shutting down" if front.draining else
+                         f"the gateway holds {self.limits.max_connections} connections: retry later")
+            return
+        front.connections.add(self)
+        self._arm(self.limits.header_timeout, 408, "request headers not received in time")
 
     def connection_lost(self, exc) -> None:
         self.transport = None
+        self._disarm()
+        self._release()
+        self.frontend.connections.discard(self)
+
+    def _arm(self, seconds: float, status: int | None, message: str = "") -> None:
+        """Answer `status` and close (or just close, for an idle connection) unless the phase ends in time."""
+        self._disarm()
+        self.timer = asyncio.get_running_loop().call_later(seconds, self._timed_out, status, message)
+
+    def _disarm(self) -> None:
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+
+    def _timed_out(self, status: int | None, message: str) -> None:
+        self.timer = None
+        if status is None or self.busy:
+            self._close()
+        else:
+            self.frontend.metrics.error("bad_request")
+            self._refuse(status, message)
+
+    def idle(self) -> bool:
+        return not self.busy and not self.queue and self.head_bytes == 0
+
+    # ---- parsing ---------------------------------------------------------------------------------------
+    def _begin_request(self) -> None:
+        self.url = b""
+        self.headers: dict[str, str] = {}
+        self.header_name = b""
+        self.body: list[bytes] = []
+        self.size = 0
+        self.head_bytes = 0
+        self.headers_done = False
+        self.error: tuple[int, str] | None = None
+        self.reserved = 0
 
     def data_received(self, data: bytes) -> None:
+        if self.transport is None:
+            return
+        if self.lingering:  # what a refused client still sends is read and dropped, so it sees the answer
+            return
+        in_head = not self.headers_done
+        if in_head and self.head_bytes == 0 and not self.busy:
+            self._arm(self.limits.header_timeout, 408, "request headers not received in time")
         try:
             self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            pass  # Triton answers an Upgrade request as a plain one: so does the gateway (then closes)
         except httptools.HttpParserError as e:
-            self._write(error_response(400, f"malformed HTTP request: {e}"), keep_alive=False)
+            if self.error is None:
+                self.error = (400, f"malformed HTTP request: {e}")
+        if in_head and not self.headers_done:  # still in the head: what the parser holds for it is bounded
+            self.head_bytes += len(data)
+            if self.head_bytes > self.limits.max_headers_bytes + self.limits.max_url_bytes and self.error is None:
+                self.error = (431, f"request headers exceed {self.limits.max_headers_bytes} bytes")
+        if self.error is not None:
+            self._refuse(*self.error)
 
     def on_message_begin(self) -> None:
-        self.url, self.headers, self.body, self.size, self.too_large = b"", {}, [], 0, False
+        self._begin_request()
 
     def on_url(self, url: bytes) -> None:
         self.url += url
+        if len(self.url) > self.limits.max_url_bytes and self.error is None:
+            self.error = (414, f"request target exceeds {self.limits.max_url_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(self.headers) >= self.limits.max_headers and self.error is None:
+            self.error = (431, f"more than {self.limits.max_headers} request headers")
+        if len(name) + len(value) > self.limits.max_header_bytes and self.error is None:
+            self.error = (431, f"a request header exceeds {self.limits.max_header_bytes} bytes")
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
-        limit = self.frontend.max_request_bytes
+        self.headers_done = True
+        if self.error is not None:
+            return
+        target = self.url.decode("latin-1")
+        front, limit = self.frontend, self.limits.max_request_bytes
         try:
-            self.too_large = int(self.headers.get("content-length", "0")) > limit
+            length = int(self.headers.get("content-length", "0"))
         except ValueError:
-            self.too_large = False
-        if self.headers.get("expect", "").lower() == "100-continue" and not self.too_large and self.transport:
+            self.error = (400, "Content-Length is not an integer")
+            return
+        if not front.authorized(target.split("?", 1)[0], self.headers):  # before any byte of the body is read
+            front.metrics.error("unauthorized")
+            self.error = (401, "missing or wrong bearer token")
+        elif length > limit:
+            front.metrics.error("bad_request")
+            self.error = (413, f"request body exceeds the gateway's limit of {limit} bytes")
+        elif not self._reserve(length):
+            self.error = (503, "the gateway holds too many request bodies at once: retry later")
+        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        if self.error is None and (length or self.headers.get("transfer-encoding")):
+            self._arm(self.limits.body_timeout, 408, "request body not received in time")
+        else:
+            self._disarm()
 
     def on_body(self, body: bytes) -> None:
+        if self.error is not None:
+            return
         self.size += len(body)
-        if self.size > self.frontend.max_request_bytes:
-            self.too_large = True
-            self.body = []
-        elif not self.too_large:
+        if self.size > self.limits.max_request_bytes:
+            self.error = (413, f"request body exceeds the gateway's limit of {self.limits.max_request_bytes} bytes")
+        elif self.size > self.reserved and not self._reserve(self.size - self.reserved):
+            self.error = (503, "the gateway holds too many request bodies at once: retry later")
+        else:
             self.body.append(body)
+            self._arm(self.limits.body_timeout, 408, "request body not received in time")
 
     def on_message_complete(self) -> None:
+        if self.error is not None:
+            return
+        self._disarm()
         target = self.url.decode("latin-1")
         req = HttpRequest(self.parser.get_method().decode(), target, target.split("?", 1)[0], self.headers,
-                          b"".join(self.body), self.too_large)
-        keep_alive = self.parser.should_keep_alive() and not self.too_large
+                          b"".join(self.body))
+        self.body = []
+        keep_alive = self.parser.should_keep_alive() and not self.parser.should_upgrade()
+        self.headers_done, self.head_bytes = False, 0  # the next request starts in its head
         if self.busy:
             self.queue.append((req, keep_alive))
             if len(self.queue) > 32 and self.transport is not None:
@@ -352,12 +491,26 @@ class HttpConnection(asyncio.Protocol):
         else:
             self._dispatch(req, keep_alive)
 
+    def _reserve(self, nbytes: int) -> bool:
+        front = self.frontend
+        if front.buffered + nbytes > self.limits.max_buffered_bytes:
+            return False
+        front.buffered += nbytes
+        self.reserved += nbytes
+        return True
+
+    def _release(self) -> None:
+        self.frontend.buffered -= self.reserved
+        self.reserved = 0
+
+    # ---- answering -----------------------------------------------------------------------------------------
     def _dispatch(self, req: HttpRequest, keep_alive: bool) -> None:
         try:
             response = self.frontend.handle(req)
         except Exception as e:  # a bug must not take the connection's other requests with it
             response = error_response(500, f"gateway error: {type(e).__name__}: {e}")
         if isinstance(response, HttpResponse):
+            self._release()
             self._write(response, keep_alive)
         else:
             self.busy = True
@@ -365,10 +518,14 @@ class HttpConnection(asyncio.Protocol):
 
     async def _finish(self, pending, keep_alive: bool) -> None:
         try:
-            response = await pending
+            response = await pending if not isinstance(pending, StreamingResponse) else pending
         except Exception as e:
             response = error_response(500, f"gateway error: {type(e).__name__}: {e}")
-        self._write(response, keep_alive)
+        self._release()
+        if isinstance(response, StreamingResponse):
+            await self._stream(response, keep_alive)
+        else:
+            self._write(response, keep_alive)
         self.busy = False
         while self.queue and not self.busy and self.transport is not None:
             self._dispatch(*self.queue.popleft())
@@ -378,7 +535,56 @@ class HttpConnection(asyncio.Protocol):
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
         if self.transport is None:
             return
+        keep_alive = keep_alive and not self.frontend.draining
         self.transport.writelines(response.encode(keep_alive))
+        self._after_response(keep_alive)
+
+    async def _stream(self, response: StreamingResponse, keep_alive: bool) -> None:
+        if self.transport is None:
+            return
+        keep_alive = keep_alive and not self.frontend.draining
+        head = [f"HTTP/1.1 {response.status} {_phrase(response.status)}\r\nTransfer-Encoding: chunked\r\n"]
+        head += [f"{k}: {v}\r\n" for k, v in response.headers]
         if not keep_alive:
+            head.append("Connection: close\r\n")
+        self.transport.write("".join(head + ["\r\n"]).encode("latin-1"))
+        try:
+            async for chunk in response.body:
+                if self.transport is None:
+                    break
+                if chunk:
+                    self.transport.writelines([f"{len(chunk):x}\r\n".encode(), chunk, b"\r\n"])
+        except (UpstreamUnavailable, UpstreamTimeout, ConnectionError):
+            keep_alive = False  # the stream broke off: the client sees the connection end, as from Triton
+        if self.transport is not None:
+            if keep_alive:
+                self.transport.write(b"0\r\n\r\n")
+            self._after_response(keep_alive)
+
+    def _after_response(self, keep_alive: bool) -> None:
+        if not keep_alive:
+            self._close()
+        elif not self.busy and not self.queue:
+            self._arm(self.limits.keepalive_timeout, None)
+
+    def _refuse(self, status: int, message: str) -> None:
+        """Answer a request the gateway will not read further, and close the connection once the client has had
+        time to read the answer (what it still sends meanwhile is dropped unread, as nginx's lingering close does:
+        a client that writes its whole body before reading still gets the 413 or 401)."""
+        if self.transport is None:
+            return
+        self.transport.writelines(error_response(status, message).encode(keep_alive=False))
+        self._release()
+        self.frontend.connections.discard(self)
+        if self.transport.can_write_eof():
+            self.transport.write_eof()
+        self.lingering = True
+        self._arm(LINGER_SECONDS, None)
+
+    def _close(self) -> None:
+        self._disarm()
+        if self.transport is not None:
             self.transport.close()
             self.transport = None
+        self._release()
+        self.frontend.connections.discard(self)

@@ -1,15 +1,20 @@
-"""Prometheus metrics of the gateway (served on the HTTP port at /metrics), in a registry of its own."""
+"""Prometheus metrics of the gateway (served on the HTTP port at /metrics), in a registry of its own.
+
+A `model` label is a model Triton has reported to exist: any other name a client sends is counted as
+"(unknown)", so clients cannot grow the metrics by inventing names."""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+UNKNOWN_MODEL = "(unknown)"
 
 
 class Metrics:
     def __init__(self):
         self.registry = CollectorRegistry()
+        self.models: set[str] = set()  # names Triton reported (metadata answered 200)
         r = self.registry
         self.hits = Counter("dstool_gateway_cache_hits", "Inference requests answered from the cache",
                             ["model", "protocol"], registry=r)
@@ -18,26 +23,35 @@ class Metrics:
         self.bypassed = Counter("dstool_gateway_cache_bypassed",
                                 "Inference requests not cacheable (opt-out, sequence/decoupled model, shared memory)",
                                 ["model", "protocol"], registry=r)
-        self.errors = Counter("dstool_gateway_errors", "Errors by kind (redis, corrupt_entry, upstream, bad_request)",
-                              ["kind"], registry=r)
+        self.errors = Counter("dstool_gateway_errors", "Errors by kind (redis, corrupt_entry, upstream, bad_request, "
+                              "unauthorized, timeout)", ["kind"], registry=r)
         self.bytes = Counter("dstool_gateway_cache_bytes", "Output bytes served from the cache (hit) or stored (store)",
                              ["model", "direction"], registry=r)
         self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",
                                  ["model", "protocol", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.memory_bytes = Gauge("dstool_gateway_memory_cache_bytes", "Bytes the in-process cache holds: results "
+                                  "and their protocol renderings", registry=r)
+        self.memory_entries = Gauge("dstool_gateway_memory_cache_entries", "Entries in the in-process cache",
+                                    registry=r)
+
+    def model(self, name: str) -> str:
+        """The label for a model name: itself if Triton has it, else "(unknown)"."""
+        return name if name in self.models else UNKNOWN_MODEL
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()
 
     def observe(self, model: str, protocol: str, outcome: str, seconds: float, nbytes: int = 0) -> None:
         """Count one inference request: outcome is hit, miss, bypass or error."""
+        label = self.model(model)
         if outcome == "hit":
-            self.hits.labels(model, protocol).inc()
-            self.bytes.labels(model, "hit").inc(nbytes)
+            self.hits.labels(label, protocol).inc()
+            self.bytes.labels(label, "hit").inc(nbytes)
         elif outcome == "miss":
-            self.misses.labels(model, protocol).inc()
+            self.misses.labels(label, protocol).inc()
         elif outcome == "bypass":
-            self.bypassed.labels(model, protocol).inc()
-        self.latency.labels(model, protocol, outcome).observe(seconds)
+            self.bypassed.labels(label, protocol).inc()
+        self.latency.labels(label, protocol, outcome).observe(seconds)
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

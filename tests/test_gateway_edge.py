@@ -1,0 +1,270 @@
+"""The cache gateway at the edge: cancelled and joined misses, a hung or killed Triton, hostile clients, memory
+and metrics bounds, and the protocol details where it must answer as Triton does. Real processes: Triton 2.51
+serving our own small python-backend models (tests/models) and the exported tensor model, redis-server, the
+gateway as `dstool gateway`, the unmodified tritonclient."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from gatewaylib import GatewayProcess
+
+
+def _fp32_inputs(module, values, binary: bool = True):
+    t = module.InferInput("INPUT0", [len(values)], "FP32")
+    data = np.asarray(values, dtype=np.float32)
+    if module.__name__.startswith("tritonclient.http"):
+        t.set_data_from_numpy(data, binary_data=binary)
+    else:
+        t.set_data_from_numpy(data)
+    return [t]
+
+
+def test_a_cancelled_miss_does_not_hang_the_requests_that_joined_it(gateway):
+    """The first client of a miss gives up (gRPC deadline) while Triton computes; a second client asked for the
+    same result meanwhile: it gets the result, not a hang (the computation belongs to no single request)."""
+    import tritonclient.grpc.aio as grpc_aio
+    import tritonclient.http.aio as http_aio
+    from tritonclient.utils import InferenceServerException
+
+    values = [float(time.time() % 1000), 1.0, 2.0]  # a fresh input: a miss
+    parameters = {"delay_ms": 1500}
+
+    async def run():
+        g, h = grpc_aio.InferenceServerClient(gateway.grpc_url), http_aio.InferenceServerClient(gateway.http_url)
+        try:
+            first = asyncio.ensure_future(g.infer("echo_fp32", _fp32_inputs(grpc_aio, values), client_timeout=0.5,
+                                                  parameters=parameters))
+            await asyncio.sleep(0.15)
+            started = time.monotonic()
+            joiner = await asyncio.wait_for(h.infer("echo_fp32", _fp32_inputs(http_aio, values),
+                                                    parameters=parameters), 10)
+            with pytest.raises(InferenceServerException, match="Deadline"):
+                await first
+            return joiner.as_numpy("INPUT0_OUT"), time.monotonic() - started
+        finally:
+            await g.close()
+            await h.close()
+
+    out, seconds = asyncio.run(run())
+    assert np.array_equal(out, np.asarray(values, np.float32)) and seconds < 3
+
+
+def test_metrics_do_not_grow_with_model_names_clients_invent(gateway):
+    import http.client
+
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    channel = grpc.insecure_channel(gateway.grpc_url)
+    model_infer = channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")
+    body = b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}]}'
+
+    def invent(names) -> int:
+        for name in names:
+            conn = http.client.HTTPConnection("127.0.0.1", gateway.http_port, timeout=30)
+            conn.request("POST", f"/v2/models/{name}/infer", body)
+            assert conn.getresponse().status == 404
+            conn.close()
+            request = service_pb2.ModelInferRequest(model_name=name)
+            request.inputs.add(name="INPUT0", datatype="FP32", shape=[1])
+            request.raw_input_contents.append(np.float32(1).tobytes())
+            with pytest.raises(grpc.RpcError) as e:
+                model_infer(request.SerializeToString(), timeout=30)
+            assert e.value.code() == grpc.StatusCode.NOT_FOUND
+        return len(gateway.metrics_text())
+
+    after_100 = invent(f"invented_{i}_" + "x" * 200 for i in range(100))
+    after_300 = invent(f"invented_{i}_" + "x" * 200 for i in range(100, 300))
+    channel.close()
+    text = gateway.metrics_text()
+    assert "invented_" not in text and 'model="(unknown)"' in text
+    assert abs(after_300 - after_100) < 200, (after_100, after_300)  # counts change, series do not
+
+
+def _rss(pid: int) -> int:
+    import psutil
+
+    return psutil.Process(pid).memory_info().rss
+
+
+def test_the_memory_bound_counts_renderings_too():
+    """A hit keeps its JSON or gRPC rendering for the next one: that counts against the bound, and evicts."""
+    from dstool.serve.gateway.cache import ENTRY_OVERHEAD, ResultCache
+    from dstool.serve.gateway.grpc import render_infer as render_grpc
+    from dstool.serve.gateway.http import render_infer as render_http
+    from dstool.serve.gateway.tensors import InferResult, Tensor
+
+    bound = 1 << 20
+    cache = ResultCache(None, 60, bound, bound)
+    sizes = {}
+    for i in range(40):
+        raw = (np.arange(16384, dtype=np.int32) * 100003 * (i + 1)).tobytes()  # 64 KB out; as JSON ~3x that
+        entry = cache.put(f"k{i}", InferResult("m", "1", [Tensor("y", "INT32", (16384,), raw)]))
+        json_response = render_http(entry.result, "", (False, ()))
+        entry.keep(("http", (False, ())), json_response, sum(len(c) for c in json_response.chunks))
+        grpc_body = render_grpc(entry.result, "")
+        entry.keep("grpc", grpc_body, len(grpc_body))
+        sizes[id(entry)] = len(raw) + sum(len(c) for c in json_response.chunks) + len(grpc_body) + ENTRY_OVERHEAD
+        assert cache.front.bytes <= bound
+    held = list(cache.front._entries.values())
+    assert held and sum(e.size for e in held) == cache.front.bytes
+    assert all(e.size == sizes[id(e)] for e in held)  # raw + JSON + gRPC, each counted
+    assert abs(len(held) - bound // next(iter(sizes.values()))) <= 1  # so fewer entries fit
+
+
+def test_memory_stays_bounded_under_distinct_requests(gateway_server, session_tmp):
+    """--memory-cache-bytes bounds what the gateway holds: its gauge stays under the bound, and its resident size
+    stops growing once the cache is full."""
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    bound = 4 << 20
+    gw = GatewayProcess(session_tmp / "gateway-memory.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": "memory", "memory_cache_bytes": bound, "max_entry_bytes": bound})
+    h, g = http.InferenceServerClient(gw.http_url), grpc.InferenceServerClient(gw.grpc_url)
+
+    def load(rounds: range) -> None:
+        for i in rounds:  # 256 KB of int32 out, ~0.7 MB of it as JSON, 256 KB again for gRPC
+            values = ((np.arange(65536, dtype=np.int64) * 32749 + i * 7919) % (2**31) - 2**30).astype(np.int32)
+            for client, module in ((h, http), (g, grpc)):
+                t = module.InferInput("INPUT0", [65536], "INT32")
+                if client is h:
+                    t.set_data_from_numpy(values, binary_data=False)
+                    wanted = [http.InferRequestedOutput("INPUT0_OUT", binary_data=False)]
+                else:
+                    t.set_data_from_numpy(values)
+                    wanted = None
+                for _ in range(2):  # the second is a hit: it renders, and the rendering is kept
+                    assert np.array_equal(client.infer("echo_int32", [t], outputs=wanted).as_numpy("INPUT0_OUT"),
+                                          values)
+
+    try:
+        load(range(30))
+        rss_full = _rss(gw.proc.pid)
+        load(range(30, 120))
+        held = gw.metric("dstool_gateway_memory_cache_bytes")
+        assert 0 < held <= bound
+        assert _rss(gw.proc.pid) - rss_full < 2 * bound, (_rss(gw.proc.pid) - rss_full) / 2**20
+    finally:
+        h.close()
+        g.close()
+        gw.stop()
+
+
+@pytest.fixture
+def lone_triton(gateway_repo, tmp_path):
+    """A Triton of its own (echo models only) for a test that kills or freezes it."""
+    import shutil
+
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    repo = tmp_path / "repo"
+    for name in ("echo_fp32", "echo_bytes"):
+        shutil.copytree(gateway_repo / name, repo / name)
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
+    yield srv
+    if srv.proc.poll() is None:
+        os.kill(srv.proc.pid, signal.SIGCONT)
+    srv.stop()
+
+
+def _http(port: int, method: str, path: str, body: bytes | None = None, headers: dict | None = None,
+          timeout: float = 30) -> tuple[int, dict, bytes]:
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request(method, path, body, headers or {})
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+ECHO_BODY = b'{"inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[1.5,2.5]}]}'
+
+
+def test_triton_killed_misses_are_503_hits_still_served(lone_triton, session_tmp):
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    gw = GatewayProcess(session_tmp / "gateway-killed.log",
+                        config={"upstreams": [lone_triton.http_url], "upstreams_grpc": [lone_triton.grpc_url],
+                                "cache": "memory", "version_check_interval": 0.2})
+    try:
+        assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200  # cached now
+        lone_triton.proc.kill()  # Triton gone at once
+        lone_triton.proc.wait()
+        time.sleep(0.5)  # past the version check interval: the gateway must ask Triton, and cannot
+        status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)
+        assert status == 200 and b"INPUT0_OUT" in body  # what the cache holds is still served
+        other = ECHO_BODY.replace(b"2.5", b"3.5")
+        for method, path, payload in (("POST", "/v2/models/echo_fp32/infer", other), ("GET", "/v2/health/ready", None),
+                                      ("GET", "/v2/models/echo_fp32", None)):
+            started = time.monotonic()
+            status, _, body = _http(gw.http_port, method, path, payload)
+            assert status == 503 and "error" in json.loads(body) and time.monotonic() - started < 5, (path, body)
+        channel = grpc.insecure_channel(gw.grpc_url)
+        request = service_pb2.ModelInferRequest(model_name="echo_fp32")
+        request.inputs.add(name="INPUT0", datatype="FP32", shape=[1])
+        request.raw_input_contents.append(np.float32(4).tobytes())
+        with pytest.raises(grpc.RpcError) as e:
+            channel.unary_unary("/inference.GRPCInferenceService/ModelInfer")(request.SerializeToString(), timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+        ready = channel.unary_unary("/inference.GRPCInferenceService/ServerReady")(b"", timeout=30)
+        assert service_pb2.ServerReadyResponse.FromString(ready).ready is False
+        health = channel.unary_unary("/grpc.health.v1.Health/Check")(b"", timeout=30)
+        assert health == b"\x08\x02"  # NOT_SERVING
+        channel.close()
+        assert gw.proc.poll() is None
+    finally:
+        gw.stop()
+
+
+def test_triton_frozen_fails_fast_and_readiness_turns_false(lone_triton, session_tmp):
+    """A hung Triton (SIGSTOP): a miss waits out its deadline once (504), then Triton is found not answering its
+    health check and every miss fails at once with 503; readiness is false within the health timeout; once
+    Triton runs again, so does the gateway."""
+    import tritonclient.grpc as grpc
+
+    gw = GatewayProcess(session_tmp / "gateway-frozen.log",
+                        config={"upstreams": [lone_triton.http_url], "upstreams_grpc": [lone_triton.grpc_url],
+                                "cache": "memory", "upstream_timeout": 2, "health_timeout": 0.5,
+                                "version_check_interval": 30})
+    try:
+        assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200
+        os.kill(lone_triton.proc.pid, signal.SIGSTOP)
+        started = time.monotonic()
+        status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY.replace(b"2.5", b"9"))
+        assert status == 504 and 1.5 < time.monotonic() - started < 4, (status, body)
+        time.sleep(1.0)  # the health check after the timeout: not answered within 0.5 s
+        for k in range(5):
+            started = time.monotonic()
+            fresh = ECHO_BODY.replace(b"2.5", str(k).encode())
+            status, _, _ = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", fresh)
+            assert status == 503 and time.monotonic() - started < 0.5
+        assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200  # a hit needs no Triton
+        started = time.monotonic()
+        assert _http(gw.http_port, "GET", "/v2/health/ready")[0] == 503 and time.monotonic() - started < 1.5
+        c = grpc.InferenceServerClient(gw.grpc_url)
+        assert c.is_server_ready() is False
+        os.kill(lone_triton.proc.pid, signal.SIGCONT)
+        deadline = time.monotonic() + 10
+        while _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY.replace(b"2.5", b"7"))[0] != 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.2)
+        assert c.is_server_ready() is True
+        c.close()
+    finally:
+        os.kill(lone_triton.proc.pid, signal.SIGCONT)
+        gw.stop()
