@@ -83,15 +83,21 @@ def find_tritonserver(explicit: str | None = None) -> TritonBinary:
     return _prepare_from_wheel(root, cache)
 
 
+SHM = Path("/dev/shm")
+
+
 @dataclass
 class TritonProcess:
-    """A running tritonserver; `stop()` ends it (SIGTERM, then SIGKILL after a grace period)."""
+    """A running tritonserver; `stop()` ends it (SIGTERM, then SIGKILL after a grace period) and removes what it
+    leaves behind however it ended: python-backend stub processes (its process group) and their shared-memory
+    regions (named with `shm_prefix`)."""
 
     proc: subprocess.Popen
     http_port: int
     grpc_port: int
     metrics_port: int
     log_path: Path
+    shm_prefix: str = ""
 
     @property
     def http_url(self) -> str:
@@ -108,7 +114,24 @@ class TritonProcess:
             return ""
 
     def stop(self, grace: float = 15.0) -> int:
-        return stop_process(self.proc, grace)
+        code = stop_process(self.proc, grace)
+        self.clean_up()
+        return code
+
+    def clean_up(self) -> list[str]:
+        """After Triton exited: kill what is left of its process group (it runs in a session of its own) and remove
+        its shared-memory regions; returns what was removed."""
+        removed = []
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            removed.append(f"process group {self.proc.pid}")
+        except (ProcessLookupError, PermissionError):
+            pass
+        if self.shm_prefix and SHM.is_dir():
+            for region in SHM.glob(self.shm_prefix + "*"):
+                region.unlink(missing_ok=True)
+                removed.append(str(region))
+        return removed
 
 
 def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
@@ -125,14 +148,16 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
         cmd += ["--cache-directory", str(binary.cache_dir)]
     if cache_config:
         cmd += ["--cache-config", cache_config]
-    cmd += extra_args or []
+    # The python backend names its shared-memory regions with this prefix, so they can be found and removed.
+    shm_prefix = f"dstool_triton_{os.getpid()}_{http_port}_"
+    cmd += [f"--backend-config=python,shm-region-prefix-name={shm_prefix}", *(extra_args or [])]
     log_path.parent.mkdir(parents=True, exist_ok=True)
     log = open(log_path, "ab")
     # Triton gets its own session, so a terminal's Ctrl-C reaches only dstool, which then stops it once,
     # gracefully (a second signal makes Triton exit at once); it still dies if dstool dies.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **binary.env},
                             start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path)
+    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path, shm_prefix)
     _wait_ready(server, timeout)
     return server
 

@@ -148,12 +148,12 @@ def test_memory_stays_bounded_under_distinct_requests(gateway_server, session_tm
                                           values)
 
     try:
-        load(range(30))
-        rss_full = _rss(gw.proc.pid)
-        load(range(30, 120))
+        load(range(60))  # the cache is full after ~5 distinct requests; the allocator settles after a few dozen
+        rss_settled = _rss(gw.proc.pid)
+        load(range(60, 120))
         held = gw.metric("dstool_gateway_memory_cache_bytes")
         assert 0 < held <= bound
-        assert _rss(gw.proc.pid) - rss_full < 2 * bound, (_rss(gw.proc.pid) - rss_full) / 2**20
+        assert _rss(gw.proc.pid) - rss_settled < 2 * bound, (_rss(gw.proc.pid) - rss_settled) / 2**20
     finally:
         h.close()
         g.close()
@@ -268,3 +268,206 @@ def test_triton_frozen_fails_fast_and_readiness_turns_false(lone_triton, session
     finally:
         os.kill(lone_triton.proc.pid, signal.SIGCONT)
         gw.stop()
+
+
+@pytest.fixture
+def guarded_gateway(gateway_server, session_tmp, tmp_path):
+    """A gateway with a token and short client timeouts, for the hostile-client tests."""
+    (tmp_path / "token").write_text("s3cret-token\n")
+    gw = GatewayProcess(session_tmp / "gateway-guarded.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": "memory", "token_file": str(tmp_path / "token"), "header_timeout": 1.0,
+                                "body_timeout": 1.0, "keepalive_timeout": 1.0, "max_connections": 1200,
+                                "max_request_bytes": 8 << 20, "max_buffered_bytes": 12 << 20})
+    yield gw
+    gw.stop()
+
+
+AUTH = {"Authorization": "Bearer s3cret-token"}
+
+
+def _raw(port: int, data: bytes, wait: float = 5.0) -> bytes:
+    """Send raw bytes, read what comes back until the server closes (or `wait` passes)."""
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", port))
+    out = b""
+    try:
+        s.sendall(data)
+        s.settimeout(wait)
+        while chunk := s.recv(65536):
+            out += chunk
+    except (TimeoutError, ConnectionResetError, BrokenPipeError):
+        pass
+    finally:
+        s.close()
+    return out
+
+
+def test_hostile_clients_cannot_exhaust_the_gateway(guarded_gateway):
+    import socket
+
+    gw = guarded_gateway
+    rss_before = _rss(gw.proc.pid)
+    # A 64 MiB header: refused (431) once past the head limit, not read into memory; others are served meanwhile.
+    big = socket.create_connection(("127.0.0.1", gw.http_port))
+    big.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Big: ")
+    big.settimeout(10)
+    sent = 0
+    try:
+        while sent < 64 << 20:
+            big.sendall(b"a" * (1 << 20))
+            sent += 1 << 20
+    except (BrokenPipeError, ConnectionResetError):
+        pass
+    assert sent < 16 << 20, sent  # dropped unread, then the connection closes
+    assert big.recv(4096).startswith(b"HTTP/1.1 431")
+    assert _http(gw.http_port, "GET", "/v2/health/ready", timeout=5)[0] == 200
+    big.close()
+    # Bodies without the token: refused before they are read (six 60 MiB bodies announced, none held).
+    holders = []
+    for _ in range(6):
+        s = socket.create_connection(("127.0.0.1", gw.http_port))
+        s.sendall(b"POST /v2/models/echo_fp32/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 62914560\r\n\r\n"
+                  + b"x" * (1 << 20))
+        holders.append(s)
+    for s in holders:
+        s.settimeout(5)
+        assert s.recv(4096).startswith(b"HTTP/1.1 401")
+        s.close()
+    # With the token: a body over --max-request-bytes is refused at its Content-Length (413), unread.
+    answer = _raw(gw.http_port, b"POST /v2/models/echo_fp32/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer "
+                  b"s3cret-token\r\nContent-Length: 62914560\r\n\r\n" + b"x" * 100)
+    assert answer.startswith(b"HTTP/1.1 413")
+    # A thousand half-sent requests: each closed after --header-timeout, and the gateway serves throughout.
+    half = [socket.create_connection(("127.0.0.1", gw.http_port)) for _ in range(1000)]
+    for s in half:
+        s.sendall(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n")
+    assert _http(gw.http_port, "GET", "/v2/health/ready", timeout=5)[0] == 200
+    time.sleep(2.0)
+    for s in half:
+        s.settimeout(2)
+        assert s.recv(4096).startswith(b"HTTP/1.1 408")
+        s.close()
+    assert _rss(gw.proc.pid) - rss_before < 64 << 20
+    assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY, AUTH)[0] == 200
+
+
+@pytest.mark.parametrize("request_bytes,status", [
+    (b"GET /v2/models/" + b"m" * 10000 + b" HTTP/1.1\r\nHost: x\r\n\r\n", 414),
+    (b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\n" + b"".join(b"X-%d: 1\r\n" % i for i in range(200)) + b"\r\n",
+     431),
+    (b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nX-Long: " + b"a" * 9000 + b"\r\n\r\n", 431),
+    (b"POST /v2/models/echo_fp32/infer HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret-token\r\n"
+     b"Content-Length: 100\r\n\r\n{\"inputs\"", 408),
+    (b"POST /v2/models/echo_fp32/infer HTTP/1.1\r\nHost: x\r\nContent-Length: zz\r\n\r\n", 400),
+    (b"NOT HTTP AT ALL\r\n\r\n", 400),
+    (b"GET /v2/models/echo_fp32 HTTP/1.1\r\nHost: x\r\n\r\n", 401),
+])
+def test_requests_breaking_a_limit_get_one_clear_answer(guarded_gateway, request_bytes, status):
+    answer = _raw(guarded_gateway.http_port, request_bytes)
+    assert answer.startswith(f"HTTP/1.1 {status}".encode()), answer[:200]
+    assert b'{"error":' in answer
+    assert _http(guarded_gateway.http_port, "GET", "/v2/models/echo_fp32", headers=AUTH)[0] == 200
+
+
+def test_idle_keepalive_connections_are_closed(guarded_gateway):
+    import socket
+
+    s = socket.create_connection(("127.0.0.1", guarded_gateway.http_port))
+    s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
+    s.settimeout(5)
+    assert s.recv(4096).startswith(b"HTTP/1.1 200")
+    started = time.monotonic()
+    assert s.recv(4096) == b""  # closed by the gateway after --keepalive-timeout
+    assert 0.5 < time.monotonic() - started < 3
+    s.close()
+
+
+def test_shutdown_drains_requests_in_flight(gateway_server, session_tmp):
+    """SIGTERM: no new connection is accepted, the requests in flight (HTTP and gRPC, a slow model) finish with
+    their answers, then the gateway exits 0 — well within --shutdown-grace."""
+    import socket
+    import threading
+
+    import tritonclient.grpc as grpc
+    import tritonclient.http as http
+
+    gw = GatewayProcess(session_tmp / "gateway-drain.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": "memory", "shutdown_grace": 10})
+    results: dict[str, object] = {}
+
+    def call(protocol: str) -> None:
+        module = http if protocol == "http" else grpc
+        c = module.InferenceServerClient(gw.http_url if protocol == "http" else gw.grpc_url)
+        try:
+            value = float(time.time() % 100) + (0.5 if protocol == "http" else 0.25)
+            out = c.infer("echo_fp32", _fp32_inputs(module, [value]), parameters={"delay_ms": 2000})
+            results[protocol] = out.as_numpy("INPUT0_OUT")[0] == np.float32(value)
+        except Exception as e:  # noqa: BLE001 (reported below)
+            results[protocol] = e
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=call, args=(p,)) for p in ("http", "grpc")]
+    for t in threads:
+        t.start()
+    time.sleep(0.7)
+    started = time.monotonic()
+    gw.proc.send_signal(signal.SIGTERM)
+    time.sleep(0.3)
+    with pytest.raises(OSError):  # the listening socket is closed: new clients go elsewhere
+        socket.create_connection(("127.0.0.1", gw.http_port), timeout=2).close()
+    for t in threads:
+        t.join(30)
+    assert results == {"http": True, "grpc": True}, results
+    assert gw.proc.wait(15) == 0 and time.monotonic() - started < 5
+    assert "requests in flight have 10 s to finish" in gw.log.read_text()
+    gw.stop()
+
+
+def test_what_a_killed_triton_leaves_behind_is_removed(gateway_repo, tmp_path):
+    """Triton SIGKILLed: its python-backend stubs and their /dev/shm regions must not outlive it. `stop()` (also
+    what `dstool serve` runs when Triton died) kills what is left of its process group and removes the regions
+    its stubs made (the name prefix dstool gives the python backend)."""
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    import psutil
+
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    repo = tmp_path / "repo"
+    shutil.copytree(gateway_repo / "echo_fp32", repo / "echo_fp32")
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
+    assert sorted(Path("/dev/shm").glob(srv.shm_prefix + "*"))  # the prefix is the one the python backend used
+    stubs = [p for p in psutil.Process(srv.proc.pid).children(recursive=True)
+             if p.name() == "triton_python_backend_stub"]
+    planted = Path("/dev/shm") / (srv.shm_prefix + "leftover")  # as a stub that outlived Triton would leave
+    planted.write_bytes(b"x")
+    os.kill(srv.proc.pid, signal.SIGKILL)
+    assert srv.stop() == -signal.SIGKILL
+    assert not list(Path("/dev/shm").glob(srv.shm_prefix + "*"))
+    assert stubs
+    for stub in stubs:
+        try:
+            stub.wait(5)
+        except psutil.NoSuchProcess:
+            pass
+    # A process its group still holds (a stub that did not notice): killed by the clean-up too.
+    leader = subprocess.Popen(["sh", "-c", "sleep 300 & exec sleep 301"], start_new_session=True)
+    time.sleep(0.3)
+    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]
+            and os.getpgid(p.pid) == leader.pid]
+    leader.kill()
+    fake = triton.TritonProcess(leader, 0, 0, 0, tmp_path / "t.log")
+    fake.stop()
+    assert left
+    for p in left:
+        try:
+            p.wait(5)  # gone (psutil.TimeoutExpired otherwise)
+        except psutil.NoSuchProcess:
+            pass

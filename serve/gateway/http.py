@@ -40,7 +40,8 @@ from dstool.serve.gateway.tensors import (
 )
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
-LINGER_SECONDS = 2.0  # after refusing a request: how long what the client still sends is read and dropped
+# After refusing a request: for how long, and how much of, what the client still sends is read and dropped.
+LINGER_SECONDS, LINGER_BYTES = 2.0, 8 << 20
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "host", "content-length", "transfer-encoding", "authorization",
                         "expect", "upgrade", "te", "trailer", "proxy-authorization", "cache-control"})
 
@@ -346,7 +347,8 @@ class HttpConnection(asyncio.Protocol):
         self.queue: deque[tuple[HttpRequest, bool]] = deque()
         self.busy = False
         self.timer: asyncio.TimerHandle | None = None
-        self.lingering = False
+        self.lingering, self.lingered = False, 0
+        self.started = 0  # requests begun on this connection
         self._begin_request()
 
     # ---- lifecycle and timeouts --------------------------------------------------------------------------
@@ -403,8 +405,11 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is None:
             return
         if self.lingering:  # what a refused client still sends is read and dropped, so it sees the answer
+            self.lingered += len(data)
+            if self.lingered > LINGER_BYTES:
+                self._close()
             return
-        in_head = not self.headers_done
+        in_head, started = not self.headers_done, self.started
         if in_head and self.head_bytes == 0 and not self.busy:
             self._arm(self.limits.header_timeout, 408, "request headers not received in time")
         try:
@@ -414,7 +419,7 @@ class HttpConnection(asyncio.Protocol):
         except httptools.HttpParserError as e:
             if self.error is None:
                 self.error = (400, f"malformed HTTP request: {e}")
-        if in_head and not self.headers_done:  # still in the head: what the parser holds for it is bounded
+        if in_head and not self.headers_done and self.started == started:  # still in the same request's head
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_headers_bytes + self.limits.max_url_bytes and self.error is None:
                 self.error = (431, f"request headers exceed {self.limits.max_headers_bytes} bytes")
@@ -423,6 +428,7 @@ class HttpConnection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._begin_request()
+        self.started += 1
 
     def on_url(self, url: bytes) -> None:
         self.url += url
@@ -518,7 +524,7 @@ class HttpConnection(asyncio.Protocol):
 
     async def _finish(self, pending, keep_alive: bool) -> None:
         try:
-            response = await pending if not isinstance(pending, StreamingResponse) else pending
+            response = await pending
         except Exception as e:
             response = error_response(500, f"gateway error: {type(e).__name__}: {e}")
         self._release()
@@ -531,6 +537,8 @@ class HttpConnection(asyncio.Protocol):
             self._dispatch(*self.queue.popleft())
         if self.transport is not None and not self.queue:
             self.transport.resume_reading()
+            if not self.busy:
+                self._arm(self.limits.keepalive_timeout, None)
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
         if self.transport is None:
