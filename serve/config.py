@@ -125,6 +125,20 @@ class GatewayOptions(CommandConfig):
                               "a flag, so it never shows in a process list)", json_schema_extra={"cli": False})
     version_check_interval: float = Field(1.0, gt=0, description="seconds between checks of which model version "
                                           "Triton serves")
+    forward_headers: str | None = Field(None, description="regular expression of the request headers (gRPC "
+                                        "metadata) Triton forwards to models — the same as its "
+                                        "--http/grpc-header-forward-pattern: they reach Triton on a miss and are "
+                                        "part of the cache key", json_schema_extra={"cli": {"metavar": "REGEX"}})
+
+    @field_validator("forward_headers")
+    @classmethod
+    def _pattern(cls, v: str | None) -> str | None:
+        if v is not None:
+            try:
+                re.compile(v)
+            except re.error as e:
+                raise ValueError(f"'{v}' is not a regular expression: {e}") from None
+        return v
 
     @model_validator(mode="after")
     def _token(self) -> GatewayOptions:

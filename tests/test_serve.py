@@ -350,3 +350,41 @@ def test_bad_generation_requests_are_one_line_errors(server):
     assert proc.returncode == 2 and "dstool serve" in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
     proc = dstool("infer", "hello", "--ids", "1,2", check=False)
     assert proc.returncode == 2 and "one of the two" in proc.stderr
+
+
+def test_the_models_answer_client_mistakes_as_client_errors(server):
+    """Out-of-vocabulary ids, text that is not UTF-8, an empty or too long prompt: 400 / INVALID_ARGUMENT with a
+    message that names the limit, not a 500."""
+    import tritonclient.grpc as tgrpc
+    import tritonclient.http as thttp
+    from tritonclient.utils import InferenceServerException
+
+    def ids_request(module, ids):
+        arr = np.asarray([ids], dtype=np.int64)
+        inputs = [module.InferInput("input_ids", list(arr.shape), "INT64"),
+                  module.InferInput("attention_mask", list(arr.shape), "INT64")]
+        inputs[0].set_data_from_numpy(arr)
+        inputs[1].set_data_from_numpy(np.ones_like(arr))
+        return inputs
+
+    def text_request(module, text: bytes, new_tokens: int = 4):
+        inputs = [module.InferInput("text_input", [1, 1], "BYTES"),
+                  module.InferInput("max_new_tokens", [1, 1], "INT32")]
+        inputs[0].set_data_from_numpy(np.array([[text]], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([[new_tokens]], dtype=np.int32))
+        return inputs
+
+    cases = [("dstool_lm", lambda m: ids_request(m, [5, 99999]), "outside the vocabulary 0..4095"),
+             ("dstool_lm", lambda m: ids_request(m, [-3, 5]), "outside the vocabulary"),
+             ("dstool_lm_generate", lambda m: text_request(m, b"caf\xe9 au lait"), "not valid UTF-8"),
+             ("dstool_lm_generate", lambda m: text_request(m, b""), "is empty"),
+             ("dstool_lm_generate", lambda m: text_request(m, b"ROMEO:", 5000), "exceed the model's 1024 positions")]
+    for module, url, code in ((thttp, server.http_url, "400"), (tgrpc, server.grpc_url, "INVALID_ARGUMENT")):
+        client = module.InferenceServerClient(url)
+        try:
+            for model, make, needle in cases:
+                with pytest.raises(InferenceServerException) as e:
+                    client.infer(model, make(module))
+                assert needle in e.value.message() and code in str(e.value.status()), (model, str(e.value))
+        finally:
+            client.close()

@@ -79,7 +79,7 @@ class Gateway:
         self.core = GatewayCore(self.upstreams, self.cache, self.metrics, c.version_check_interval,
                                 Path(c.repository) if c.repository else None)
         limits = HttpLimits(**{name: getattr(c, name) for name in HttpLimits.__dataclass_fields__})
-        self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits)
+        self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers)
         loop = asyncio.get_running_loop()
         try:
             self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,
@@ -88,7 +88,7 @@ class Gateway:
             raise UsageError(_bind_error(c.host, c.http_port, e)) from None
         self.http_port = self._http_server.sockets[0].getsockname()[1]
         self.grpc_frontend = GrpcFrontend(self.core, self.metrics, c.grpc_targets(), c.token, c.upstream_timeout,
-                                          c.health_timeout)
+                                          c.health_timeout, c.forward_headers)
         self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
                                                      ("grpc.max_receive_message_length", c.max_request_bytes),
                                                      ("grpc.max_send_message_length", -1)])

@@ -193,7 +193,8 @@ class GatewayCore:
             path += f"/versions/{quote(request.version, safe='')}"
         response = await self.upstreams.request(
             "POST", path + "/infer", [head, *(t.raw for t in request.inputs)],
-            (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream")))
+            (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream"),
+             *request.headers))
         if response.status != 200:
             raise GatewayError(response.status, error_message(response.status, response.body))
         return parse_binary_response(response.body, response.headers.get("inference-header-content-length"))

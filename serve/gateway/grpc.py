@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 import itertools
+import re
 import time
 
 import grpc
@@ -107,7 +108,8 @@ def render_infer(result: InferResult, request_id: str) -> bytes:
 
 class GrpcFrontend(grpc.GenericRpcHandler):
     def __init__(self, core: GatewayCore, metrics: Metrics, upstream_targets: list[str], token: str | None,
-                 timeout: float, health_timeout: float):
+                 timeout: float, health_timeout: float, forward_headers: str | None = None):
+        self.forward = re.compile(forward_headers, re.IGNORECASE) if forward_headers else None
         self.core = core
         self.metrics = metrics
         self.token = f"Bearer {token}".encode() if token else None
@@ -208,6 +210,9 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         try:
             msg = service_pb2.ModelInferRequest.FromString(raw)
             request = decode_infer(msg)
+            if self.forward is not None:
+                request.headers = tuple(sorted((k, v) for k, v in context.invocation_metadata()
+                                               if isinstance(v, str) and self.forward.match(k)))
         except _Passthrough:
             return await self._relay_infer(raw, context, started, msg.model_name)
         except GatewayError as e:

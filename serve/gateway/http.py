@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+import json
+import math
+import re
+import struct
 import time
 import zlib
 from collections import deque
@@ -35,7 +39,7 @@ from dstool.serve.gateway.tensors import (
     InferResult,
     Tensor,
     check_tensor,
-    from_values,
+    from_json,
     to_values,
 )
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
@@ -112,77 +116,153 @@ def error_response(status: int, message: str) -> HttpResponse:
     return HttpResponse(status, [orjson.dumps({"error": message})], [("Content-Type", "application/json")])
 
 
-def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes) -> tuple[InferRequest, tuple]:
-    """(InferRequest, output format: (binary by default?, ((name, binary?), ...))) from an HTTP infer request."""
-    header_length = headers.get("inference-header-content-length")
-    if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise GatewayError(400, f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
-        if not 0 <= n <= len(body):
-            raise GatewayError(400, f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
-        header_bytes, binary = body[:n], memoryview(body)[n:]
-    else:
-        header_bytes, binary = body, memoryview(b"")
-    try:
-        header = orjson.loads(header_bytes)
-    except orjson.JSONDecodeError as e:
-        raise GatewayError(400, f"failed to parse the request JSON: {e}") from None
-    if not isinstance(header, dict) or not isinstance(header.get("inputs"), list) or not header["inputs"]:
-        raise GatewayError(400, "the request JSON must be an object with a non-empty 'inputs' list")
-    parameters = _parameters(header.get("parameters"), "request")
-    inputs, offset = [], 0
-    for item in header["inputs"]:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                or not isinstance(item.get("datatype"), str) or not isinstance(item.get("shape"), list):
-            raise GatewayError(400, "each input needs a string 'name', a string 'datatype' and a 'shape' list")
-        params = _parameters(item.get("parameters"), f"input '{item['name']}'")
-        if "shared_memory_region" in params:
-            raise _Passthrough()
-        size = params.get("binary_data_size")
-        if size is not None:
-            if not isinstance(size, int) or size < 0 or offset + size > len(binary):
-                raise GatewayError(400, f"input '{item['name']}': binary_data_size {size} runs past the "
-                                        f"{len(binary)} bytes of binary data")
-            if not all(isinstance(d, int) for d in item["shape"]):
-                raise GatewayError(400, f"input '{item['name']}': shape must be a list of integers")
-            tensor = Tensor(item["name"], item["datatype"], tuple(item["shape"]), bytes(binary[offset:offset + size]))
-            check_tensor(tensor)
-            offset += size
-        elif "data" in item:
-            tensor = from_values(item["name"], item["datatype"], item["shape"], item["data"])
-        else:
-            raise GatewayError(400, f"input '{item['name']}' has neither 'data' nor a binary_data_size parameter")
-        inputs.append(tensor)
-    if offset != len(binary):
-        raise GatewayError(400, f"{len(binary) - offset} bytes of binary data belong to no input")
-    default_binary = bool(parameters.get("binary_data_output", False))
-    outputs = None
-    formats: tuple[tuple[str, bool], ...] = ()
-    if header.get("outputs") is not None:
-        if not isinstance(header["outputs"], list):
-            raise GatewayError(400, "'outputs' must be a list")
-        outputs = []
-        for item in header["outputs"]:
-            if not isinstance(item, dict) or not isinstance(item.get("name"), str):
-                raise GatewayError(400, "each requested output needs a string 'name'")
-            params = _parameters(item.get("parameters"), f"output '{item['name']}'")
-            if "shared_memory_region" in params:
-                raise _Passthrough()
-            outputs.append((item["name"], params))
-        formats = tuple((n, bool(p.get("binary_data", default_binary))) for n, p in outputs)
-    request_id = header.get("id", "")
-    return InferRequest(model, version, inputs, outputs, parameters, request_id if isinstance(request_id, str)
-                        else str(request_id)), (default_binary, formats)
+def _missing(key: str) -> GatewayError:
+    return GatewayError(400, f"Unable to parse '{key}': attempt to access non-existing object member '{key}'")
+
+
+def _not(key: str, kind: str) -> GatewayError:
+    return GatewayError(400, f"Unable to parse '{key}': attempt to access JSON non-{kind} as {kind}")
+
+
+def _member(obj: dict, key: str, kind: type, kind_name: str):
+    if key not in obj:
+        raise _missing(key)
+    value = obj[key]
+    if not isinstance(value, kind):
+        raise _not(key, kind_name)
+    return value
 
 
 def _parameters(value, what: str) -> dict:
     if value is None:
         return {}
     if not isinstance(value, dict):
-        raise GatewayError(400, f"{what} 'parameters' must be an object")
+        raise GatewayError(400, f"failed to get {what} params.: attempt to get members for non-object")
     return value
+
+
+def _flag(params: dict, key: str, default: bool) -> bool:
+    value = params.get(key, default)
+    if not isinstance(value, bool):
+        raise _not(key, "boolean")
+    return value
+
+
+def parse_json(text: bytes):
+    """JSON as Triton reads it: NaN and Infinity literals accepted, numbers out of double range are infinite."""
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError as e:
+        try:  # orjson refuses NaN/Infinity, which Triton (rapidjson) takes; Python's json takes them too
+            return json.loads(text)
+        except (ValueError, UnicodeDecodeError):
+            raise GatewayError(400, f"failed to parse the request JSON buffer: {e}") from None
+
+
+def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
+                 forward: re.Pattern | None = None) -> tuple[InferRequest, tuple]:
+    """(InferRequest, output format: (binary by default?, ((name, binary?), ...))) from an HTTP infer request.
+
+    What does not parse is answered here, with Triton's own message (but status 400 where Triton says 500: a
+    client's mistake is a client error); what parses but a model may refuse (an empty input list, an unknown
+    output) or what the cache does not model (shared memory, a raw binary body) goes to Triton as it is."""
+    header_length = headers.get("inference-header-content-length")
+    if header_length is not None:
+        try:
+            n = int(header_length)
+        except ValueError:
+            raise GatewayError(400, f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+        if n == 0:
+            raise _Passthrough()  # a raw binary request: the whole body is the model's one input
+        if not 0 < n <= len(body):
+            raise GatewayError(400, f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
+        header_bytes, binary = body[:n], memoryview(body)[n:]
+    else:
+        header_bytes, binary = body, memoryview(b"")
+    header = parse_json(header_bytes)
+    if not isinstance(header, dict):
+        raise _missing("inputs")
+    request_id = header.get("id", "")
+    if not isinstance(request_id, str):
+        raise _not("id", "string")
+    parameters = _parameters(header.get("parameters"), "request")
+    default_binary = _flag(parameters, "binary_data_output", False)
+    items = _member(header, "inputs", list, "array")
+    if not items:
+        raise _Passthrough()  # Triton names the inputs the model expects
+    inputs, offset = [], 0
+    for item in items:
+        if not isinstance(item, dict):
+            raise _missing("name")
+        name = _member(item, "name", str, "string")
+        datatype = _member(item, "datatype", str, "string")
+        shape = _member(item, "shape", list, "array")
+        if not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+            raise _not("shape", "unsigned-integer")
+        params = _parameters(item.get("parameters"), "input")
+        if "shared_memory_region" in params:
+            raise _Passthrough()
+        size = params.get("binary_data_size")
+        if (size is None) == ("data" not in item):
+            fields = "no field is set" if size is None else "set 'data' 'binary_data_size'"
+            raise GatewayError(400, "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                                    f"'parameters', 'shared_memory_region' in 'parameters'. But {fields}")
+        if size is not None:
+            if type(size) is not int or size < 0 or offset + size > len(binary):
+                raise GatewayError(400, f"input '{name}': binary_data_size {size} runs past the {len(binary)} "
+                                        "bytes of binary data")
+            tensor = Tensor(name, datatype, tuple(shape), bytes(binary[offset:offset + size]))
+            check_tensor(tensor)
+            offset += size
+        else:
+            tensor = from_json(name, datatype, tuple(shape), item["data"])
+        inputs.append(tensor)
+    if offset != len(binary):
+        raise GatewayError(400, f"{len(binary) - offset} bytes of binary data belong to no input")
+    outputs = None
+    formats: tuple[tuple[str, bool], ...] = ()
+    if "outputs" in header:
+        requested = header["outputs"]
+        if not isinstance(requested, list):
+            raise _not("outputs", "array")
+        outputs = []
+        for item in requested:
+            if not isinstance(item, dict):
+                raise _missing("name")
+            params = _parameters(item.get("parameters"), "output")
+            if "shared_memory_region" in params:
+                raise _Passthrough()
+            outputs.append((_member(item, "name", str, "string"), params))
+        # Listed outputs come back as their own binary_data says (JSON unless true), as Triton does.
+        formats = tuple((name, _flag(p, "binary_data", False)) for name, p in outputs)
+    forwarded = tuple(sorted((k, v) for k, v in headers.items() if forward is not None and forward.match(k)))
+    return InferRequest(model, version, inputs, outputs, parameters, request_id, forwarded), (default_binary, formats)
+
+
+_ESCAPED = re.compile(rb'[\x00-\x1f"\\]')
+_ESCAPES = {b'"': b'\\"', b"\\": b"\\\\", b"\b": b"\\b", b"\f": b"\\f", b"\n": b"\\n", b"\r": b"\\r",
+            b"\t": b"\\t"}
+
+
+def _json_string(raw: bytes) -> bytes:
+    """A BYTES element as Triton writes it in JSON: its bytes as they are (valid UTF-8 or not), with quotes,
+    backslashes and control characters escaped as rapidjson escapes them (upper-case hex)."""
+    return b'"' + _ESCAPED.sub(lambda m: _ESCAPES.get(m.group(), b"\\u%04X" % m.group()[0]), raw) + b'"'
+
+
+def _json_data(t: Tensor) -> bytes:
+    """A tensor's `data` array as Triton writes it (NaN and Infinity as rapidjson writes them)."""
+    if t.datatype == "BYTES":
+        items, offset = [], 0
+        while offset < len(t.raw):
+            n = struct.unpack_from("<I", t.raw, offset)[0]
+            items.append(_json_string(t.raw[offset + 4:offset + 4 + n]))
+            offset += 4 + n
+        return b"[" + b",".join(items) + b"]"
+    values = to_values(t)
+    if t.datatype in ("FP16", "FP32", "FP64") and not all(math.isfinite(v) for v in values):
+        return json.dumps(values, separators=(",", ":")).encode()
+    return orjson.dumps(values)
 
 
 def render_infer(result: InferResult, request_id: str, output_format: tuple) -> HttpResponse:
@@ -190,13 +270,16 @@ def render_infer(result: InferResult, request_id: str, output_format: tuple) -> 
     default_binary, formats = output_format
     binary_of = dict(formats)
     outputs, blobs = [], []
-    for t in result.outputs:
+    data: dict[bytes, bytes] = {}  # placeholder in the header's JSON -> the data array
+    for i, t in enumerate(result.outputs):
         o: dict[str, Any] = {"name": t.name, "datatype": t.datatype, "shape": t.shape}
-        if binary_of.get(t.name, default_binary):
+        if binary_of.get(t.name, default_binary if not formats else False):
             o["parameters"] = {"binary_data_size": len(t.raw)}
             blobs.append(t.raw)
         else:
-            o["data"] = to_values(t)
+            mark = f"\0dstool-data-{i}\0"
+            o["data"] = mark  # the array goes in below, written as Triton writes it
+            data[orjson.dumps(mark)] = _json_data(t)
         outputs.append(o)
     header: dict[str, Any] = {"model_name": result.model_name, "model_version": result.model_version,
                               "outputs": outputs}
@@ -205,10 +288,28 @@ def render_infer(result: InferResult, request_id: str, output_format: tuple) -> 
     if result.parameters:
         header["parameters"] = result.parameters
     head = orjson.dumps(header)
+    for placeholder, array in data.items():
+        head = head.replace(placeholder, array, 1)
     if not blobs:
         return HttpResponse(200, [head], [("Content-Type", "application/json")])
     return HttpResponse(200, [head, *blobs], [("Content-Type", "application/octet-stream"),
                                               ("Inference-Header-Content-Length", str(len(head)))])
+
+
+def accepted_encoding(headers: dict[str, str]) -> str | None:
+    """The response encoding Triton would choose: the first of gzip or deflate listed in Accept-Encoding,
+    exactly as written (a token with parameters, such as `gzip;q=0`, is not taken)."""
+    for token in headers.get("accept-encoding", "").split(","):
+        if token.strip() in ("gzip", "deflate"):
+            return token.strip()
+    return None
+
+
+def compressed(response: HttpResponse, encoding: str) -> HttpResponse:
+    """The response with its body compressed (Inference-Header-Content-Length keeps the plain header's size)."""
+    packer = zlib.compressobj(6, zlib.DEFLATED, 31 if encoding == "gzip" else 15)
+    body = b"".join([*(packer.compress(c) for c in response.chunks), packer.flush()])
+    return HttpResponse(response.status, [body], [*response.headers, ("Content-Encoding", encoding)])
 
 
 Response = HttpResponse | StreamingResponse
@@ -217,11 +318,13 @@ Response = HttpResponse | StreamingResponse
 class HttpFrontend:
     """Routes one parsed request; `handle` returns a response, or an awaitable of one when it must wait."""
 
-    def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, limits: HttpLimits):
+    def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, limits: HttpLimits,
+                 forward_headers: str | None = None):
         self.core = core
         self.metrics = metrics
         self.token = f"Bearer {token}".encode() if token else None
         self.limits = limits
+        self.forward = re.compile(forward_headers, re.IGNORECASE) if forward_headers else None
         self.connections: set[HttpConnection] = set()
         self.buffered = 0  # request body bytes held by all connections
         self.draining = False
@@ -247,7 +350,7 @@ class HttpFrontend:
         cache_control = req.headers.get("cache-control", "")
         opt_out = "no-store" in cache_control or "no-cache" in cache_control
         try:
-            request, output_format = decode_infer(model, version, req.headers, self._body(req))
+            request, output_format = decode_infer(model, version, req.headers, self._body(req), self.forward)
         except _Passthrough:
             return self._relay_infer(req, model, started)
         except GatewayError as e:
@@ -257,7 +360,8 @@ class HttpFrontend:
             key = self.core.key_now(request)
             entry = self.core.cache.get_front(key) if key is not None else None
             if entry is not None:
-                return self._answer(entry.result, entry, request, output_format, model, "hit", started)
+                return self._answer(entry.result, entry, request, output_format, model, "hit", started,
+                                    accepted_encoding(req.headers))
         return self._infer_async(req, request, output_format, opt_out, started)
 
     async def _infer_async(self, req, request, output_format, opt_out: bool, started: float) -> Response:
@@ -265,27 +369,32 @@ class HttpFrontend:
             key, version = await self.core.key(request, opt_out)
             if key is None:
                 return await self._relay_infer(req, request.model, started)
+            encoding = accepted_encoding(req.headers)
             entry = await self.core.lookup(key)
             if entry is not None:
-                return self._answer(entry.result, entry, request, output_format, request.model, "hit", started)
+                return self._answer(entry.result, entry, request, output_format, request.model, "hit", started,
+                                    encoding)
             result, entry = await self.core.compute(key, version, request)
-            return self._answer(result, entry, request, output_format, request.model, "miss", started)
+            return self._answer(result, entry, request, output_format, request.model, "miss", started, encoding)
         except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
             status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
             self.metrics.error("bad_request" if status < 500 else "timeout" if status == 504 else "upstream")
             self.metrics.observe(request.model, "http", "error", time.perf_counter() - started)
             return error_response(status, str(e))
 
-    def _answer(self, result, entry, request, output_format, model, outcome, started) -> HttpResponse:
-        if entry is not None and not request.id:
-            response = entry.rendered.get(("http", output_format))
-            if response is None:
-                response = render_infer(result, "", output_format)
-                shared = {id(t.raw) for t in result.outputs}  # binary outputs are the result's own bytes
-                entry.keep(("http", output_format), response,
-                           sum(len(c) for c in response.chunks if id(c) not in shared))
-        else:
+    def _answer(self, result, entry, request, output_format, model, outcome, started,
+                encoding: str | None = None) -> HttpResponse:
+        """The response (as Triton writes it, compressed as Accept-Encoding asks); kept with the cache entry for the
+        next hit, when the request has no id of its own."""
+        form = ("http", output_format, encoding)
+        response = entry.rendered.get(form) if entry is not None and not request.id else None
+        if response is None:
             response = render_infer(result, request.id, output_format)
+            if encoding is not None:
+                response = compressed(response, encoding)
+            if entry is not None and not request.id:
+                shared = {id(t.raw) for t in result.outputs}  # binary outputs are the result's own bytes
+                entry.keep(form, response, sum(len(c) for c in response.chunks if id(c) not in shared))
         self.metrics.observe(model, "http", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
         return response

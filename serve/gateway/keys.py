@@ -34,7 +34,7 @@ def cache_key(fingerprint: str, version: str, request: InferRequest, model_outpu
     meta = [request.model, version,
             sorted(([n, {k: v for k, v in p.items() if k not in OUTPUT_FORMAT_PARAMETERS}] for n, p in outputs),
                    key=lambda o: str(o[0])),
-            {k: v for k, v in request.parameters.items() if k not in DELIVERY_PARAMETERS}]
+            {k: v for k, v in request.parameters.items() if k not in DELIVERY_PARAMETERS}, list(request.headers)]
     for t in sorted(request.inputs, key=lambda t: t.name):
         meta.append([t.name, t.datatype, t.shape, len(t.raw)])
     blob = orjson.dumps(meta, option=orjson.OPT_SORT_KEYS)

@@ -46,6 +46,7 @@ class InferRequest:
     outputs: list[tuple[str, dict]] | None  # requested outputs with their parameters; None = all
     parameters: dict = field(default_factory=dict)
     id: str = ""
+    headers: tuple[tuple[str, str], ...] = ()  # headers (gRPC metadata) Triton forwards to the model: part of the key
 
 
 @dataclass(slots=True)
@@ -77,15 +78,14 @@ def check_tensor(t: Tensor, what: str = "input") -> None:
 
 
 def from_values(name: str, datatype: str, shape, values) -> Tensor:
-    """A tensor from JSON `data` or gRPC typed contents (a flat or nested list of values)."""
+    """A tensor from gRPC typed contents (a flat list of values of the right type)."""
     try:
         shape = tuple(int(d) for d in shape)
     except (TypeError, ValueError):
         raise GatewayError(400, f"input '{name}': shape must be a list of integers") from None
     if datatype == "BYTES":
-        items = list(_flatten(values))
         raw = b"".join(struct.pack("<I", len(b)) + b for b in
-                       (v if isinstance(v, bytes) else str(v).encode() for v in items))
+                       (v if isinstance(v, bytes) else str(v).encode() for v in values))
     elif datatype in NUMPY_TYPES:
         try:
             raw = np.asarray(values, dtype=NUMPY_TYPES[datatype]).tobytes()
@@ -98,6 +98,58 @@ def from_values(name: str, datatype: str, shape, values) -> Tensor:
     tensor = Tensor(name, datatype, shape, raw)
     check_tensor(tensor)
     return tensor
+
+
+# What Triton accepts as JSON `data` elements for each datatype, and what it says when one does not fit.
+def _is_signed(v) -> bool:
+    return type(v) is int and -(2**63) <= v < 2**63
+
+
+def _is_unsigned(v) -> bool:
+    return type(v) is int and 0 <= v < 2**64
+
+
+def _is_number(v) -> bool:
+    return type(v) in (int, float)
+
+
+JSON_ELEMENT = {"BOOL": (lambda v: type(v) is bool, "non-boolean as boolean"),
+                "INT8": (_is_signed, "non-signed-integer as signed-integer"),
+                "INT16": (_is_signed, "non-signed-integer as signed-integer"),
+                "INT32": (_is_signed, "non-signed-integer as signed-integer"),
+                "INT64": (_is_signed, "non-signed-integer as signed-integer"),
+                "UINT8": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT16": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT32": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT64": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "FP32": (_is_number, "non-number as double"), "FP64": (_is_number, "non-number as double")}
+
+
+def from_json(name: str, datatype: str, shape: tuple[int, ...], data) -> Tensor:
+    """A tensor from KServe JSON `data`, checked as Triton checks it (the same messages): elements of the
+    datatype's JSON type, nested lists allowed, as many as the shape holds. Integers wrap to the datatype's
+    width as Triton's do; FP16/BF16 must come as binary data."""
+    if not isinstance(data, list):
+        raise GatewayError(400, "Unable to parse 'data': attempt to access JSON non-array as array")
+    values = list(_flatten(data))
+    if datatype == "BYTES":
+        if not all(isinstance(v, str) for v in values):
+            raise GatewayError(400, "Unable to parse JSON bytes array: attempt to access JSON non-string as string")
+        raw = b"".join(struct.pack("<I", len(b)) + b for b in (v.encode() for v in values))
+    elif datatype in JSON_ELEMENT:
+        fits, what = JSON_ELEMENT[datatype]
+        if not all(fits(v) for v in values):
+            raise GatewayError(400, f"Unable to parse 'data': attempt to access JSON {what}")
+        wide = np.float64 if datatype in ("FP32", "FP64") else np.uint64 if datatype.startswith("U") else np.int64
+        raw = np.asarray(values, dtype=wide).astype(NUMPY_TYPES[datatype]).tobytes()
+    elif datatype in ("FP16", "BF16"):
+        raise GatewayError(400, f"receiving {datatype} data via JSON is not supported. Please use the binary data "
+                                f"format for input {name}")
+    else:
+        raise GatewayError(400, f"invalid datatype for input {name}")
+    if len(values) != math.prod(shape):
+        raise GatewayError(400, "Unable to parse 'data': Shape does not match true shape of 'data' field")
+    return Tensor(name, datatype, shape, raw)
 
 
 def to_values(t: Tensor) -> list:

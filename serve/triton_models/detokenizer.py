@@ -14,8 +14,15 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = []
+        vocab = len(self.tokenizer)
         for r in requests:
             ids = pb_utils.get_input_tensor_by_name(r, "output_ids").as_numpy().reshape(-1).tolist()
+            bad = [i for i in ids if not 0 <= i < vocab]
+            if bad:
+                responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"output_ids holds {bad[0]}, outside the vocabulary 0..{vocab - 1}",
+                    pb_utils.TritonError.INVALID_ARG)))
+                continue
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             responses.append(pb_utils.InferenceResponse(
                 [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_))]))

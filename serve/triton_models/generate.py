@@ -16,7 +16,7 @@ import triton_python_backend_utils as pb_utils
 
 
 class RequestError(ValueError):
-    """A request the model cannot serve (reported to that request only)."""
+    """The client's mistake (reported to that request only, as INVALID_ARG: HTTP 400 / gRPC INVALID_ARGUMENT)."""
 
 
 class TritonPythonModel:
@@ -35,7 +35,8 @@ class TritonPythonModel:
             try:
                 jobs[self._flag(r, "use_kv_cache", True)].append((i, *self._prepare(r)))
             except RequestError as e:
-                responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(str(e)))
+                responses[i] = pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG))
         for use_cache, batch in jobs.items():
             if not batch:
                 continue
@@ -52,6 +53,11 @@ class TritonPythonModel:
         if text.size != 1:
             raise RequestError(f"send one prompt per request (got {text.size}); concurrent requests are batched "
                                "by the server")
+        if isinstance(text[0], bytes):
+            try:
+                text[0].decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise RequestError(f"text_input is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
         prompt = self._infer(self.models["tokenizer"], {"text_input": text.astype(np.object_)}, ["input_ids"])[0]
         if prompt.size == 0:
             raise RequestError("text_input is empty: send at least one token of text")

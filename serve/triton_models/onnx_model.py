@@ -27,6 +27,15 @@ class TritonPythonModel:
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
         self.batched = config.get("max_batch_size", 0) > 0
+        self.vocab = self.session.get_outputs()[0].shape[-1]  # logits [..., vocab]: token ids must be below it
+
+    def _check_ids(self, ids):
+        """None, or the client's mistake: a token id outside the vocabulary (INVALID_ARG, HTTP 400)."""
+        if isinstance(self.vocab, int) and ids.size and (ids.min() < 0 or ids.max() >= self.vocab):
+            bad = ids.min() if ids.min() < 0 else ids.max()
+            return pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"input_ids holds {bad}, outside the vocabulary 0..{self.vocab - 1}", pb_utils.TritonError.INVALID_ARG))
+        return None
 
     def execute(self, requests):
         if self.batched:
@@ -34,12 +43,24 @@ class TritonPythonModel:
         responses = []
         for r in requests:
             feeds = {n: pb_utils.get_input_tensor_by_name(r, n).as_numpy() for n in self.input_names}
+            refused = self._check_ids(feeds["input_ids"])
+            if refused is not None:
+                responses.append(refused)
+                continue
             values = self.session.run(self.output_names, feeds)
             tensors = [pb_utils.Tensor(n, v) for n, v in zip(self.output_names, values)]
             responses.append(pb_utils.InferenceResponse(tensors))
         return responses
 
     def _execute_padded(self, requests):
+        responses = [self._check_ids(pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy()) for r in requests]
+        good = [r for r, refused in zip(requests, responses) if refused is None]
+        if good:
+            answers = iter(self._run_padded(good))
+            responses = [refused if refused is not None else next(answers) for refused in responses]
+        return responses
+
+    def _run_padded(self, requests):
         ids = [pb_utils.get_input_tensor_by_name(r, "input_ids").as_numpy() for r in requests]
         masks = []
         for r, x in zip(requests, ids):

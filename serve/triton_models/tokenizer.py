@@ -16,7 +16,13 @@ class TritonPythonModel:
         responses = []
         for r in requests:
             text = pb_utils.get_input_tensor_by_name(r, "text_input").as_numpy().reshape(-1)[0]
-            text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            try:
+                text = text.decode("utf-8") if isinstance(text, bytes) else str(text)
+            except UnicodeDecodeError as e:
+                message = f"text_input is not valid UTF-8 (byte {e.start}): send UTF-8 text"
+                responses.append(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(message, pb_utils.TritonError.INVALID_ARG)))
+                continue
             ids = np.asarray(self.tokenizer(text)["input_ids"], dtype=np.int64)
             responses.append(pb_utils.InferenceResponse([pb_utils.Tensor("input_ids", ids)]))
         return responses
