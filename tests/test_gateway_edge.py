@@ -471,3 +471,160 @@ def test_what_a_killed_triton_leaves_behind_is_removed(gateway_repo, tmp_path):
             p.wait(5)  # gone (psutil.TimeoutExpired otherwise)
         except psutil.NoSuchProcess:
             pass
+
+
+# ---- where the gateway speaks Triton's protocol: the same request to Triton and through the gateway --------------
+
+@pytest.fixture(scope="module")
+def parity_gateway(gateway_server, session_tmp):
+    gw = GatewayProcess(session_tmp / "gateway-parity.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": "memory", "forward_headers": "^x-fwd-.*"})
+    yield gw
+    gw.stop()
+
+
+def _input(datatype: str, shape, data) -> bytes:
+    return json.dumps({"inputs": [{"name": "INPUT0", "shape": shape, "datatype": datatype, "data": data}]}).encode()
+
+
+def _bytes_body(*items: bytes) -> tuple[bytes, dict]:
+    import struct
+
+    raw = b"".join(struct.pack("<I", len(b)) + b for b in items)
+    head = json.dumps({"inputs": [{"name": "INPUT0", "shape": [len(items)], "datatype": "BYTES",
+                                   "parameters": {"binary_data_size": len(raw)}}]}).encode()
+    return head + raw, {"Inference-Header-Content-Length": str(len(head))}
+
+
+FP32 = "/v2/models/echo_fp32/infer"
+INT32 = "/v2/models/echo_int32/infer"
+BYTES = "/v2/models/echo_bytes/infer"
+PAIR = "/v2/models/echo_pair/infer"
+PAIR_INPUTS = [{"name": "INPUT0", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+               {"name": "INPUT1", "shape": [1], "datatype": "INT64", "data": [7]}]
+# (case, method, path, body, headers, how the answers compare): "same" — status, encoding and body as Triton's;
+# "parse" — Triton's message, but 400 where Triton says 500 (the client's mistake is a client error); "json" — as
+# Triton's, but a JSON error body is labelled application/json where Triton says text/plain.
+PARITY = [
+    ("int32 as float", "POST", INT32, _input("INT32", [2], [9.7, 1]), {}, "parse"),
+    ("int32 as bool", "POST", INT32, _input("INT32", [2], [True, 1]), {}, "parse"),
+    ("int32 as string", "POST", INT32, _input("INT32", [2], ["5", 1]), {}, "parse"),
+    ("int32 wraps", "POST", INT32, _input("INT32", [2], [2**40 + 3, -1]), {}, "same"),
+    ("int32 beyond int64", "POST", INT32, _input("INT32", [2], [2**63, 1]), {}, "parse"),
+    ("fp32 from ints", "POST", FP32, _input("FP32", [2], [1, 2]), {}, "same"),
+    ("fp32 nested", "POST", FP32, _input("FP32", [2], [[1], [2.5]]), {}, "same"),
+    ("fp32 as string", "POST", FP32, _input("FP32", [1], ["5"]), {}, "parse"),
+    ("fp32 as null", "POST", FP32, _input("FP32", [1], [None]), {}, "parse"),
+    ("fp32 NaN and infinities", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[3],"datatype":"FP32","data":[NaN, 1e-400, -Infinity]}]}', {}, "same"),
+    ("fp32 beyond double", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[2],"datatype":"FP32","data":[NaN, -1e400]}]}', {}, "parse"),
+    ("an integer beyond double", "POST", FP32, _input("FP32", [1], [10**400]), {}, "parse"),
+    ("fewer values than the shape", "POST", FP32, _input("FP32", [3], [1, 2]), {}, "parse"),
+    ("ragged nesting", "POST", FP32, _input("FP32", [2, 2], [[1, 2], [3]]), {}, "parse"),
+    ("bytes as null", "POST", BYTES, _input("BYTES", [1], [None]), {}, "parse"),
+    ("bytes as int", "POST", BYTES, _input("BYTES", [1], [5]), {}, "parse"),
+    ("bytes utf-8", "POST", BYTES, _input("BYTES", [2], ["hé", "a\"b\\c\n\u0001"]), {}, "same"),
+    ("bytes not utf-8", "POST", BYTES, *_bytes_body(b"\xff\xfe", b"ok"), "same"),
+    ("shape of floats", "POST", FP32, _input("FP32", [1.5, 4], [1] * 6), {}, "parse"),
+    ("shape 1e30", "POST", FP32, b'{"inputs":[{"name":"INPUT0","shape":[1e30],"datatype":"FP32","data":[1]}]}', {},
+     "parse"),
+    ("negative shape", "POST", FP32, _input("FP32", [-1], [1]), {}, "parse"),
+    ("shape of bools", "POST", FP32, _input("FP32", [True], [1]), {}, "parse"),
+    ("no shape", "POST", FP32, b'{"inputs":[{"name":"INPUT0","datatype":"FP32","data":[1]}]}', {}, "parse"),
+    ("no datatype", "POST", FP32, b'{"inputs":[{"name":"INPUT0","shape":[1],"data":[1]}]}', {}, "parse"),
+    ("no name", "POST", FP32, b'{"inputs":[{"shape":[1],"datatype":"FP32","data":[1]}]}', {}, "parse"),
+    ("data an object", "POST", FP32, b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":{}}]}', {},
+     "parse"),
+    ("no data", "POST", FP32, b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32"}]}', {}, "same"),
+    ("data and binary", "POST", FP32, b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1],'
+     b'"parameters":{"binary_data_size":4}}]}', {}, "same"),
+    ("unknown datatype", "POST", FP32, _input("FP99", [1], [1]), {}, "same"),
+    ("fp16 as json", "POST", FP32, _input("FP16", [1], [1]), {}, "same"),
+    ("the model's datatype refused", "POST", FP32, _input("INT64", [1], [1]), {}, "same"),
+    ("no inputs", "POST", FP32, b"{}", {}, "parse"),
+    ("inputs an object", "POST", FP32, b'{"inputs":{"a":1}}', {}, "parse"),
+    ("empty inputs", "POST", FP32, b'{"inputs":[]}', {}, "same"),
+    ("id a number", "POST", FP32, b'{"id":5,"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}]}',
+     {}, "parse"),
+    ("parameters a string", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}],"parameters":"x"}', {}, "parse"),
+    ("outputs an object", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}],"outputs":{}}', {}, "parse"),
+    ("an output without name", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"nom":"x"}]}', {}, "parse"),
+    ("an unknown output", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}],"outputs":[{"name":"NOPE"}]}', {},
+     "same"),
+    ("binary_data_output not a bool", "POST", FP32,
+     b'{"inputs":[{"name":"INPUT0","shape":[1],"datatype":"FP32","data":[1]}],"parameters":{"binary_data_output":1}}',
+     {}, "parse"),
+    ("binary_data_output with listed outputs", "POST", PAIR,
+     json.dumps({"inputs": PAIR_INPUTS, "outputs": [{"name": "INPUT0_OUT"}, {"name": "INPUT1_OUT"}],
+                 "parameters": {"binary_data_output": True}}).encode(), {}, "same"),
+    ("binary_data per output", "POST", PAIR,
+     json.dumps({"inputs": PAIR_INPUTS, "outputs": [{"name": "INPUT0_OUT", "parameters": {"binary_data": True}},
+                                                    {"name": "INPUT1_OUT"}]}).encode(), {}, "same"),
+    ("binary_data_output", "POST", PAIR,
+     json.dumps({"inputs": PAIR_INPUTS, "parameters": {"binary_data_output": True}}).encode(), {}, "same"),
+    ("raw binary body", "POST", FP32, np.array([1.5, 2.5], np.float32).tobytes(),
+     {"Inference-Header-Content-Length": "0", "Content-Type": "application/octet-stream"}, "same"),
+    ("gzip", "POST", FP32, _input("FP32", [3], [1, 2, 3]), {"Accept-Encoding": "gzip"}, "same"),
+    ("deflate first", "POST", FP32, _input("FP32", [3], [1, 2, 3]), {"Accept-Encoding": "deflate, gzip"}, "same"),
+    ("gzip first", "POST", FP32, _input("FP32", [3], [1, 2, 3]), {"Accept-Encoding": "gzip, deflate"}, "same"),
+    ("gzip refused by q", "POST", FP32, _input("FP32", [3], [1, 2, 3]), {"Accept-Encoding": "gzip;q=0"}, "same"),
+    ("br only", "POST", FP32, _input("FP32", [3], [1, 2, 3]), {"Accept-Encoding": "br"}, "same"),
+    ("binary gzip", "POST", PAIR, json.dumps({"inputs": PAIR_INPUTS, "parameters": {"binary_data_output": True}}
+                                             ).encode(), {"Accept-Encoding": "gzip"}, "same"),
+    ("unknown model", "POST", "/v2/models/nope/infer", _input("FP32", [1], [1]), {}, "json"),
+    ("unknown model metadata", "GET", "/v2/models/nope", None, {}, "same"),
+    ("unknown model ready", "GET", "/v2/models/nope/ready", None, {}, "same"),
+    ("model metadata", "GET", "/v2/models/echo_pair", None, {}, "same"),
+    ("model config", "GET", "/v2/models/echo_pair/config", None, {}, "same"),
+    ("server metadata", "GET", "/v2", None, {}, "same"),
+    ("a wrong method", "DELETE", "/v2/health/ready", None, {}, "same"),
+    ("an unknown route", "GET", "/nope", None, {}, "same"),
+    ("an Upgrade request", "GET", "/v2/health/ready", None, {"Connection": "Upgrade", "Upgrade": "websocket"},
+     "same"),
+    ("generate on a decoupled model", "POST", "/v2/models/stream/generate",
+     json.dumps({"text_input": "hi", "count": 2}).encode(), {}, "same"),
+    ("generate_stream", "POST", "/v2/models/stream/generate_stream",
+     json.dumps({"text_input": "hi", "count": 3}).encode(), {}, "same"),
+]
+
+
+def _decoded(headers: dict, body: bytes):
+    import zlib
+
+    encoding = headers.get("content-encoding")
+    if encoding:
+        body = zlib.decompress(body, 31 if encoding == "gzip" else 15)
+    length = headers.get("inference-header-content-length")
+    if length is not None:
+        n = int(length)
+        return json.loads(body[:n]), body[n:]
+    try:
+        return json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return body  # Triton writes BYTES as they are, also when they are not UTF-8: compared byte for byte
+
+
+@pytest.mark.parametrize("case,method,path,body,headers,kind", PARITY, ids=[p[0] for p in PARITY])
+def test_the_gateway_answers_as_triton_does(parity_gateway, gateway_server, case, method, path, body, headers, kind):
+    direct = _http(gateway_server.http_port, method, path, body, headers)
+    through = _http(parity_gateway.http_port, method, path, body, headers)
+    if kind == "parse":
+        assert direct[0] == 500 and through[0] == 400, (direct, through)
+        assert json.loads(through[2])["error"] == json.loads(direct[2])["error"]
+        return
+    assert through[0] == direct[0], (direct, through)
+    assert through[1].get("content-encoding") == direct[1].get("content-encoding")
+    if kind == "json":
+        assert (direct[1]["content-type"], through[1]["content-type"]) == ("text/plain", "application/json")
+    else:
+        assert through[1].get("content-type", "").split(";")[0] == direct[1].get("content-type", "").split(";")[0]
+    assert _decoded(*through[1:]) == _decoded(*direct[1:]), (direct, through)
+    if case != "an Upgrade request":  # twice: the second answer may come from the cache
+        assert _decoded(*_http(parity_gateway.http_port, method, path, body, headers)[1:]) == \
+            _decoded(*direct[1:])

@@ -148,15 +148,44 @@ def _flag(params: dict, key: str, default: bool) -> bool:
     return value
 
 
+_JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*')
+
+
+def _too_big() -> float:
+    raise OverflowError
+
+
+def _double(literal: str) -> float:
+    value = float(literal)
+    return value if math.isfinite(value) else _too_big()
+
+
+def _integer(literal: str) -> int | float:
+    """An integer literal as rapidjson keeps it: int64 or uint64 when it fits, a double otherwise."""
+    if len(literal) <= 20 and -2**63 <= (value := int(literal)) < 2**64:
+        return value
+    return _double(literal)
+
+
 def parse_json(text: bytes):
-    """JSON as Triton reads it: NaN and Infinity literals accepted, numbers out of double range are infinite."""
+    """JSON as Triton (rapidjson) reads it: NaN and Infinity literals taken, a number beyond double range refused."""
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as e:
-        try:  # orjson refuses NaN/Infinity, which Triton (rapidjson) takes; Python's json takes them too
-            return json.loads(text)
+        if e.msg.startswith("number is infinity"):
+            raise _too_big_at(e.pos) from None
+        try:  # orjson refuses NaN/Infinity, which rapidjson takes; Python's json takes them too
+            return json.loads(text, parse_float=_double, parse_int=_integer)
+        except OverflowError:
+            raise _too_big_at(next(m.start() for m in _JSON_TOKEN.finditer(text)
+                                   if m.group()[0] != 34 and not math.isfinite(float(m.group())))) from None
         except (ValueError, UnicodeDecodeError):
             raise GatewayError(400, f"failed to parse the request JSON buffer: {e}") from None
+
+
+def _too_big_at(offset: int) -> GatewayError:
+    return GatewayError(400, f"failed to parse the request JSON buffer: Number too big to be stored in double. at "
+                             f"{offset}")
 
 
 def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
