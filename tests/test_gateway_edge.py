@@ -628,3 +628,25 @@ def test_the_gateway_answers_as_triton_does(parity_gateway, gateway_server, case
     if case != "an Upgrade request":  # twice: the second answer may come from the cache
         assert _decoded(*_http(parity_gateway.http_port, method, path, body, headers)[1:]) == \
             _decoded(*direct[1:])
+
+
+def test_forwarded_headers_reach_the_model_and_separate_cache_entries(parity_gateway, gateway_server):
+    import tritonclient.grpc as grpcclient
+    import tritonclient.http as httpclient
+
+    def params(module, url, headers):
+        client = module.InferenceServerClient(url)
+        try:
+            x = module.InferInput("INPUT0", [1], "FP32")
+            x.set_data_from_numpy(np.array([1], np.float32))
+            out = client.infer("params", [x], headers=headers).as_numpy("PARAMS")
+            return json.loads(out[0])
+        finally:
+            client.close()
+
+    for module, direct, through in ((httpclient, gateway_server.http_url, parity_gateway.http_url),
+                                    (grpcclient, gateway_server.grpc_url, parity_gateway.grpc_url)):
+        for headers in ({"x-fwd-tag": "a", "x-other": "z"}, {"x-fwd-tag": "b"}, {"x-fwd-tag": "a"}, {}):
+            expected = params(module, direct, headers)
+            assert params(module, through, headers) == expected, (module.__name__, headers)
+            assert expected.get("x-fwd-tag") == headers.get("x-fwd-tag") and "x-other" not in expected

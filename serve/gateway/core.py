@@ -4,10 +4,10 @@ computing a miss on Triton (over its HTTP binary tensor protocol, whatever proto
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from urllib.parse import quote
 
 import orjson
 
@@ -89,7 +89,7 @@ class Deployments:
             return last
 
     async def _fetch(self, model: str) -> Deployment:
-        path = f"/v2/models/{quote(model, safe='')}"
+        path = model_path(model)
         meta, config = await asyncio.gather(self.upstreams.request("GET", path),
                                             self.upstreams.request("GET", path + "/config"), return_exceptions=True)
         for answer in (meta, config):
@@ -115,6 +115,21 @@ class Deployments:
             self._known.pop(model, None)
 
 
+_UNADDRESSABLE = re.compile(r"[\x00-\x20\x7f/?#\ud800-\udfff]")
+
+
+def addressable(model: str) -> bool:
+    """Whether Triton's HTTP endpoint can name `model`: at most 255 bytes (a repository folder's name), nothing
+    a URL path cannot carry as it is (Triton does not percent-decode), valid UTF-8. Other names are relayed."""
+    return len(model) <= 255 and len(model.encode("utf-8", "surrogatepass")) <= 255 and \
+        not _UNADDRESSABLE.search(model)
+
+
+def model_path(model: str) -> str:
+    """/v2/models/NAME as Triton reads it: the name's UTF-8 bytes as they are (a latin-1 string of them)."""
+    return "/v2/models/" + model.encode().decode("latin-1")
+
+
 def served_version(d: Deployment, requested: str) -> str | None:
     """The version that answers a request, or None when Triton has no ready version to match it."""
     if requested:
@@ -133,7 +148,7 @@ class GatewayCore:
 
     def key_now(self, request: InferRequest) -> str | None:
         """The cache key, if the model's deployment is known and fresh and the request is cacheable."""
-        d = self.deployments.now(request.model)
+        d = self.deployments.now(request.model) if addressable(request.model) else None
         if d is None or not d.cacheable or is_sequence_request(request):
             return None
         version = served_version(d, request.version)
@@ -141,6 +156,8 @@ class GatewayCore:
 
     async def key(self, request: InferRequest, opt_out: bool) -> tuple[str | None, str]:
         """(cache key or None when the request must go to Triton untouched, served version)."""
+        if not addressable(request.model):
+            return None, ""
         d = await self.deployments.get(request.model)
         version = served_version(d, request.version)
         if opt_out or version is None or not d.cacheable or is_sequence_request(request):
@@ -188,9 +205,9 @@ class GatewayCore:
         if request.outputs is not None:
             header["outputs"] = [{"name": n, "parameters": {**p, "binary_data": True}} for n, p in request.outputs]
         head = orjson.dumps(header)
-        path = f"/v2/models/{quote(request.model, safe='')}"
+        path = model_path(request.model)
         if request.version:
-            path += f"/versions/{quote(request.version, safe='')}"
+            path += f"/versions/{request.version}"  # one Triton reported: digits
         response = await self.upstreams.request(
             "POST", path + "/infer", [head, *(t.raw for t in request.inputs)],
             (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream"),

@@ -26,7 +26,6 @@ from collections.abc import AsyncIterator, Awaitable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
-from urllib.parse import unquote
 
 import httptools
 import orjson
@@ -40,6 +39,7 @@ from dstool.serve.gateway.tensors import (
     Tensor,
     check_tensor,
     from_json,
+    is_unsigned,
     to_values,
 )
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
@@ -133,12 +133,10 @@ def _member(obj: dict, key: str, kind: type, kind_name: str):
     return value
 
 
-def _parameters(value, what: str) -> dict:
-    if value is None:
-        return {}
-    if not isinstance(value, dict):
-        raise GatewayError(400, f"failed to get {what} params.: attempt to get members for non-object")
-    return value
+def _params(item: dict) -> dict:
+    """An input's or output's parameters; Triton looks inside them only when they are an object."""
+    params = item.get("parameters")
+    return params if isinstance(params, dict) else {}
 
 
 def _flag(params: dict, key: str, default: bool) -> bool:
@@ -148,6 +146,61 @@ def _flag(params: dict, key: str, default: bool) -> bool:
     return value
 
 
+def _request_parameters(header: dict) -> dict:
+    """The request's parameters, checked as Triton checks them (its order, its messages)."""
+    if "parameters" not in header:
+        return {}
+    params = header["parameters"]
+    if not isinstance(params, dict):
+        raise GatewayError(400, "failed to get request params.: attempt to get members for non-object")
+    for key, value in params.items():
+        if key == "sequence_id":
+            if not (is_unsigned(value) or isinstance(value, str)):
+                raise _not(key, "string")
+        elif key in ("sequence_start", "sequence_end", "binary_data_output"):
+            _flag(params, key, False)
+        elif key in ("priority", "timeout"):
+            if not is_unsigned(value):
+                raise _not(key, "unsigned-integer")
+        elif key.startswith("triton_"):
+            raise GatewayError(400, "parameter keys starting with 'triton_' are reserved for Triton usage and should "
+                                    "not be specified.")
+        elif value is None or isinstance(value, (list, dict)):
+            raise GatewayError(400, f"parameter '{key}' has invalid type. It should be either 'int', 'bool', or "
+                                    "'string'.")
+    return params
+
+
+_C_INTEGER = re.compile(r"[ \t\n\v\f\r]*([+-]?[0-9]+)")
+
+
+def _c_atoi(text: str) -> int:
+    """C's atoi as glibc computes it (strtol, then cast to int): how Triton reads Inference-Header-Content-Length."""
+    m = _C_INTEGER.match(text)
+    if m is None:
+        return 0
+    digits = m.group(1)
+    value = int(digits) if len(digits) < 40 else (-1 if digits[0] == "-" else 1) * 2**128
+    value = max(-2**63, min(2**63 - 1, value))
+    return (value + 2**31) % 2**32 - 2**31
+
+
+def _element_count(shape: list[int]) -> int:
+    """The element count Triton 2.51 computes for a JSON input's shape: 0 for no dimensions, -1 for a wildcard,
+    otherwise the product wrapped to int64 (what its `data` must then hold)."""
+    if not shape:
+        return 0
+    if 2**64 - 1 in shape:
+        return -1
+    count = 1
+    for d in shape:
+        count = (count * d) % 2**64
+    return count - 2**64 if count >= 2**63 else count
+
+
+# orjson's limit (Triton's parser has none): deeper JSON is refused as a parse error
+TOO_DEEP = "failed to parse the request JSON buffer: nested deeper than 1024 levels"
+_NON_FINITE = re.compile(rb"-?(?:NaN|Infinity)")
 _JSON_TOKEN = re.compile(rb'"(?:[^"\\]|\\.)*"|-?[0-9][0-9.eE+-]*')
 
 
@@ -168,19 +221,31 @@ def _integer(literal: str) -> int | float:
 
 
 def parse_json(text: bytes):
-    """JSON as Triton (rapidjson) reads it: NaN and Infinity literals taken, a number beyond double range refused."""
+    """JSON as Triton (rapidjson) reads it: NaN and Infinity literals and a UTF-8 byte order mark taken, a number
+    beyond double range refused."""
+    text = text.split(b"\0", 1)[0]  # rapidjson reads a C string: the document ends at the first NUL byte
+    if text[:3] == b"\xef\xbb\xbf":
+        text = text[3:]
     try:
         return orjson.loads(text)
     except orjson.JSONDecodeError as e:
         if e.msg.startswith("number is infinity"):
             raise _too_big_at(e.pos) from None
-        try:  # orjson refuses NaN/Infinity, which rapidjson takes; Python's json takes them too
-            return json.loads(text, parse_float=_double, parse_int=_integer)
-        except OverflowError:
-            raise _too_big_at(next(m.start() for m in _JSON_TOKEN.finditer(text)
-                                   if m.group()[0] != 34 and not math.isfinite(float(m.group())))) from None
-        except (ValueError, UnicodeDecodeError):
+        if e.msg.startswith("depth limit"):
+            raise GatewayError(400, TOO_DEEP) from None
+        if not _NON_FINITE.match(text, e.pos):
             raise GatewayError(400, f"failed to parse the request JSON buffer: {e}") from None
+    try:  # orjson refuses NaN/Infinity, which rapidjson takes; Python's json takes them too
+        value = json.loads(text, parse_float=_double, parse_int=_integer)
+        orjson.dumps(value)  # what orjson refuses besides (lone surrogates)
+        return value
+    except OverflowError:
+        raise _too_big_at(next(m.start() for m in _JSON_TOKEN.finditer(text)
+                               if m.group()[0] != 34 and not math.isfinite(float(m.group())))) from None
+    except RecursionError:
+        raise GatewayError(400, TOO_DEEP) from None
+    except (ValueError, UnicodeDecodeError, orjson.JSONEncodeError) as e:
+        raise GatewayError(400, f"failed to parse the request JSON buffer: {e}") from None
 
 
 def _too_big_at(offset: int) -> GatewayError:
@@ -192,20 +257,21 @@ def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
                  forward: re.Pattern | None = None) -> tuple[InferRequest, tuple]:
     """(InferRequest, output format: (binary by default?, ((name, binary?), ...))) from an HTTP infer request.
 
-    What does not parse is answered here, with Triton's own message (but status 400 where Triton says 500: a
-    client's mistake is a client error); what parses but a model may refuse (an empty input list, an unknown
-    output) or what the cache does not model (shared memory, a raw binary body) goes to Triton as it is."""
+    Read as Triton reads it (the same checks in the same order, the same messages, but status 400 where Triton
+    says 500: a client's mistake is a client error). What parses but the model may refuse (an empty input list,
+    an unknown output, bytes that do not fit a datatype) or what the cache does not model (shared memory, a raw
+    binary body) goes to Triton as it is, so its answer is Triton's own."""
     header_length = headers.get("inference-header-content-length")
     if header_length is not None:
-        try:
-            n = int(header_length)
-        except ValueError:
-            raise GatewayError(400, f"Inference-Header-Content-Length '{header_length}' is not an integer") from None
+        n = _c_atoi(header_length)
+        if n < 0 or n > len(body):
+            raise GatewayError(400, f"inference header size should be in range (0, {len(body)}), got: "
+                                    f"{header_length}")
         if n == 0:
             raise _Passthrough()  # a raw binary request: the whole body is the model's one input
-        if not 0 < n <= len(body):
-            raise GatewayError(400, f"Inference-Header-Content-Length {n} does not fit a body of {len(body)} bytes")
         header_bytes, binary = body[:n], memoryview(body)[n:]
+    elif not body:
+        raise _Passthrough()  # Triton reads an empty body as a raw binary request too
     else:
         header_bytes, binary = body, memoryview(b"")
     header = parse_json(header_bytes)
@@ -214,40 +280,49 @@ def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
     request_id = header.get("id", "")
     if not isinstance(request_id, str):
         raise _not("id", "string")
-    parameters = _parameters(header.get("parameters"), "request")
+    request_id = request_id.split("\0", 1)[0]  # Triton keeps the id as a C string
+    parameters = _request_parameters(header)
     default_binary = _flag(parameters, "binary_data_output", False)
     items = _member(header, "inputs", list, "array")
     if not items:
         raise _Passthrough()  # Triton names the inputs the model expects
-    inputs, offset = [], 0
+    inputs, offset, passthrough = [], 0, False
     for item in items:
-        if not isinstance(item, dict):
-            raise _missing("name")
+        item = item if isinstance(item, dict) else {}
+        params = _params(item)
+        fields = [f for f, there in (("'data'", "data" in item), ("'binary_data_size'", "binary_data_size" in params),
+                                     ("'shared_memory_region'", "shared_memory_region" in params)) if there]
+        if len(fields) != 1:
+            raise GatewayError(400, "Input must set only one of the following fields: 'data', 'binary_data_size' in "
+                                    "'parameters', 'shared_memory_region' in 'parameters'. But "
+                                    + (f"set {' '.join(fields)}" if fields else "no field is set"))
         name = _member(item, "name", str, "string")
         datatype = _member(item, "datatype", str, "string")
         shape = _member(item, "shape", list, "array")
-        if not all(type(d) is int and 0 <= d < 2**63 for d in shape):
+        if not all(is_unsigned(d) for d in shape):
             raise _not("shape", "unsigned-integer")
-        params = _parameters(item.get("parameters"), "input")
-        if "shared_memory_region" in params:
-            raise _Passthrough()
-        size = params.get("binary_data_size")
-        if (size is None) == ("data" not in item):
-            fields = "no field is set" if size is None else "set 'data' 'binary_data_size'"
-            raise GatewayError(400, "Input must set only one of the following fields: 'data', 'binary_data_size' in "
-                                    f"'parameters', 'shared_memory_region' in 'parameters'. But {fields}")
-        if size is not None:
-            if type(size) is not int or size < 0 or offset + size > len(binary):
-                raise GatewayError(400, f"input '{name}': binary_data_size {size} runs past the {len(binary)} "
-                                        "bytes of binary data")
+        if "binary_data_size" in params:
+            size = params["binary_data_size"]
+            if not is_unsigned(size):
+                raise _not("binary_data_size", "unsigned-integer")
+            if offset + size > len(binary):
+                raise GatewayError(400, f"unexpected size for input '{name}', expecting {offset + size - len(binary)} "
+                                        f"additional bytes for model '{model}'")
             tensor = Tensor(name, datatype, tuple(shape), bytes(binary[offset:offset + size]))
-            check_tensor(tensor)
             offset += size
+            try:
+                check_tensor(tensor)
+            except GatewayError:
+                passthrough = True  # the model refuses it, in Triton's words
+        elif "shared_memory_region" in params:
+            raise _Passthrough()
+        elif (count := _element_count(shape)) == 0:
+            tensor = Tensor(name, datatype, tuple(shape), b"")  # Triton does not read `data` then
         else:
-            tensor = from_json(name, datatype, tuple(shape), item["data"])
+            tensor = from_json(name, datatype, tuple(shape), item["data"], count)
         inputs.append(tensor)
     if offset != len(binary):
-        raise GatewayError(400, f"{len(binary) - offset} bytes of binary data belong to no input")
+        raise GatewayError(400, f"unexpected additional input data for model '{model}'")
     outputs = None
     formats: tuple[tuple[str, bool], ...] = ()
     if "outputs" in header:
@@ -256,14 +331,20 @@ def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
             raise _not("outputs", "array")
         outputs = []
         for item in requested:
-            if not isinstance(item, dict):
-                raise _missing("name")
-            params = _parameters(item.get("parameters"), "output")
+            item = item if isinstance(item, dict) else {}
+            params = _params(item)
             if "shared_memory_region" in params:
                 raise _Passthrough()
-            outputs.append((_member(item, "name", str, "string"), params))
+            name = _member(item, "name", str, "string")
+            if "classification" in params and not is_unsigned(params["classification"]):
+                raise GatewayError(400, "Unable to set 'classification': attempt to access JSON "
+                                        "non-unsigned-integer as unsigned-integer")
+            _flag(params, "binary_data", False)
+            outputs.append((name, params))
         # Listed outputs come back as their own binary_data says (JSON unless true), as Triton does.
-        formats = tuple((name, _flag(p, "binary_data", False)) for name, p in outputs)
+        formats = tuple((name, params.get("binary_data", False)) for name, params in outputs)
+    if passthrough:
+        raise _Passthrough()
     forwarded = tuple(sorted((k, v) for k, v in headers.items() if forward is not None and forward.match(k)))
     return InferRequest(model, version, inputs, outputs, parameters, request_id, forwarded), (default_binary, formats)
 
@@ -368,10 +449,13 @@ class HttpFrontend:
         if req.path == "/metrics":
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
         parts = req.path.split("/")
-        # /v2/models/NAME/infer or /v2/models/NAME/versions/V/infer
+        # /v2/models/NAME/infer or /v2/models/NAME/versions/DIGITS/infer, matched as Triton matches them: on the
+        # path as sent (no percent-decoding), the name being its UTF-8 bytes
         if req.method == "POST" and parts[-1] == "infer" and len(parts) in (5, 7) and parts[1:3] == ["v2", "models"] \
-                and (len(parts) == 5 or parts[4] == "versions"):
-            return self.infer(req, unquote(parts[3]), unquote(parts[5]) if len(parts) == 7 else "")
+                and parts[3] and (len(parts) == 5 or (parts[4] == "versions" and parts[5].isascii()
+                                                      and parts[5].isdigit())):
+            model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
+            return self.infer(req, model, parts[5] if len(parts) == 7 else "")
         return self.relay(req)
 
     def infer(self, req: HttpRequest, model: str, version: str):
@@ -384,7 +468,10 @@ class HttpFrontend:
             return self._relay_infer(req, model, started)
         except GatewayError as e:
             self.metrics.error("bad_request")
-            return error_response(e.status, e.message)
+            response = error_response(e.status, e.message)
+            if e.status == 415:
+                response.headers.append(("Accept-Encoding", "gzip, deflate"))
+            return response
         if not opt_out:
             key = self.core.key_now(request)
             entry = self.core.cache.get_front(key) if key is not None else None
@@ -429,12 +516,12 @@ class HttpFrontend:
         return response
 
     def _body(self, req: HttpRequest) -> bytes:
-        encoding = req.headers.get("content-encoding", "identity").lower()
-        if encoding == "identity":
+        encoding = req.headers.get("content-encoding", "")
+        if encoding in ("", "identity"):
             return req.body
-        if encoding not in ("gzip", "deflate"):
-            raise GatewayError(400, f"unsupported Content-Encoding '{encoding}'")
-        inflater = zlib.decompressobj(31 if encoding == "gzip" else 15)
+        if encoding not in ("gzip", "deflate"):  # as Triton decides (its message; 415 where it says 501)
+            raise GatewayError(415, "Unsupported compression type")
+        inflater = zlib.decompressobj(47)  # zlib or gzip framing, whichever it is, as Triton's inflate takes both
         limit = self.limits.max_request_bytes
         try:
             body = inflater.decompress(req.body, limit + 1)
@@ -473,6 +560,20 @@ class HttpFrontend:
         return HttpResponse(r.status, [body], passed)
 
 
+_ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
+
+
+def _origin_form(target: str) -> str | None:
+    """The path (and query) a request names: as sent, or taken out of an absolute URL; None for anything else
+    (`*`, an authority), which no route of Triton's takes."""
+    if target.startswith("/"):
+        return target
+    m = _ABSOLUTE.match(target)
+    if m is None:
+        return None
+    return target[m.end():] if target[m.end():m.end() + 1] == "/" else "/" + target[m.end():]
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order. Each phase has a
     deadline (headers, body, idle), and a request that breaks a limit is answered and the connection closed."""
@@ -487,6 +588,7 @@ class HttpConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.lingering, self.lingered = False, 0
         self.started = 0  # requests begun on this connection
+        self.ended = False  # the client half-closed: close after the last answer
         self._begin_request()
 
     # ---- lifecycle and timeouts --------------------------------------------------------------------------
@@ -505,6 +607,11 @@ class HttpConnection(asyncio.Protocol):
         self._disarm()
         self._release()
         self.frontend.connections.discard(self)
+
+    def eof_received(self) -> bool:
+        """The client sent all it will (a half-close): answer what it asked, then close."""
+        self.ended = True
+        return self.busy  # True: the transport stays open for the answers (_after_response closes it)
 
     def _arm(self, seconds: float, status: int | None, message: str = "") -> None:
         """Answer `status` and close (or just close, for an idle connection) unless the phase ends in time."""
@@ -584,7 +691,11 @@ class HttpConnection(asyncio.Protocol):
         self.headers_done = True
         if self.error is not None:
             return
-        target = self.url.decode("latin-1")
+        target = _origin_form(self.url.decode("latin-1"))
+        if target is None:
+            self.error = (400, "the request target must be a path (/v2/...) or an absolute http URL")
+            return
+        self.url = target.encode("latin-1")
         front, limit = self.frontend, self.limits.max_request_bytes
         try:
             length = int(self.headers.get("content-length", "0"))
@@ -708,7 +819,7 @@ class HttpConnection(asyncio.Protocol):
             self._after_response(keep_alive)
 
     def _after_response(self, keep_alive: bool) -> None:
-        if not keep_alive:
+        if not keep_alive or (self.ended and not self.queue):
             self._close()
         elif not self.busy and not self.queue:
             self._arm(self.limits.keepalive_timeout, None)

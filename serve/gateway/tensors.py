@@ -105,7 +105,7 @@ def _is_signed(v) -> bool:
     return type(v) is int and -(2**63) <= v < 2**63
 
 
-def _is_unsigned(v) -> bool:
+def is_unsigned(v) -> bool:
     return type(v) is int and 0 <= v < 2**64
 
 
@@ -118,20 +118,21 @@ JSON_ELEMENT = {"BOOL": (lambda v: type(v) is bool, "non-boolean as boolean"),
                 "INT16": (_is_signed, "non-signed-integer as signed-integer"),
                 "INT32": (_is_signed, "non-signed-integer as signed-integer"),
                 "INT64": (_is_signed, "non-signed-integer as signed-integer"),
-                "UINT8": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
-                "UINT16": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
-                "UINT32": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
-                "UINT64": (_is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT8": (is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT16": (is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT32": (is_unsigned, "non-unsigned-integer as unsigned-integer"),
+                "UINT64": (is_unsigned, "non-unsigned-integer as unsigned-integer"),
                 "FP32": (_is_number, "non-number as double"), "FP64": (_is_number, "non-number as double")}
 
 
-def from_json(name: str, datatype: str, shape: tuple[int, ...], data) -> Tensor:
+def from_json(name: str, datatype: str, shape: tuple[int, ...], data, count: int) -> Tensor:
     """A tensor from KServe JSON `data`, checked as Triton checks it (the same messages): elements of the
-    datatype's JSON type, nested lists allowed, as many as the shape holds. Integers wrap to the datatype's
+    datatype's JSON type, nested lists allowed, `count` of them (the element count Triton computes for the
+    shape). Integers wrap to the datatype's
     width as Triton's do; FP16/BF16 must come as binary data."""
     if not isinstance(data, list):
         raise GatewayError(400, "Unable to parse 'data': attempt to access JSON non-array as array")
-    values = list(_flatten(data))
+    values = _flatten(data)
     if datatype == "BYTES":
         if not all(isinstance(v, str) for v in values):
             raise GatewayError(400, "Unable to parse JSON bytes array: attempt to access JSON non-string as string")
@@ -147,7 +148,7 @@ def from_json(name: str, datatype: str, shape: tuple[int, ...], data) -> Tensor:
                                 f"format for input {name}")
     else:
         raise GatewayError(400, f"invalid datatype for input {name}")
-    if len(values) != math.prod(shape):
+    if len(values) != count:
         raise GatewayError(400, "Unable to parse 'data': Shape does not match true shape of 'data' field")
     return Tensor(name, datatype, shape, raw)
 
@@ -170,9 +171,16 @@ def to_values(t: Tensor) -> list:
     return np.frombuffer(t.raw, dtype=NUMPY_TYPES[t.datatype]).tolist()
 
 
-def _flatten(values):
-    if isinstance(values, (list, tuple)):
-        for v in values:
-            yield from _flatten(v)
-    else:
-        yield values
+def _flatten(values) -> list:
+    """Nested lists' elements in order (iterative: a client chooses the depth)."""
+    out: list = []
+    stack = [iter(values)]
+    while stack:
+        for v in stack[-1]:
+            if isinstance(v, list):
+                stack.append(iter(v))
+                break
+            out.append(v)
+        else:
+            stack.pop()
+    return out

@@ -1,0 +1,320 @@
+"""Malformed and hostile requests, several hundred kinds on both protocols, each sent to Triton and through the
+gateway: where Triton answers, the gateway answers the same; where Triton refuses, the gateway refuses with a client
+error (4xx, a gRPC client-error code), never a 5xx, a hang or a dropped connection; and it serves afterwards."""
+
+from __future__ import annotations
+
+import copy
+import http.client
+import json
+import socket
+import zlib
+
+import numpy as np
+import psutil
+import pytest
+
+from gatewaylib import GatewayProcess
+
+PAIR = "/v2/models/echo_pair/infer"
+BASE = {"id": "r1",
+        "inputs": [{"name": "INPUT0", "shape": [2], "datatype": "FP32", "data": [1, 2]},
+                   {"name": "INPUT1", "shape": [1], "datatype": "INT64", "data": [7]}],
+        "outputs": [{"name": "INPUT0_OUT"}, {"name": "INPUT1_OUT", "parameters": {"binary_data": False}}],
+        "parameters": {"binary_data_output": False}}
+PATHS = [("id",), ("parameters",), ("parameters", "binary_data_output"), ("parameters", "priority"),
+         ("parameters", "timeout"), ("parameters", "sequence_id"), ("inputs",), ("inputs", 0), ("inputs", 0, "name"),
+         ("inputs", 0, "shape"), ("inputs", 0, "shape", 0), ("inputs", 0, "datatype"), ("inputs", 0, "data"),
+         ("inputs", 0, "data", 0), ("inputs", 0, "parameters"), ("inputs", 0, "parameters", "binary_data_size"),
+         ("inputs", 1, "data", 0), ("inputs", 1, "shape"), ("outputs",), ("outputs", 0), ("outputs", 0, "name"),
+         ("outputs", 0, "parameters"), ("outputs", 1, "parameters", "binary_data"),
+         ("outputs", 0, "parameters", "classification")]
+VALUES = [None, True, False, 0, -1, 1.5, 2**63, 1e30, "", "x", "é\u0000", [], [1], [[1, 2]], {}, {"a": [1]}]
+DELETED = object()
+LIMIT = 1 << 20  # the gateway's --max-request-bytes in these tests
+
+
+def _mutated(path: tuple, value) -> bytes:
+    doc = copy.deepcopy(BASE)
+    target = doc
+    for step in path[:-1]:
+        if isinstance(target, dict):
+            target = target.setdefault(step, {})
+        else:
+            target = target[step]
+    if value is DELETED:
+        if isinstance(target, dict):
+            target.pop(path[-1], None)
+        else:
+            del target[path[-1]]
+    else:
+        target[path[-1]] = value
+    return json.dumps(doc).encode()
+
+
+def _binary(header: dict, payload: bytes) -> tuple[bytes, dict]:
+    head = json.dumps(header).encode()
+    return head + payload, {"Inference-Header-Content-Length": str(len(head))}
+
+
+def _binary_kinds() -> list[tuple[str, str, str, bytes, dict]]:
+    """Binary-extension requests: sizes that lie, header lengths that do not fit, dtypes whose bytes do not."""
+    two = np.array([1.5, 2.5], np.float32).tobytes()
+    one = np.array([7], np.int64).tobytes()
+    kinds = []
+    for size in (-1, 0, 1, 7, 9, 16, 2**40, "8", 8.0, None, True):
+        header = {"inputs": [{"name": "INPUT0", "shape": [2], "datatype": "FP32",
+                              "parameters": {"binary_data_size": size}},
+                             {"name": "INPUT1", "shape": [1], "datatype": "INT64", "data": [7]}]}
+        kinds.append((f"binary_data_size {size!r}", "POST", PAIR, *_binary(header, two)))
+    good = {"inputs": [{"name": "INPUT0", "shape": [2], "datatype": "FP32", "parameters": {"binary_data_size": 8}},
+                       {"name": "INPUT1", "shape": [1], "datatype": "INT64", "parameters": {"binary_data_size": 8}}]}
+    body, headers = _binary(good, two + one)
+    for length in ("-1", "abc", "1e3", " 12", str(len(body)), str(len(body) + 1), "99999999999999999999", "",
+                   str(len(body) - 16)):
+        kinds.append((f"header length {length!r}", "POST", PAIR, body, {"Inference-Header-Content-Length": length}))
+    for cut in (1, 8, 15):
+        kinds.append((f"binary payload short by {cut}", "POST", PAIR, body[:-cut], headers))
+    kinds.append(("binary payload with extra bytes", "POST", PAIR, body + b"\0" * 5, headers))
+    for datatype, payload in (("BYTES", b"\x05\0\0\0ab"), ("BYTES", b"\xff\xff\xff\xff"), ("BYTES", b"\x01\0"),
+                              ("BOOL", b"\x02"), ("FP16", b"\0\0\0\0"), ("BF16", b"\0\0"), ("UINT8", b"\1\2")):
+        header = {"inputs": [{"name": "INPUT0", "shape": [1], "datatype": datatype,
+                              "parameters": {"binary_data_size": len(payload)}}]}
+        kinds.append((f"binary {datatype} {payload!r}", "POST", "/v2/models/echo_bytes/infer",
+                      *_binary(header, payload)))
+    return kinds
+
+
+def _datatype_kinds() -> list[tuple[str, str, str, bytes, dict]]:
+    kinds = []
+    for datatype in ("BOOL", "UINT8", "UINT64", "INT8", "INT64", "FP16", "BF16", "FP64", "BYTES", "fp32", "", "FP32 "):
+        for data in ([1], [-1], [True], ["1"], [1e39], [300]):
+            body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1], "datatype": datatype, "data": data}]})
+            kinds.append((f"{datatype!r} {data!r}", "POST", "/v2/models/echo_fp32/infer", body.encode(), {}))
+    return kinds
+
+
+def _route_kinds() -> list[tuple[str, str, str, bytes | None, dict]]:
+    body = json.dumps(BASE).encode()
+    kinds = []
+    for name in ("x" * 10_000, "%C3%A9", "%00", "..", "%2e%2e%2fecho_pair", "echo_pair%2F", "echo%20pair", "%ff%fe",
+                 "echo_pair/versions/1/../..", "ECHO_PAIR", "echo_pair;x"):
+        kinds.append((f"model name {name[:20]!r}", "POST", f"/v2/models/{name}/infer", body, {}))
+    for version in ("abc", "-1", "0", "2", "99999999999999999999", "1.5", "%31", "x" * 5000):
+        kinds.append((f"version {version[:20]!r}", "POST", f"/v2/models/echo_pair/versions/{version}/infer", body, {}))
+    for method in ("GET", "PUT", "PATCH", "DELETE", "OPTIONS", "TRACE"):
+        kinds.append((f"{method} infer", method, PAIR, body if method in ("PUT", "PATCH") else None, {}))
+    for path in ("/v2/models/echo_pair/infer/", "/v2/models//infer", "/v2/models/echo_pair/infer?x=%zz",
+                 "/v2/models/echo_pair/infer#frag", "/v2//health/ready", "/v2/health/ready/x", "/v2/models/stats",
+                 "/v2/models/echo_pair/stats?x=1", "/v2/models/nope/stats", "/v2/repository/index",
+                 "/v2/repository/models/nope/load", "/v2/repository/models/%2e%2e/load",
+                 "/v2/systemsharedmemory/status", "/v2/systemsharedmemory/region/x/register",
+                 "/v2/cudasharedmemory/status", "/v2/trace/setting", "/v2/logging", "/metrics/x", "/" + "a" * 7000):
+        method = "POST" if "repository" in path or "register" in path else "GET"
+        kinds.append((f"path {path[:40]!r}", method, path, b"{}" if method == "POST" else None, {}))
+    for encoding, data in (("gzip", zlib.compress(body)), ("deflate", b"not deflate"), ("br", body),
+                           ("gzip, gzip", body), ("GZIP", zlib.compressobj(wbits=31).compress(body) + b"")):
+        kinds.append((f"content-encoding {encoding}", "POST", PAIR, data, {"Content-Encoding": encoding}))
+    for accept in ("gzip;q=0.5, deflate;q=0.9", "*", "*;q=0", "identity;q=0", "gzip;q=abc", ", ,", "x" * 4000):
+        kinds.append((f"accept-encoding {accept[:20]!r}", "POST", PAIR, body, {"Accept-Encoding": accept}))
+    for ctype in ("text/plain", "application/json; charset=latin-1", "multipart/form-data; boundary=x", "\u00e9"):
+        kinds.append((f"content-type {ctype!r}", "POST", PAIR, body, {"Content-Type": ctype}))
+    for text in (b"", b"null", b"[]", b"1", b'"x"', b"{", b'{"inputs": [' * 5000, b"\xef\xbb\xbf" + body, b"\xff",
+                 body + b"x", body + b"   ", b'{"inputs":[],"inputs":[]}', body.replace(b'"id"', b'"i\\ud800d"'),
+                 b'{"id":"\\u0000"}', b"{" * 100_000, b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 10_000 + b"1"):
+        kinds.append((f"body {text[:12]!r}...{text[-12:]!r} ({len(text)} bytes)", "POST", PAIR, text, {}))
+    return kinds
+
+
+def _http_kinds() -> list[tuple[str, str, str, bytes | None, dict]]:
+    kinds = [(f"{'.'.join(map(str, p))} = {v!r}", "POST", PAIR, _mutated(p, v), {}) for p in PATHS for v in VALUES]
+    kinds += [(f"{'.'.join(map(str, p))} deleted", "POST", PAIR, _mutated(p, DELETED), {}) for p in PATHS]
+    return kinds + _binary_kinds() + _datatype_kinds() + _route_kinds()
+
+
+def _send(port: int, method: str, path: str, body: bytes | None, headers: dict) -> tuple[int, dict, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.putrequest(method, path, skip_accept_encoding=True)
+        for k, v in headers.items():
+            conn.putheader(k, v.encode() if isinstance(v, str) else v)
+        if body is not None:
+            conn.putheader("Content-Length", str(len(body)))
+        conn.endheaders(body)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def _content(headers: dict, body: bytes):
+    encoding = headers.get("content-encoding")
+    if encoding:
+        body = zlib.decompress(body, 31 if encoding == "gzip" else 15)
+    n = headers.get("inference-header-content-length")
+    if n is not None:
+        return json.loads(body[:int(n)]), body[int(n):]
+    try:
+        return json.loads(body)
+    except ValueError:
+        return body
+
+
+def _same_error(direct: bytes, through: bytes) -> bool:
+    """Triton's message, or one that says the same where Triton's words are its JSON parser's (rapidjson's and
+    orjson's words for a syntax error differ), or where the gateway refuses what Triton gets wrong (a body that does
+    not decompress, read as an empty one) or has a limit Triton has not (JSON nested over 1,024 levels)."""
+    d, t = json.loads(direct)["error"], json.loads(through)["error"]
+    syntax = "failed to parse the request JSON buffer: "
+    return d == t or (d.startswith(syntax) and t.startswith(syntax)) or \
+        t.startswith("request body does not decompress") or t == syntax + "nested deeper than 1024 levels"
+
+
+@pytest.fixture(scope="module")
+def hostile_gateway(gateway_server, redis_server, session_tmp):
+    gw = GatewayProcess(session_tmp / "gateway-hostile.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": redis_server.url, "max_request_bytes": LIMIT, "upstream_timeout": 20})
+    yield gw
+    gw.stop()
+
+
+def test_hundreds_of_malformed_http_requests(hostile_gateway, gateway_server):
+    kinds = _http_kinds()
+    names = [k[0] for k in kinds]
+    assert len(set(names)) == len(names) >= 500
+    rss = psutil.Process(hostile_gateway.proc.pid).memory_info().rss
+    wrong = []
+    for name, method, path, body, headers in kinds:
+        try:
+            direct = _send(gateway_server.http_port, method, path, body, headers)
+        except ConnectionError:  # Triton drops some of them (URLs over its limit) without an answer
+            direct = (0, {}, b"")
+        through = _send(hostile_gateway.http_port, method, path, body, headers)
+        relayed = through[0] == direct[0] and through[2] == direct[2] and not path.endswith("/infer")
+        if (through[0] >= 500 and not relayed) or (direct[0] == 200) != (through[0] == 200):
+            wrong.append((name, direct, through))
+        elif direct[0] == 200 and _content(*direct[1:]) != _content(*through[1:]):
+            wrong.append((name, direct, through))
+        elif through[0] != 200 and not (through[0] == 405 or json.loads(through[2]).get("error")):
+            wrong.append((name, direct, through))
+        elif through[0] != 200 and direct[0] and not _same_error(direct[2], through[2]):
+            wrong.append((name, direct, through))
+    assert not wrong, "\n".join(f"{n}: Triton {d[0]} {d[2][:150]!r} / gateway {t[0]} {t[2][:150]!r}"
+                                for n, d, t in wrong)
+    assert hostile_gateway.proc.poll() is None
+    assert psutil.Process(hostile_gateway.proc.pid).memory_info().rss - rss < 200 << 20
+    status, _, body = _send(hostile_gateway.http_port, "POST", PAIR, json.dumps(BASE).encode(), {})
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [1.0, 2.0]
+
+
+GOOD = json.dumps(BASE).encode()
+
+
+def _wire(head: bytes, body: bytes = b"") -> bytes:
+    return head + b"\r\n\r\n" + body
+
+
+def _raw_kinds() -> list[tuple[str, bytes]]:
+    """Requests no well-behaved client library would send: each must get one answer (or a close) in time."""
+    post = b"POST " + PAIR.encode() + b" HTTP/1.1\r\nHost: x"
+    length = b"\r\nContent-Length: " + str(len(GOOD)).encode()
+    kinds = [
+        ("binary garbage", b"\x00\x01\x02\xff\r\n\r\n"), ("only CRLFs", b"\r\n" * 50),
+        ("no version", b"GET /v2/health/ready\r\n\r\n"), ("HTTP/9.9", b"GET /v2/health/ready HTTP/9.9\r\n\r\n"),
+        ("HTTP/0.9", b"GET /v2/health/ready\r\n"), ("lower-case method", b"get /v2/health/ready HTTP/1.1\r\n\r\n"),
+        ("non-ASCII method", b"G\xc3\x89T /v2/health/ready HTTP/1.1\r\n\r\n"),
+        ("unknown method", b"BREW /v2/health/ready HTTP/1.1\r\n\r\n"),
+        ("CONNECT", b"CONNECT 127.0.0.1:22 HTTP/1.1\r\nHost: 127.0.0.1:22\r\n\r\n"),
+        ("absolute URI", b"GET http://example.com/v2/health/ready HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("asterisk target", b"OPTIONS * HTTP/1.1\r\nHost: x\r\n\r\n"),
+        ("space in path", _wire(b"POST /v2/models/echo pair/infer HTTP/1.1\r\nHost: x" + length, GOOD)),
+        ("raw UTF-8 model name", _wire(b"POST /v2/models/\xc3\xa9/infer HTTP/1.1\r\nHost: x" + length, GOOD)),
+        ("raw invalid UTF-8 model name", _wire(b"POST /v2/models/\xff\xfe/infer HTTP/1.1\r\nHost: x" + length, GOOD)),
+        ("NUL in path", _wire(b"POST /v2/models/echo\x00pair/infer HTTP/1.1\r\nHost: x" + length, GOOD)),
+        ("no Host", _wire(b"POST " + PAIR.encode() + b" HTTP/1.1" + length, GOOD)),
+        ("header without colon", _wire(post + b"\r\nNoColonHere" + length, GOOD)),
+        ("space before colon", _wire(post + b"\r\nContent-Length : " + str(len(GOOD)).encode(), GOOD)),
+        ("folded header", _wire(post + length + b"\r\nX-A: a\r\n b", GOOD)),
+        ("NUL in a header value", _wire(post + length + b"\r\nX-A: a\x00b", GOOD)),
+        ("non-ASCII header value", _wire(post + length + b"\r\nX-A: \xc3\xa9\xff", GOOD)),
+        ("header name of 7 kB", _wire(post + length + b"\r\n" + b"X" * 7000 + b": 1", GOOD)),
+        ("two different Content-Lengths", _wire(post + length + b"\r\nContent-Length: 3", GOOD)),
+        ("two equal Content-Lengths", _wire(post + length + length, GOOD)),
+        ("Content-Length -1", _wire(post + b"\r\nContent-Length: -1", GOOD)),
+        ("Content-Length abc", _wire(post + b"\r\nContent-Length: abc", GOOD)),
+        ("Content-Length 1e3", _wire(post + b"\r\nContent-Length: 1e3", GOOD)),
+        ("Content-Length 2^64", _wire(post + b"\r\nContent-Length: 18446744073709551616", GOOD)),
+        ("Content-Length +5", _wire(post + b"\r\nContent-Length: +5", GOOD)),
+        ("Content-Length 0x10", _wire(post + b"\r\nContent-Length: 0x10", GOOD)),
+        ("body shorter than Content-Length", _wire(post + b"\r\nContent-Length: 9999", GOOD)),
+        ("body longer than Content-Length", _wire(post + length, GOOD + b"GARBAGE / HTTP/1.1\r\n\r\n")),
+        ("chunked", _wire(post + b"\r\nTransfer-Encoding: chunked",
+                          b"%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD), GOOD))),
+        ("chunked with extensions and trailer", _wire(post + b"\r\nTransfer-Encoding: chunked",
+                                                      b"%x;a=b\r\n%s\r\n0\r\nX-T: 1\r\n\r\n" % (len(GOOD), GOOD))),
+        ("chunk size not hex", _wire(post + b"\r\nTransfer-Encoding: chunked", b"zz\r\nab\r\n0\r\n\r\n")),
+        ("chunk size 2^64", _wire(post + b"\r\nTransfer-Encoding: chunked", b"10000000000000000\r\nab\r\n0\r\n\r\n")),
+        ("chunk longer than said", _wire(post + b"\r\nTransfer-Encoding: chunked", b"2\r\nabcdef\r\n0\r\n\r\n")),
+        ("chunked and Content-Length", _wire(post + length + b"\r\nTransfer-Encoding: chunked",
+                                             b"%x\r\n%s\r\n0\r\n\r\n" % (len(GOOD), GOOD))),
+        ("Transfer-Encoding gzip, chunked", _wire(post + b"\r\nTransfer-Encoding: gzip, chunked", b"0\r\n\r\n")),
+        ("Transfer-Encoding identity", _wire(post + length + b"\r\nTransfer-Encoding: identity", GOOD)),
+        ("Expect: 100-continue", _wire(post + length + b"\r\nExpect: 100-continue", GOOD)),
+        ("Expect: something else", _wire(post + length + b"\r\nExpect: teapot", GOOD)),
+        ("Upgrade to h2c", _wire(b"GET /v2/health/ready HTTP/1.1\r\nHost: x\r\nConnection: Upgrade, HTTP2-Settings"
+                                 b"\r\nUpgrade: h2c\r\nHTTP2-Settings: AAMAAABkAAQAoAAAAAIAAAAA")),
+        ("HTTP/2 preface on the HTTP port", b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00"),
+        ("TLS hello on the HTTP port", bytes.fromhex("160301002c010000280303") + b"\x00" * 40),
+        ("HTTP/1.0 keep-alive", _wire(b"GET /v2/health/ready HTTP/1.0\r\nConnection: keep-alive")),
+        ("pipelined good and bad", _wire(post + length, GOOD) + b"\x00garbage\r\n\r\n"),
+        ("pipelined twenty", _wire(b"GET /v2/health/ready HTTP/1.1\r\nHost: x") * 20),
+        ("Connection: close", _wire(post + length + b"\r\nConnection: close", GOOD)),
+        ("Authorization not ASCII", _wire(post + length + b"\r\nAuthorization: Bearer t\xc3\xb6k\xff", GOOD)),
+    ]
+    return kinds
+
+
+def _first_status(answer: bytes) -> int:
+    """The status of the first final answer (after any 100 Continue)."""
+    while answer.startswith(b"HTTP/1.1 100 "):
+        answer = answer.split(b"\r\n\r\n", 1)[1]
+    if not answer.startswith(b"HTTP/1."):
+        return 0
+    return int(answer.split(b" ", 2)[1])
+
+
+def test_malformed_http_on_the_wire(hostile_gateway, gateway_server):
+    import time
+
+    kinds = _raw_kinds()
+    wrong = []
+    for name, data in kinds:
+        started = time.monotonic()
+        s = socket.create_connection(("127.0.0.1", hostile_gateway.http_port))
+        s.settimeout(10)
+        answer = b""
+        try:
+            s.sendall(data)
+            s.shutdown(socket.SHUT_WR)  # nothing more comes: the gateway must answer or close, not wait
+            while chunk := s.recv(65536):
+                answer += chunk
+        except (ConnectionResetError, BrokenPipeError):
+            pass
+        except TimeoutError:
+            wrong.append((name, "no answer and no close within 10 s", answer[:200]))
+            continue
+        finally:
+            s.close()
+        status = _first_status(answer)
+        if not (200 <= status < 500) and not (status == 0 and answer == b""):
+            wrong.append((name, status, answer[:200]))
+        elif 400 <= status < 500 and b'{"error":' not in answer:
+            wrong.append((name, "an error without a KServe body", answer[:200]))
+        elif time.monotonic() - started > 6:
+            wrong.append((name, f"answered after {time.monotonic() - started:.1f} s", answer[:200]))
+    assert not wrong, "\n".join(map(str, wrong))
+    assert hostile_gateway.proc.poll() is None
+    status, _, body = _send(hostile_gateway.http_port, "POST", PAIR, GOOD, {})
+    assert status == 200 and json.loads(body)["outputs"][0]["data"] == [1.0, 2.0]
+    assert b"Traceback" not in hostile_gateway.log.read_bytes()
