@@ -318,3 +318,191 @@ def test_malformed_http_on_the_wire(hostile_gateway, gateway_server):
     status, _, body = _send(hostile_gateway.http_port, "POST", PAIR, GOOD, {})
     assert status == 200 and json.loads(body)["outputs"][0]["data"] == [1.0, 2.0]
     assert b"Traceback" not in hostile_gateway.log.read_bytes()
+
+
+SERVICE = "/inference.GRPCInferenceService/"
+
+
+def _grpc_base():
+    from tritonclient.grpc import service_pb2
+
+    m = service_pb2.ModelInferRequest(model_name="echo_pair", id="r1")
+    m.inputs.add(name="INPUT0", datatype="FP32", shape=[2])
+    m.inputs.add(name="INPUT1", datatype="INT64", shape=[1])
+    m.raw_input_contents.extend([np.array([1, 2], np.float32).tobytes(), np.array([7], np.int64).tobytes()])
+    m.outputs.add(name="INPUT0_OUT")
+    return m
+
+
+def _grpc_kinds() -> list[tuple[str, str, bytes, tuple]]:
+    """ModelInfer messages bent every way the protocol allows, bytes that are no message, other methods with
+    odd arguments, odd metadata."""
+    from tritonclient.grpc import service_pb2
+
+    def set_param(p, value):
+        if isinstance(value, bool):
+            p.bool_param = value
+        elif isinstance(value, int):
+            if value >= 2**63:
+                p.uint64_param = value
+            else:
+                p.int64_param = value
+        elif isinstance(value, float):
+            p.double_param = value
+        else:
+            p.string_param = value
+
+    mutations = []
+    for name in ("", "x" * 10_000, "é", "a/b", "echo_pair ", "%65cho_pair", "echo\0pair", "ECHO_PAIR", "../echo_pair"):
+        mutations.append((f"model_name {name[:12]!r}", lambda m, v=name: setattr(m, "model_name", v)))
+    for version in ("abc", "-1", "0", "2", "99999999999999999999", "1 ", "é", "01"):
+        mutations.append((f"model_version {version!r}", lambda m, v=version: setattr(m, "model_version", v)))
+    for rid in ("x" * 100_000, "a\0b", "é", ""):
+        mutations.append((f"id {rid[:8]!r}", lambda m, v=rid: setattr(m, "id", v)))
+    for value in ("", "NOPE", "INPUT1", "é"):
+        mutations.append((f"input name {value!r}", lambda m, v=value: setattr(m.inputs[0], "name", v)))
+    for value in ("", "FP99", "fp32", "BYTES", "FP16", "BF16", "INT64", "BOOL", "UINT8"):
+        mutations.append((f"input datatype {value!r}", lambda m, v=value: setattr(m.inputs[0], "datatype", v)))
+    for shape in ([], [0], [3], [1, 2], [-1], [2**62], [2**62, 4], [-(2**63)], [2**31], [1] * 64):
+        def reshape(m, v=shape):
+            del m.inputs[0].shape[:]
+            m.inputs[0].shape.extend(v)
+        mutations.append((f"input shape {shape[:3]}{'...' if len(shape) > 3 else ''}", reshape))
+    raw_cases = {"one raw content missing": lambda m: m.raw_input_contents.pop(),
+                 "an extra raw content": lambda m: m.raw_input_contents.append(b"\0" * 8),
+                 "raw content short": lambda m: m.raw_input_contents.__setitem__(0, b"\0" * 7),
+                 "raw content long": lambda m: m.raw_input_contents.__setitem__(0, b"\0" * 9),
+                 "raw content empty": lambda m: m.raw_input_contents.__setitem__(0, b""),
+                 "raw and contents": lambda m: m.inputs[0].contents.fp32_contents.extend([1, 2]),
+                 "no inputs": lambda m: (m.ClearField("inputs"), m.ClearField("raw_input_contents")),
+                 "no outputs": lambda m: m.ClearField("outputs"),
+                 "outputs twice": lambda m: m.outputs.add(name="INPUT0_OUT"),
+                 "unknown output": lambda m: m.outputs.add(name="NOPE"),
+                 "empty output name": lambda m: m.outputs.add(name=""),
+                 "output shared memory": lambda m: m.outputs[0].parameters["shared_memory_region"].__setattr__(
+                     "string_param", "nope"),
+                 "input shared memory": lambda m: m.inputs[0].parameters["shared_memory_region"].__setattr__(
+                     "string_param", "nope")}
+    mutations += list(raw_cases.items())
+
+    def contents(field, values, datatype="FP32", shape=(2,)):
+        def apply(m):
+            m.ClearField("raw_input_contents")
+            m.inputs[0].datatype = datatype
+            del m.inputs[0].shape[:]
+            m.inputs[0].shape.extend(shape)
+            getattr(m.inputs[0].contents, field).extend(values)
+            m.inputs[1].contents.int64_contents.extend([7])
+        return apply
+    for label, args in (("fp32 contents", ("fp32_contents", [1, 2])),
+                        ("fp32 contents, three values", ("fp32_contents", [1, 2, 3])),
+                        ("int contents for FP32", ("int_contents", [1, 2])),
+                        ("fp64 contents for FP32", ("fp64_contents", [1, 2])),
+                        ("bytes contents for FP32", ("bytes_contents", [b"a", b"b"])),
+                        ("int contents for INT8 overflowing", ("int_contents", [300, -300], "INT8")),
+                        ("uint contents for UINT16", ("uint_contents", [1, 70000], "UINT16")),
+                        ("bool contents", ("bool_contents", [True, False], "BOOL")),
+                        ("bytes contents", ("bytes_contents", [b"\xff", b""], "BYTES")),
+                        ("int64 contents for INT32", ("int64_contents", [1, 2], "INT32")),
+                        ("FP16 as fp32 contents", ("fp32_contents", [1, 2], "FP16")),
+                        ("contents, no values", ("fp32_contents", [], "FP32", (0,)))):
+        mutations.append((label, contents(*args)))
+    for key, value in (("priority", -1), ("priority", "high"), ("priority", 2**63), ("timeout", "1"),
+                       ("timeout", 2**63), ("sequence_id", 1.5), ("sequence_id", 5), ("sequence_start", 1),
+                       ("sequence_end", "yes"), ("binary_data_output", 1), ("triton_x", True), ("custom", 2**63),
+                       ("custom", 1.5), ("custom", "é"), ("", True), ("x" * 5000, 1)):
+        mutations.append((f"parameter {key[:10]!r} = {value!r}",
+                          lambda m, k=key, v=value: set_param(m.parameters[k], v)))
+    mutations.append(("parameter with no value", lambda m: m.parameters["custom"].SetInParent()))
+    for key, value in (("classification", 1), ("classification", -1), ("classification", "2"), ("binary_data", 1)):
+        mutations.append((f"output parameter {key} = {value!r}",
+                          lambda m, k=key, v=value: set_param(m.outputs[0].parameters[k], v)))
+
+    kinds = []
+    for label, mutate in mutations:
+        m = _grpc_base()
+        mutate(m)
+        kinds.append((label, "ModelInfer", m.SerializeToString(), ()))
+    base = _grpc_base().SerializeToString()
+    rng = np.random.default_rng(7)
+    for k in range(12):
+        kinds.append((f"random bytes {k}", "ModelInfer", rng.bytes(int(rng.integers(1, 300))), ()))
+    for cut in (1, 5, 11, 20, 40, len(base) - 1):
+        kinds.append((f"message cut at {cut}", "ModelInfer", base[:cut], ()))
+    kinds.append(("invalid UTF-8 in a string field", "ModelInfer", b"\x0a\x02\xff\xfe" + base, ()))
+    kinds.append(("unknown field", "ModelInfer", base + b"\xa8\x1f\x01", ()))
+    kinds.append(("a field of the wrong wire type", "ModelInfer", b"\x08\x01" + base, ()))
+    kinds.append(("empty message", "ModelInfer", b"", ()))
+    for name in ("", "x" * 10_000, "nope", "é", "echo_pair"):
+        kinds.append((f"metadata of {name[:8]!r}", "ModelMetadata",
+                      service_pb2.ModelMetadataRequest(name=name).SerializeToString(), ()))
+        kinds.append((f"config of {name[:8]!r}", "ModelConfig",
+                      service_pb2.ModelConfigRequest(name=name, version="x").SerializeToString(), ()))
+        kinds.append((f"ready of {name[:8]!r}", "ModelReady",
+                      service_pb2.ModelReadyRequest(name=name, version="9").SerializeToString(), ()))
+    kinds += [("statistics of nope", "ModelStatistics",
+               service_pb2.ModelStatisticsRequest(name="nope").SerializeToString(), ()),
+              ("load nope", "RepositoryModelLoad",
+               service_pb2.RepositoryModelLoadRequest(model_name="nope").SerializeToString(), ()),
+              ("load ../x", "RepositoryModelLoad",
+               service_pb2.RepositoryModelLoadRequest(model_name="../x").SerializeToString(), ()),
+              ("shared memory register garbage", "SystemSharedMemoryRegister",
+               service_pb2.SystemSharedMemoryRegisterRequest(name="r", key="/nope", byte_size=2**62
+                                                             ).SerializeToString(), ()),
+              ("shared memory status", "SystemSharedMemoryStatus", b"", ()),
+              ("garbage to ServerReady", "ServerReady", b"\xff\xff\xff", ()),
+              ("unknown method", "NoSuchMethod", b"", ()),
+              ("forwarded metadata", "ModelInfer", base, (("x-fwd-a", "1"),)),
+              ("binary metadata", "ModelInfer", base, (("x-data-bin", b"\xff\x00"),)),
+              ("long metadata", "ModelInfer", base, (("x-long", "a" * 6000),)),
+              ("many metadata", "ModelInfer", base, tuple((f"x-m{i}", "v") for i in range(60))),
+              ("cache-control no-store", "ModelInfer", base, (("cache-control", "no-store"),))]
+    return kinds
+
+
+CLIENT_CODES = {"INVALID_ARGUMENT", "NOT_FOUND", "UNAUTHENTICATED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+                "OUT_OF_RANGE", "UNIMPLEMENTED", "ALREADY_EXISTS", "PERMISSION_DENIED"}
+
+
+def _call(channel, method: str, payload: bytes, metadata: tuple):
+    import grpc
+
+    try:
+        return "OK", channel.unary_unary(SERVICE + method)(payload, metadata=metadata, timeout=30)
+    except grpc.RpcError as e:
+        return e.code().name, e.details()
+
+
+def test_hundreds_of_malformed_grpc_requests(hostile_gateway, gateway_server):
+    import grpc
+    from tritonclient.grpc import service_pb2
+
+    kinds = _grpc_kinds()
+    names = [k[0] for k in kinds]
+    assert len(set(names)) == len(names) >= 130
+    options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+               ("grpc.max_metadata_size", 1 << 20), ("grpc.absolute_max_metadata_size", 1 << 20)]
+    direct_channel = grpc.insecure_channel(gateway_server.grpc_url, options=options)
+    gateway_channel = grpc.insecure_channel(hostile_gateway.grpc_url, options=options)
+    wrong = []
+    for name, method, payload, metadata in kinds:
+        direct = _call(direct_channel, method, payload, metadata)
+        through = _call(gateway_channel, method, payload, metadata)
+        if direct[0] == "OK":
+            same = through[0] == "OK" and (
+                service_pb2.ModelInferResponse.FromString(through[1]) ==
+                service_pb2.ModelInferResponse.FromString(direct[1]) if method == "ModelInfer"
+                else through[1] == direct[1])
+        elif direct[1] == "Unable to parse request":  # Triton's words, with a client error's code
+            same = through == ("INVALID_ARGUMENT", direct[1])
+        elif method == "ModelInfer":
+            same = through == direct and direct[0] in CLIENT_CODES
+        else:  # Triton's answer to a repository or shared-memory call (INTERNAL for a missing model) relayed
+            same = through == direct
+        if not same:
+            wrong.append((name, direct[0], str(direct[1])[:160], through[0], str(through[1])[:160]))
+    direct_channel.close()
+    gateway_channel.close()
+    assert not wrong, "\n".join(f"{w[0]}: Triton {w[1]} {w[2]!r} / gateway {w[3]} {w[4]!r}" for w in wrong)
+    assert hostile_gateway.proc.poll() is None
+    assert b"Traceback" not in hostile_gateway.log.read_bytes()

@@ -121,7 +121,7 @@ _UNADDRESSABLE = re.compile(r"[\x00-\x20\x7f/?#\ud800-\udfff]")
 def addressable(model: str) -> bool:
     """Whether Triton's HTTP endpoint can name `model`: at most 255 bytes (a repository folder's name), nothing
     a URL path cannot carry as it is (Triton does not percent-decode), valid UTF-8. Other names are relayed."""
-    return len(model) <= 255 and len(model.encode("utf-8", "surrogatepass")) <= 255 and \
+    return 0 < len(model) <= 255 and len(model.encode("utf-8", "surrogatepass")) <= 255 and \
         not _UNADDRESSABLE.search(model)
 
 

@@ -13,6 +13,7 @@ import re
 import time
 
 import grpc
+from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from dstool.serve.gateway.core import GatewayCore
@@ -40,11 +41,14 @@ NOT_FORWARDED = frozenset({"authorization", "user-agent", "cache-control"})
 
 
 class _Passthrough(Exception):
-    """Shared-memory tensors: relayed to Triton as they are."""
+    """A request the cache does not model: relayed to Triton as it is."""
 
 
 class _Failed(Exception):
     """A relayed health call that Triton did not answer."""
+
+
+UNPARSABLE = "Unable to parse request"  # what Triton says (as INTERNAL) of bytes that are no request message
 
 
 def _parameters(params) -> dict:
@@ -64,35 +68,63 @@ def _set_parameter(target, key: str, value) -> None:
         p.string_param = str(value)
 
 
+_TYPED = frozenset({"int64_param", "bool_param", "string_param", "double_param"})
+_REQUEST_PARAMETER = {"sequence_id": {"int64_param", "string_param"}, "sequence_start": {"bool_param"},
+                      "sequence_end": {"bool_param"}, "priority": {"int64_param", "uint64_param"},
+                      "timeout": {"int64_param"}}
+
+
+def _plain_parameters(params) -> bool:
+    """Whether Triton takes these request parameters as they are (their types are the ones it expects)."""
+    for key, p in params.items():
+        kind = p.WhichOneof("parameter_choice")
+        if key.startswith("triton_") or kind not in _REQUEST_PARAMETER.get(key, _TYPED) or \
+                (key == "priority" and kind == "int64_param" and p.int64_param < 0):
+            return False
+    return True
+
+
 def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
+    """The request in the cache's form when it is one Triton takes as it is: each input's data in
+    raw_input_contents, or in the one typed contents field of its datatype. Anything else (shared memory, both
+    or neither, counts or sizes that do not fit, parameters of other types) raises _Passthrough: Triton reads it,
+    so its answer, an error included, is Triton's own."""
     raw = msg.raw_input_contents
-    if raw and len(raw) != len(msg.inputs):
-        raise GatewayError(400, f"{len(raw)} raw_input_contents for {len(msg.inputs)} inputs")
-    if not msg.inputs:
-        raise GatewayError(400, "the request has no inputs")
+    if not msg.inputs or (raw and len(raw) != len(msg.inputs)) or not _plain_parameters(msg.parameters):
+        raise _Passthrough()
     inputs = []
-    for i, item in enumerate(msg.inputs):
-        params = _parameters(item.parameters)
-        if "shared_memory_region" in params:
-            raise _Passthrough()
-        if raw:
-            tensor = Tensor(item.name, item.datatype, tuple(item.shape), raw[i])
-            check_tensor(tensor)
-        else:
-            field = CONTENTS_FIELD.get(item.datatype)
-            if field is None:
-                raise GatewayError(400, f"input '{item.name}': {item.datatype} data must be sent in raw_input_contents")
-            tensor = from_values(item.name, item.datatype, item.shape, list(getattr(item.contents, field)))
-        inputs.append(tensor)
+    try:
+        for i, item in enumerate(msg.inputs):
+            if "shared_memory_region" in item.parameters:
+                raise _Passthrough()
+            if raw:
+                if item.HasField("contents"):
+                    raise _Passthrough()
+                tensor = Tensor(item.name, item.datatype, tuple(item.shape), raw[i])
+                check_tensor(tensor)
+            else:
+                field = CONTENTS_FIELD.get(item.datatype)
+                if field is None or [f.name for f, _ in item.contents.ListFields()] != [field]:
+                    raise _Passthrough()
+                tensor = from_values(item.name, item.datatype, item.shape, list(getattr(item.contents, field)))
+            inputs.append(tensor)
+    except GatewayError:
+        raise _Passthrough() from None
     outputs = None
     if msg.outputs:
         outputs = []
         for o in msg.outputs:
-            params = _parameters(o.parameters)
-            if "shared_memory_region" in params:
+            if "shared_memory_region" in o.parameters:
                 raise _Passthrough()
+            params = {}  # Triton's gRPC endpoint reads one output parameter besides shared memory
+            if "classification" in o.parameters:
+                c = o.parameters["classification"]
+                if c.WhichOneof("parameter_choice") != "int64_param" or c.int64_param < 0:
+                    raise _Passthrough()
+                params["classification"] = c.int64_param
             outputs.append((o.name, params))
-    return InferRequest(msg.model_name, msg.model_version, inputs, outputs, _parameters(msg.parameters), msg.id)
+    return InferRequest(msg.model_name, msg.model_version, inputs, outputs, _parameters(msg.parameters),
+                        msg.id.split("\0", 1)[0])  # Triton keeps the id as a C string
 
 
 def render_infer(result: InferResult, request_id: str) -> bytes:
@@ -114,7 +146,9 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         self.metrics = metrics
         self.token = f"Bearer {token}".encode() if token else None
         self.timeout, self.health_timeout = timeout, health_timeout
-        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1)]
+        # Triton's error messages repeat what the client sent (a model name of any length): relayed whole
+        options = [("grpc.max_receive_message_length", -1), ("grpc.max_send_message_length", -1),
+                   ("grpc.max_metadata_size", 1 << 20), ("grpc.absolute_max_metadata_size", 1 << 20)]
         self.channels = [grpc.aio.insecure_channel(t, options=options) for t in upstream_targets]
         self._turn = itertools.cycle(range(len(self.channels)))
         self._handlers: dict[str, grpc.RpcMethodHandler] = {}
@@ -183,12 +217,15 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
                     break
         assert error is not None  # there is at least one channel
-        if error[0] == grpc.StatusCode.UNAVAILABLE:
+        unanswered = error[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+        if unanswered:
             self.metrics.error("upstream")
         if method.endswith(("RepositoryModelLoad", "RepositoryModelUnload")):
             self.core.deployments.invalidate()
-        if quiet:
+        if quiet and unanswered:
             raise _Failed()
+        if error == (grpc.StatusCode.INTERNAL, UNPARSABLE):  # the client's bytes: a client error
+            error = (grpc.StatusCode.INVALID_ARGUMENT, UNPARSABLE)
         await context.abort(*error)
         raise AssertionError("context.abort raises")
 
@@ -209,18 +246,15 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         await self._check_token(context, SERVICE + "ModelInfer")
         try:
             msg = service_pb2.ModelInferRequest.FromString(raw)
+        except DecodeError:  # Triton answers it (as it answers every request the cache does not model)
+            return await self._relay_infer(raw, context, started, "")
+        try:
             request = decode_infer(msg)
-            if self.forward is not None:
-                request.headers = tuple(sorted((k, v) for k, v in context.invocation_metadata()
-                                               if isinstance(v, str) and self.forward.match(k)))
         except _Passthrough:
             return await self._relay_infer(raw, context, started, msg.model_name)
-        except GatewayError as e:
-            self.metrics.error("bad_request")
-            await context.abort(STATUS_CODES.get(e.status, grpc.StatusCode.INTERNAL), e.message)
-        except Exception as e:  # protobuf DecodeError
-            self.metrics.error("bad_request")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"malformed ModelInferRequest: {e}")
+        if self.forward is not None:
+            request.headers = tuple(sorted((k, v) for k, v in context.invocation_metadata()
+                                           if isinstance(v, str) and self.forward.match(k)))
         opt_out = any(k == "cache-control" and ("no-store" in v or "no-cache" in v)
                       for k, v in context.invocation_metadata())
         try:
