@@ -32,6 +32,7 @@ TEST_MODELS = {
     "echo_bytes": ("echo.py", [("INPUT0", mc.TYPE_STRING, [-1], False)], [("INPUT0_OUT", mc.TYPE_STRING, [-1])], False),
     "echo_pair": ("echo.py", [("INPUT0", mc.TYPE_FP32, [-1], False), ("INPUT1", mc.TYPE_INT64, [-1], False)],
                   [("INPUT0_OUT", mc.TYPE_FP32, [-1]), ("INPUT1_OUT", mc.TYPE_INT64, [-1])], False),
+    "scaled": ("scaled.py", [("INPUT0", mc.TYPE_FP32, [-1], False)], [("INPUT0_OUT", mc.TYPE_FP32, [-1])], False),
     "params": ("params.py", [("INPUT0", mc.TYPE_FP32, [-1], False)], [("PARAMS", mc.TYPE_STRING, [1])], False),
     "stream": ("stream.py", [("text_input", mc.TYPE_STRING, [1], False), ("count", mc.TYPE_INT32, [1], True)],
                [("text_output", mc.TYPE_STRING, [1])], True),

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import shutil
 import signal
 import time
 
@@ -652,3 +653,61 @@ def test_forwarded_headers_reach_the_model_and_separate_cache_entries(parity_gat
             expected = params(module, direct, headers)
             assert params(module, through, headers) == expected, (module.__name__, headers)
             assert expected.get("x-fwd-tag") == headers.get("x-fwd-tag") and "x-other" not in expected
+
+
+def test_files_changed_under_a_loaded_version_never_mix(gateway_repo, redis_server, tmp_path):
+    """The cache follows what Triton serves: a file replaced in place under a loaded version changes nothing Triton
+    answers until it loads the version again, so results are not cached meanwhile (neither under the old files'
+    namespace nor the new one); once Triton has loaded it again, caching resumes under the new files' namespace."""
+    import tritonclient.http as httpclient
+
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    repo = tmp_path / "repo"
+    shutil.copytree(gateway_repo / "scaled", repo / "scaled")
+    scale = repo / "scaled" / "1" / "scale.txt"
+    scale.write_text("2")
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log",
+                       extra_args=["--model-control-mode=explicit", "--load-model=*"])
+    direct = httpclient.InferenceServerClient(srv.http_url)
+    config = {"upstreams": [srv.http_url], "upstreams_grpc": [srv.grpc_url], "cache": redis_server.url,
+              "repository": str(repo), "version_check_interval": 0.2}
+    gateways = [GatewayProcess(tmp_path / "gw.log", config=config)]
+
+    def scaled(x: float, gw=None) -> float:
+        body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [1], "datatype": "FP32", "data": [x]}]}).encode()
+        status, _, answer = _http((gw or gateways[0]).http_port, "POST", "/v2/models/scaled/infer", body)
+        assert status == 200, answer
+        return json.loads(answer)["outputs"][0]["data"][0]
+
+    def ran() -> int:  # inferences Triton ran
+        time.sleep(0.1)
+        return sum(int(s["inference_count"]) for s in direct.get_inference_statistics("scaled")["model_stats"])
+
+    try:
+        assert scaled(1) == 2
+        n = ran()
+        assert scaled(1) == 2 and ran() == n  # cached
+        scale.write_text("3")  # in place: Triton still serves scale 2
+        time.sleep(0.5)
+        assert scaled(5) == 10
+        n = ran()
+        assert scaled(5) == 10 and ran() == n + 1  # not cached while the files differ from what Triton loaded
+        direct.load_model("scaled")  # Triton loads it again (not through the gateway): now it serves scale 3
+        time.sleep(0.5)
+        assert scaled(5) == 15  # the answer of the old weights was not kept under the new files' namespace
+        n = ran()
+        assert scaled(5) == 15 and ran() == n  # cached again, under the new files' namespace
+        gateways.append(GatewayProcess(tmp_path / "gw2.log", config=config))  # a restart, same Redis
+        assert scaled(5, gateways[1]) == 15 and scaled(1, gateways[1]) == 3
+        scale.write_text("4")  # changed again; then loaded through the gateway: caching resumes at once
+        httpclient.InferenceServerClient(gateways[1].http_url).load_model("scaled")
+        assert scaled(7, gateways[1]) == 28
+        n = ran()
+        assert scaled(7, gateways[1]) == 28 and ran() == n
+    finally:
+        for gw in gateways:
+            gw.stop()
+        direct.close()
+        srv.stop()

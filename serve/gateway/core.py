@@ -12,38 +12,52 @@ from pathlib import Path
 import orjson
 
 from dstool.serve.gateway.cache import Entry, ResultCache
-from dstool.serve.gateway.keys import cache_key, is_sequence_request, model_fingerprint
+from dstool.serve.gateway.keys import cache_key, is_sequence_request, key_fingerprint, model_fingerprint
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
 from dstool.serve.gateway.upstream import Upstreams, UpstreamTimeout, UpstreamUnavailable
 
 
 @dataclass
+class Loaded:
+    """One loaded model version as the gateway has seen it since Triton loaded it: the version folder's files at
+    first sight (what Triton loaded), its fingerprint, Triton's inference count at the last check, and the files
+    seen since if they changed under the loaded version (then results are not cached until Triton reloads it)."""
+
+    files: list | None
+    fingerprint: str
+    count: int | None
+    changed: list | None = None
+
+
+@dataclass
 class Deployment:
-    """What Triton serves for one model: its ready versions, config and per-version fingerprints."""
+    """What Triton serves for one model: its ready versions, config, and what each version was loaded from."""
 
     model: str
     versions: list[str]  # ready versions, highest last
     outputs: list[str]  # output names from the model metadata
     config: dict
     checked_at: float
-    repository: Path | None
-    fingerprints: dict[str, str] = field(default_factory=dict)
+    loaded: dict[str, Loaded] = field(default_factory=dict)
 
     @property
     def cacheable(self) -> bool:
         decoupled = self.config.get("model_transaction_policy", {}).get("decoupled", False)
         return not decoupled and "sequence_batching" not in self.config
 
-    def fingerprint(self, version: str) -> str:
-        fp = self.fingerprints.get(version)
-        if fp is None:
-            files = None
-            if self.repository is not None and (self.repository / self.model / version).is_dir():
-                files = sorted([str(p.relative_to(self.repository)), p.stat().st_size, p.stat().st_mtime_ns]
-                               for p in (self.repository / self.model / version).rglob("*") if p.is_file())
-            fp = self.fingerprints[version] = model_fingerprint(self.model, version, self.config, files)
-        return fp
+    def fingerprint(self, version: str) -> str | None:
+        """The cache namespace of `version`; None while its files differ from those it was loaded from."""
+        record = self.loaded.get(version)
+        return None if record is None or record.changed is not None else record.fingerprint
+
+
+def version_files(repository: Path | None, model: str, version: str) -> list | None:
+    """The version folder's files (path, size, mtime), or None when the gateway cannot see the repository."""
+    if repository is None or not (folder := repository / model / version).is_dir():
+        return None
+    return sorted([str(p.relative_to(repository)), st.st_size, st.st_mtime_ns]
+                  for p in folder.rglob("*") if p.is_file() and (st := p.stat()))
 
 
 def error_message(status: int, body: bytes) -> str:
@@ -64,6 +78,7 @@ class Deployments:
         self.interval = interval
         self.repository = repository
         self._known: dict[str, Deployment] = {}
+        self._loaded: dict[str, dict[str, Loaded]] = {}  # model -> version -> load record, kept across checks
         self._pending: dict[str, asyncio.Future] = {}
 
     def now(self, model: str) -> Deployment | None:
@@ -90,8 +105,9 @@ class Deployments:
 
     async def _fetch(self, model: str) -> Deployment:
         path = model_path(model)
-        meta, config = await asyncio.gather(self.upstreams.request("GET", path),
-                                            self.upstreams.request("GET", path + "/config"), return_exceptions=True)
+        meta, config, stats = await asyncio.gather(
+            self.upstreams.request("GET", path), self.upstreams.request("GET", path + "/config"),
+            self.upstreams.request("GET", path + "/stats"), return_exceptions=True)
         for answer in (meta, config):
             if isinstance(answer, BaseException):
                 raise answer
@@ -99,20 +115,67 @@ class Deployments:
         for r in (meta, config):
             if r.status != 200:
                 self._known.pop(model, None)
+                self._loaded.pop(model, None)
                 raise GatewayError(r.status, error_message(r.status, r.body))
         metadata = orjson.loads(meta.body)
         versions = sorted(metadata.get("versions") or [], key=lambda v: (len(v), v))
         outputs = [o["name"] for o in metadata.get("outputs") or []]
-        d = Deployment(model, versions, outputs, orjson.loads(config.body), time.monotonic(), self.repository)
+        counts = {}
+        if not isinstance(stats, BaseException) and stats.status == 200 and len(self.upstreams.servers) == 1:
+            counts = {str(s.get("version")): s.get("inference_count")
+                      for s in orjson.loads(stats.body).get("model_stats", [])}
+        d = Deployment(model, versions, outputs, orjson.loads(config.body), time.monotonic(),
+                       self._check_loaded(model, versions, orjson.loads(config.body), counts))
         self._known[model] = d
         self.metrics.models.add(model)
         return d
 
-    def invalidate(self, model: str | None = None) -> None:
+    def _check_loaded(self, model: str, versions: list[str], config: dict, counts: dict) -> dict[str, Loaded]:
+        """Each ready version's load record, checked against the files now. A version first seen is fingerprinted
+        by its files now. Files that change under a loaded version mark it changed: Triton still serves what it
+        loaded, which the files no longer say, so nothing of it is cached. It is fingerprinted anew once Triton is
+        seen to have loaded it again after the change (its inference count started over, or its config changed),
+        or after a load through the gateway or the version leaving the ready set (the record is dropped then)."""
+        before = self._loaded.get(model, {})
+        records: dict[str, Loaded] = {}
+        for v in versions:
+            files, count, record = version_files(self.repository, model, v), counts.get(v), before.get(v)
+            fingerprint = model_fingerprint(model, v, config, files)
+            reloaded = record is not None and (
+                (count is not None and record.count is not None and count < record.count) or
+                model_fingerprint(model, v, config, record.files) != record.fingerprint)  # a config Triton reloaded
+            seen = record.files if record is not None and record.changed is None else \
+                record.changed if record is not None else None
+            if record is None or (reloaded and files == seen):
+                record = Loaded(files, fingerprint, count)  # first seen, or loaded again after its files last changed
+            elif files != seen:
+                record.changed = files  # changed under the loaded version (a reload seen at once may predate it)
+            record.count = count
+            records[v] = record
+        self._loaded[model] = records
+        return records
+
+    def still_loaded_from(self, model: str, version: str, fingerprint: str) -> bool:
+        """Whether the version's files are still those its fingerprint was taken from (checked before a result is
+        stored, so a change in the middle of a miss is not stored under the old namespace)."""
+        record = self._loaded.get(model, {}).get(version)
+        if record is None or record.changed is not None or record.fingerprint != fingerprint:
+            return False
+        files = version_files(self.repository, model, version)
+        if files != record.files:
+            record.changed = files
+            return False
+        return True
+
+    def invalidate(self, model: str | None = None, reloaded: bool = False) -> None:
+        """Ask Triton again at the next request (all models, or one); `reloaded`: the model was just loaded
+        or unloaded through the gateway, so what it serves now is what its files say."""
         if model is None:
             self._known.clear()
         else:
             self._known.pop(model, None)
+            if reloaded:
+                self._loaded.pop(model, None)
 
 
 _UNADDRESSABLE = re.compile(r"[\x00-\x20\x7f/?#\ud800-\udfff]")
@@ -152,7 +215,8 @@ class GatewayCore:
         if d is None or not d.cacheable or is_sequence_request(request):
             return None
         version = served_version(d, request.version)
-        return cache_key(d.fingerprint(version), version, request, d.outputs) if version else None
+        fingerprint = d.fingerprint(version) if version else None
+        return cache_key(fingerprint, version, request, d.outputs) if version and fingerprint else None
 
     async def key(self, request: InferRequest, opt_out: bool) -> tuple[str | None, str]:
         """(cache key or None when the request must go to Triton untouched, served version)."""
@@ -160,9 +224,10 @@ class GatewayCore:
             return None, ""
         d = await self.deployments.get(request.model)
         version = served_version(d, request.version)
-        if opt_out or version is None or not d.cacheable or is_sequence_request(request):
+        fingerprint = d.fingerprint(version) if version else None
+        if opt_out or version is None or fingerprint is None or not d.cacheable or is_sequence_request(request):
             return None, version or ""
-        return cache_key(d.fingerprint(version), version, request, d.outputs), version
+        return cache_key(fingerprint, version, request, d.outputs), version
 
     async def lookup(self, key: str) -> Entry | None:
         return await self.cache.get(key)
@@ -189,6 +254,8 @@ class GatewayCore:
         result = await self.infer_upstream(request)
         if result.model_version != version:  # Triton moved to another version since we last looked
             self.deployments.invalidate(request.model)
+            return result, None
+        if not self.deployments.still_loaded_from(request.model, version, key_fingerprint(key)):
             return result, None
         entry = self.cache.put(key, result)
         if entry is not None:

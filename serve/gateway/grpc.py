@@ -29,6 +29,8 @@ NOT_READY = {SERVICE + "ServerLive": service_pb2.ServerLiveResponse(live=False).
              SERVICE + "ModelReady": service_pb2.ModelReadyResponse(ready=False).SerializeToString(),
              HEALTH_CHECK: b"\x08\x02"}  # HealthCheckResponse{status: NOT_SERVING}
 HEALTH_METHODS = frozenset(NOT_READY)
+REPOSITORY_CONTROL = {SERVICE + "RepositoryModelLoad": service_pb2.RepositoryModelLoadRequest,
+                      SERVICE + "RepositoryModelUnload": service_pb2.RepositoryModelUnloadRequest}
 STATUS_CODES = {400: grpc.StatusCode.INVALID_ARGUMENT, 401: grpc.StatusCode.UNAUTHENTICATED,
                 404: grpc.StatusCode.NOT_FOUND, 413: grpc.StatusCode.RESOURCE_EXHAUSTED,
                 429: grpc.StatusCode.RESOURCE_EXHAUSTED, 503: grpc.StatusCode.UNAVAILABLE,
@@ -208,8 +210,12 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 continue
             call = self.channels[k].unary_unary(method)
             try:
-                return await call(raw, metadata=self._forwarded_metadata(context),
-                                  timeout=self._deadline(context, timeout))
+                answer = await call(raw, metadata=self._forwarded_metadata(context),
+                                    timeout=self._deadline(context, timeout))
+                if method in REPOSITORY_CONTROL:  # loaded or unloaded: what it serves now is what its files say
+                    self.core.deployments.invalidate(REPOSITORY_CONTROL[method].FromString(raw).model_name,
+                                                      reloaded=True)
+                return answer
             except grpc.aio.AioRpcError as e:
                 error = (e.code(), e.details() or "")
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and k < len(servers):
@@ -220,7 +226,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         unanswered = error[0] in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
         if unanswered:
             self.metrics.error("upstream")
-        if method.endswith(("RepositoryModelLoad", "RepositoryModelUnload")):
+        if method in REPOSITORY_CONTROL:
             self.core.deployments.invalidate()
         if quiet and unanswered:
             raise _Failed()

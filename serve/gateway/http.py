@@ -547,8 +547,9 @@ class HttpFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
-        if req.method == "POST" and req.path.startswith("/v2/repository/models/"):
-            self.core.deployments.invalidate(req.path.split("/")[4])  # a load/unload may change the version
+        if req.method == "POST" and req.path.startswith("/v2/repository/models/"):  # a load or unload
+            model = req.path.split("/")[4].encode("latin-1").decode("utf-8", "surrogateescape")
+            self.core.deployments.invalidate(model, reloaded=r.status == 200)
         elif r.status >= 500:
             self.metrics.error("upstream")
         passed = [(k, v) for k, v in r.headers.items() if k not in HOP_BY_HOP]

@@ -45,5 +45,10 @@ def cache_key(fingerprint: str, version: str, request: InferRequest, model_outpu
     return f"{PREFIX}:{request.model}:{fingerprint}:{h.hexdigest()}"
 
 
+def key_fingerprint(key: str) -> str:
+    """The model fingerprint a cache key was made under."""
+    return key.rsplit(":", 2)[-2]
+
+
 def is_sequence_request(request: InferRequest) -> bool:
     return any(k in SEQUENCE_PARAMETERS and v not in (0, "", False) for k, v in request.parameters.items())
