@@ -36,20 +36,34 @@ TEST_MODELS = {
     "params": ("params.py", [("INPUT0", mc.TYPE_FP32, [-1], False)], [("PARAMS", mc.TYPE_STRING, [1])], False),
     "stream": ("stream.py", [("text_input", mc.TYPE_STRING, [1], False), ("count", mc.TYPE_INT32, [1], True)],
                [("text_output", mc.TYPE_STRING, [1])], True),
+    # shaped like the models of Triton's client examples (batched [16] tensors; a sequence model)
+    "simple": ("addsub.py", [("INPUT0", mc.TYPE_INT32, [16], False), ("INPUT1", mc.TYPE_INT32, [16], False)],
+               [("OUTPUT0", mc.TYPE_INT32, [16]), ("OUTPUT1", mc.TYPE_INT32, [16])], False),
+    "simple_string": ("addsub.py", [("INPUT0", mc.TYPE_STRING, [16], False), ("INPUT1", mc.TYPE_STRING, [16], False)],
+                      [("OUTPUT0", mc.TYPE_STRING, [16]), ("OUTPUT1", mc.TYPE_STRING, [16])], False),
+    "simple_sequence": ("accumulate.py", [("INPUT", mc.TYPE_INT32, [1], False)], [("OUTPUT", mc.TYPE_INT32, [1])],
+                        False),
 }
+BATCHED = {"simple": 8, "simple_string": 8}
 
 
 def write_test_models(repository: Path) -> list[str]:
     """The test models into `repository` (configs built as Triton's ModelConfig messages); their names."""
     for name, (source, inputs, outputs, decoupled) in TEST_MODELS.items():
-        cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=0)
+        cfg = mc.ModelConfig(name=name, backend="python", max_batch_size=BATCHED.get(name, 0))
         for n, t, d, optional in inputs:
             cfg.input.add(name=n, data_type=t, dims=d, optional=optional)
         for n, t, d in outputs:
             cfg.output.add(name=n, data_type=t, dims=d)
-        cfg.instance_group.add(count=2 if name == "echo_fp32" else 1, kind=mc.ModelInstanceGroup.KIND_CPU)
+        cfg.instance_group.add(count=2 if name in ("echo_fp32", "simple_sequence") else 1,
+                               kind=mc.ModelInstanceGroup.KIND_CPU)  # two sequences at once: two slots
         if decoupled:
             cfg.model_transaction_policy.decoupled = True
+        if name == "simple_sequence":
+            cfg.sequence_batching.max_sequence_idle_microseconds = 60_000_000
+            control = cfg.sequence_batching.control_input.add(name="START").control.add(
+                kind=mc.ModelSequenceBatching.Control.CONTROL_SEQUENCE_START)
+            control.int32_false_true.extend([0, 1])
         (repository / name / "1").mkdir(parents=True, exist_ok=True)
         shutil.copy2(MODELS / source, repository / name / "1" / "model.py")
         (repository / name / "config.pbtxt").write_text(text_format.MessageToString(cfg))
