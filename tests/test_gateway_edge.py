@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import queue
 import shutil
 import signal
 import time
@@ -237,6 +238,7 @@ def test_triton_frozen_fails_fast_and_readiness_turns_false(lone_triton, session
     health check and every miss fails at once with 503; readiness is false within the health timeout; once
     Triton runs again, so does the gateway."""
     import tritonclient.grpc as grpc
+    from tritonclient.utils import InferenceServerException
 
     gw = GatewayProcess(session_tmp / "gateway-frozen.log",
                         config={"upstreams": [lone_triton.http_url], "upstreams_grpc": [lone_triton.grpc_url],
@@ -259,6 +261,19 @@ def test_triton_frozen_fails_fast_and_readiness_turns_false(lone_triton, session
         assert _http(gw.http_port, "GET", "/v2/health/ready")[0] == 503 and time.monotonic() - started < 1.5
         c = grpc.InferenceServerClient(gw.grpc_url)
         assert c.is_server_ready() is False
+        errors: queue.Queue = queue.Queue()  # a stream, too, fails at once while Triton is marked down
+        c.start_stream(callback=lambda result, error: errors.put(error))
+        x = grpc.InferInput("INPUT0", [1], "FP32")
+        x.set_data_from_numpy(np.array([3.0], np.float32))
+        started = time.monotonic()
+        try:
+            c.async_stream_infer("echo_fp32", [x])
+        except InferenceServerException:
+            pass  # the stream ended before the request was sent; its error came to the callback
+        error = errors.get(timeout=10)
+        assert error is not None and error.status() == "StatusCode.UNAVAILABLE", error
+        assert time.monotonic() - started < 1
+        c.stop_stream()
         os.kill(lone_triton.proc.pid, signal.SIGCONT)
         deadline = time.monotonic() + 10
         while _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY.replace(b"2.5", b"7"))[0] != 200:
@@ -711,3 +726,42 @@ def test_files_changed_under_a_loaded_version_never_mix(gateway_repo, redis_serv
             gw.stop()
         direct.close()
         srv.stop()
+
+
+def test_streams_arrive_part_by_part(gateway):
+    """generate_stream's server-sent events and a decoupled model's gRPC responses reach the client as the model
+    sends them, not gathered into one answer at the end."""
+    import socket
+
+    import tritonclient.grpc as grpc
+
+    body = json.dumps({"text_input": "hi", "count": 4, "parameters": {"delay_ms": 400}}).encode()
+    sock = socket.create_connection(("127.0.0.1", gateway.http_port), timeout=30)
+    sock.sendall(b"POST /v2/models/stream/generate_stream HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+    started, seen, received = time.monotonic(), [], b""
+    while len(seen) < 4:
+        chunk = sock.recv(65536)
+        assert chunk, received
+        received += chunk
+        while received.count(b"data: ") > len(seen):
+            seen.append(time.monotonic() - started)
+    sock.close()
+    assert b"hi 3" in received and seen[-1] - seen[0] > 0.8, (seen, received)
+
+    c = grpc.InferenceServerClient(gateway.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: answers.put((time.monotonic(), result, error)))
+    text, count = grpc.InferInput("text_input", [1], "BYTES"), grpc.InferInput("count", [1], "INT32")
+    text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+    count.set_data_from_numpy(np.array([4], np.int32))
+    started = time.monotonic()
+    c.async_stream_infer("stream", [text, count], parameters={"delay_ms": 400})
+    arrivals = []
+    for i in range(4):
+        at, result, error = answers.get(timeout=30)
+        assert error is None and result.as_numpy("text_output")[0] == f"hi {i}".encode()
+        arrivals.append(at - started)
+    c.stop_stream()
+    c.close()
+    assert arrivals[-1] - arrivals[0] > 0.8, arrivals

@@ -238,8 +238,14 @@ class GrpcFrontend(grpc.GenericRpcHandler):
     def _stream_relay(self, method: str):
         async def relay(requests, context):
             await self._check_token(context, method)
-            call = self.channels[next(self._turn)].stream_stream(method)(
-                requests, metadata=self._forwarded_metadata(context))
+            servers, first = self.core.upstreams.servers, next(self._turn)
+            up = [k for k in ((first + i) % len(self.channels) for i in range(len(self.channels)))
+                  if k >= len(servers) or not servers[k].down]
+            if not up:  # every Triton marked down: fail at once, as unary calls do
+                self.metrics.error("upstream")
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "no Triton is answering: retry later")
+            call = self.channels[up[0]].stream_stream(method)(
+                requests, metadata=self._forwarded_metadata(context), timeout=context.time_remaining())
             try:
                 async for response in call:
                     yield response
