@@ -119,6 +119,8 @@ class GatewayOptions(CommandConfig):
     health_timeout: float = Field(2.0, gt=0, description="seconds Triton has to answer a health or readiness check "
                                   "(not ready beyond)")
     shutdown_grace: float = Field(30.0, ge=0, description="on SIGTERM: seconds in-flight requests have to finish")
+    workers: int = Field(1, ge=1, le=64, description="gateway processes sharing the ports (SO_REUSEPORT), each with "
+                         "its own event loop and in-process LRU; Redis and /metrics are shared")
     token_file: str | None = Field(None, description="file holding a bearer token every request must carry "
                                    "($DSTOOL_GATEWAY_TOKEN also works)")
     token: str | None = Field(None, description="the bearer token (from --token-file or $DSTOOL_GATEWAY_TOKEN; not "

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gatewaylib import GatewayProcess
+from gatewaylib import GatewayProcess, wait_for
 
 
 def _fp32_inputs(module, values, binary: bool = True):
@@ -765,3 +765,40 @@ def test_streams_arrive_part_by_part(gateway):
     c.stop_stream()
     c.close()
     assert arrivals[-1] - arrivals[0] > 0.8, arrivals
+
+
+def test_several_workers_share_the_ports_the_cache_and_the_metrics(gateway_server, redis_server, session_tmp):
+    """--workers 2: two processes answer on one HTTP and one gRPC port; what one stored the other serves (Redis);
+    /metrics counts both; a worker that dies is replaced and clients are still answered; SIGTERM stops all."""
+    import psutil
+    import tritonclient.grpc as grpc
+
+    def running_workers() -> list:
+        return [p for p in psutil.Process(gw.proc.pid).children() if p.is_running() and
+                p.status() != psutil.STATUS_ZOMBIE and "resource_tracker" not in " ".join(p.cmdline())]
+
+    gw = GatewayProcess(session_tmp / "gateway-workers.log",
+                        config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
+                                "cache": redis_server.url, "workers": 2})
+    try:
+        workers = running_workers()
+        assert len(workers) == 2
+        for k in range(40):  # new connections each time: the kernel spreads them over both workers
+            status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer",
+                                    ECHO_BODY.replace(b"2.5", str(k % 4).encode()))
+            assert status == 200 and json.loads(body)["outputs"][0]["data"] == [1.5, float(k % 4)], body
+        assert gw.metric("dstool_gateway_cache_misses_total", model="echo_fp32") == 4
+        assert gw.metric("dstool_gateway_cache_hits_total", model="echo_fp32") == 36
+        c = grpc.InferenceServerClient(gw.grpc_url)
+        x = grpc.InferInput("INPUT0", [2], "FP32")
+        x.set_data_from_numpy(np.array([1.0, 3.0], np.float32))
+        assert c.infer("echo_fp32", [x]).as_numpy("INPUT0_OUT").tolist() == [1.0, 3.0]
+        c.close()
+        workers[0].kill()
+        wait_for(lambda: len(running_workers()) == 2 and "worker 0" in gw.log.read_text(), "a new worker", 30)
+        for _ in range(10):
+            assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200
+        workers = running_workers()
+    finally:
+        assert gw.stop() == 0
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in workers)

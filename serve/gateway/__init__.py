@@ -33,8 +33,9 @@ DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 class Gateway:
     """The HTTP and gRPC servers and what they share. `await start()`, then `await stop()`."""
 
-    def __init__(self, config: GatewayConfig):
+    def __init__(self, config: GatewayConfig, reuse_port: bool = False):
         self.config = config
+        self.reuse_port = reuse_port  # one of several worker processes on the same ports
         self._http_server: asyncio.Server | None = None
         self._grpc_server: grpc.aio.Server | None = None
 
@@ -83,13 +84,14 @@ class Gateway:
         loop = asyncio.get_running_loop()
         try:
             self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,
-                                                         c.http_port, reuse_address=True, backlog=1024)
+                                                         c.http_port, reuse_address=True, backlog=1024,
+                                                         reuse_port=self.reuse_port)
         except OSError as e:
             raise UsageError(_bind_error(c.host, c.http_port, e)) from None
         self.http_port = self._http_server.sockets[0].getsockname()[1]
         self.grpc_frontend = GrpcFrontend(self.core, self.metrics, c.grpc_targets(), c.token, c.upstream_timeout,
                                           c.health_timeout, c.forward_headers)
-        self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0),
+        self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port)),
                                                      ("grpc.max_receive_message_length", c.max_request_bytes),
                                                      ("grpc.max_send_message_length", -1)])
         self._grpc_server.add_generic_rpc_handlers((self.grpc_frontend,))
@@ -99,9 +101,8 @@ class Gateway:
             await self.stop()
             raise UsageError(_bind_error(c.host, c.grpc_port, OSError(errno.EADDRINUSE, str(e)))) from None
         await self._grpc_server.start()
-        log.info(f"dstool gateway: ready — HTTP {c.host}:{self.http_port}, gRPC {c.host}:{self.grpc_port}, "
-                 f"metrics http://{c.host}:{self.http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; "
-                 f"TTL {c.cache_ttl:g} s" + ("; bearer token required" if c.token else ""))
+        if not self.reuse_port:
+            log.info(ready_line(c, self.http_port, self.grpc_port))
 
     async def stop(self, grace: float = 0.0) -> None:
         """Drain, then stop: no new connection or call is accepted, idle HTTP connections close, requests in flight
@@ -130,6 +131,13 @@ class Gateway:
             await self.cache.close()
 
 
+def ready_line(c: GatewayConfig, http_port: int, grpc_port: int) -> str:
+    workers = f"; {c.workers} worker processes" if c.workers > 1 else ""
+    return (f"dstool gateway: ready — HTTP {c.host}:{http_port}, gRPC {c.host}:{grpc_port}, metrics "
+            f"http://{c.host}:{http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; TTL {c.cache_ttl:g} s"
+            + ("; bearer token required" if c.token else "") + workers)
+
+
 def _bind_error(host: str, port: int, e: OSError) -> str:
     if e.errno == errno.EADDRINUSE:
         return f"port {port} on {host} is already in use"
@@ -155,14 +163,26 @@ def event_loop_policy():
 
 
 def run_gateway(config: GatewayConfig, while_true: Callable[[], bool] | None = None) -> int:
-    """Run the gateway until SIGINT/SIGTERM (or until `while_true()`, checked twice a second, is false)."""
+    """Run the gateway until SIGINT/SIGTERM (or until `while_true()`, checked twice a second, is false); with
+    `config.workers` > 1, as that many processes on the same ports (see `dstool.serve.gateway.workers`)."""
+    if config.workers > 1:
+        from dstool.serve.gateway.workers import run_workers
+
+        return run_workers(config, while_true)
+    return _run(config, while_true)
+
+
+def _run(config: GatewayConfig, while_true: Callable[[], bool] | None = None, reuse_port: bool = False,
+         started: Callable[[Gateway], None] | None = None) -> int:
     async def main() -> int:
-        gateway = Gateway(config)
+        gateway = Gateway(config, reuse_port)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         await gateway.start()
+        if started is not None:
+            started(gateway)
         try:
             while not stop.is_set() and (while_true is None or while_true()):
                 try:
@@ -171,10 +191,11 @@ def run_gateway(config: GatewayConfig, while_true: Callable[[], bool] | None = N
                     pass
         finally:
             drain = config.shutdown_grace if stop.is_set() else 0.0  # Triton gone: nothing left to finish
-            if drain:
+            if drain and not reuse_port:
                 log.info(f"dstool gateway: stopping — requests in flight have {drain:g} s to finish")
             await gateway.stop(drain)
-        log.info("dstool gateway: stopped")
+        if not reuse_port:
+            log.info("dstool gateway: stopped")
         return 0
 
     asyncio.set_event_loop_policy(event_loop_policy())

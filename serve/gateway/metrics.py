@@ -5,7 +5,9 @@ A `model` label is a model Triton has reported to exist: any other name a client
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 
 LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 UNKNOWN_MODEL = "(unknown)"
@@ -30,9 +32,9 @@ class Metrics:
         self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",
                                  ["model", "protocol", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
         self.memory_bytes = Gauge("dstool_gateway_memory_cache_bytes", "Bytes the in-process cache holds: results "
-                                  "and their protocol renderings", registry=r)
+                                  "and their protocol renderings", registry=r, multiprocess_mode="livesum")
         self.memory_entries = Gauge("dstool_gateway_memory_cache_entries", "Entries in the in-process cache",
-                                    registry=r)
+                                    registry=r, multiprocess_mode="livesum")
 
     def model(self, name: str) -> str:
         """The label for a model name: itself if Triton has it, else "(unknown)"."""
@@ -54,4 +56,9 @@ class Metrics:
         self.latency.labels(label, protocol, outcome).observe(seconds)
 
     def render(self) -> bytes:
+        """This process's metrics; with several workers (PROMETHEUS_MULTIPROC_DIR set), all of theirs added up."""
+        if os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            registry = CollectorRegistry()
+            multiprocess.MultiProcessCollector(registry)
+            return generate_latest(registry)
         return generate_latest(self.registry)
