@@ -47,6 +47,11 @@ def _simple_inputs(client, string: bool = False, batch: int = 1):
     return inputs
 
 
+def _as_json(protocol: str) -> dict:
+    """The gRPC client's keyword for answers as dicts, like the HTTP client's."""
+    return {"as_json": True} if protocol == "grpc" else {}
+
+
 def _outputs(result, names=("OUTPUT0", "OUTPUT1")) -> dict:
     return {n: result.as_numpy(n).tolist() for n in names}
 
@@ -55,7 +60,7 @@ def _outputs(result, names=("OUTPUT0", "OUTPUT1")) -> dict:
 def health_metadata(protocol, url):
     """simple_{http,grpc}_health_metadata: liveness, readiness, server and model metadata, configs, a missing model."""
     client = _clients(protocol).InferenceServerClient(url)
-    as_json = {"as_json": True} if protocol == "grpc" else {}
+    as_json = _as_json(protocol)
     got = {"live": client.is_server_live(), "ready": client.is_server_ready(),
            "model_ready": client.is_model_ready("simple"), "missing_ready": client.is_model_ready("no_such_model"),
            "server": client.get_server_metadata(**as_json), "model": client.get_model_metadata("simple", **as_json),
@@ -79,8 +84,7 @@ def infer(protocol, url):
                    client.InferRequestedOutput("OUTPUT1", binary_data=False)]
     got = [_outputs(c.infer("simple", _simple_inputs(client), outputs=outputs, request_id="1")),
            _outputs(c.infer("simple", _simple_inputs(client, batch=3))),
-           c.infer("simple", _simple_inputs(client), request_id="my-id").get_response(**(
-               {"as_json": True} if protocol == "grpc" else {}))["id"]]
+           c.infer("simple", _simple_inputs(client), request_id="my-id").get_response(**_as_json(protocol))["id"]]
     c.close()
     return got
 
@@ -189,7 +193,7 @@ def system_shared_memory(protocol, url):
     try:
         c.register_system_shared_memory("input_data", f"/dstool_in_{tag}", 2 * nbytes)
         c.register_system_shared_memory("output_data", f"/dstool_out_{tag}", 2 * nbytes)
-        status = c.get_system_shared_memory_status(**({"as_json": True} if protocol == "grpc" else {}))
+        status = c.get_system_shared_memory_status(**_as_json(protocol))
         got.append(sorted(r["name"] for r in (status.get("regions", {}).values() if protocol == "grpc" else status)))
         for offset in (0, 100):
             a = np.arange(offset, offset + 16, dtype=np.int32).reshape(1, 16)
@@ -225,7 +229,7 @@ def model_control(protocol, url):
         got.append(_error(e))
     c.load_model("simple_string")
     got += [c.is_model_ready("simple_string"), _outputs(c.infer("simple_string", _simple_inputs(client, string=True)))]
-    index = c.get_model_repository_index(**({"as_json": True} if protocol == "grpc" else {}))
+    index = c.get_model_repository_index(**_as_json(protocol))
     rows = index if protocol == "http" else index.get("models", [])
     got.append(sorted((m["name"], m.get("state", "")) for m in rows))
     try:
@@ -402,7 +406,7 @@ def settings_and_statistics(protocol, url):
     answers from its cache, so the model and version are compared)."""
     client = _clients(protocol)
     c = client.InferenceServerClient(url)
-    as_json = {"as_json": True} if protocol == "grpc" else {}
+    as_json = _as_json(protocol)
     stats = c.get_inference_statistics("simple", **as_json)
     got = {"trace": c.get_trace_settings(**as_json), "log": c.get_log_settings(**as_json),
            "stats": [(s["name"], s["version"]) for s in stats["model_stats"]]}
