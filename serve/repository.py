@@ -98,7 +98,8 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                     [("text_output", mc.TYPE_STRING, [1])]),
     "generate": ("generate.py", [("text_input", mc.TYPE_STRING, [1], False),
                                  ("max_new_tokens", mc.TYPE_INT32, [1], True),
-                                 ("use_kv_cache", mc.TYPE_BOOL, [1], True)],
+                                 ("use_kv_cache", mc.TYPE_BOOL, [1], True),
+                                 ("stop_token_ids", mc.TYPE_INT64, [-1], True)],
                  [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
 }
 
@@ -213,7 +214,9 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
-            if role != "generate":
+            if role == "generate":  # imported by model.py (Triton puts the version folder on its path)
+                shutil.copy2(MODELS_PY / "sampling.py", folder / "sampling.py")
+            else:
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():
                         shutil.copy2(a.tokenizer_dir / name, folder / name)

@@ -103,7 +103,7 @@ def infer(protocol: str, url: str, ids: np.ndarray, *, outputs: bool = True, **k
         c.close()
 
 
-def triton_inferences(server, at_least: int = 0) -> int:
+def triton_inferences(server, at_least: int = 0, model: str = MODEL) -> int:
     """Inferences Triton itself ran for the model (all versions), from its statistics, which Triton updates
     just after answering: read until two reads 50 ms apart agree and reach `at_least` (or 5 s pass)."""
     import tritonclient.http as http
@@ -112,7 +112,7 @@ def triton_inferences(server, at_least: int = 0) -> int:
     deadline, last = time.time() + 5, None
     try:
         while True:
-            count = sum(int(s["inference_count"]) for s in c.get_inference_statistics(MODEL)["model_stats"])
+            count = sum(int(s["inference_count"]) for s in c.get_inference_statistics(model)["model_stats"])
             if (count == last and count >= at_least) or time.time() > deadline:
                 return count
             last = count
@@ -189,6 +189,29 @@ def test_requests_that_opt_out_are_never_cached(server, gateway):
         infer("http-binary", gateway.http_url, ids, headers={"Cache-Control": "no-store"})
         infer("grpc", gateway.grpc_url, ids, headers={"cache-control": "no-cache"})
     assert triton_inferences(server, before + 4) == before + 4
+
+
+def test_sampling_without_a_seed_is_never_cached(server, gateway):
+    """A request that asks a generation model to sample without a seed is a new draw each time: it always reaches
+    Triton; with a seed (or greedy) it is a function of the request and is cached, the seed part of the key."""
+    import tritonclient.grpc as grpc
+
+    c = grpc.InferenceServerClient(gateway.grpc_url)
+    x = grpc.InferInput("INPUT0", [1], "FP32")
+    x.set_data_from_numpy(np.array([4.25], np.float32))
+    runs = {}
+    try:
+        for name, parameters in (("temperature", {"temperature": 0.8}), ("top_p", {"top_p": 0.9}),
+                                 ("seeded", {"temperature": 0.8, "seed": 5}), ("other seed", {"temperature": 0.8,
+                                                                                             "seed": 6}),
+                                 ("greedy", {"temperature": 0, "top_k": 4})):
+            before = triton_inferences(server, model="params")
+            answers = {c.infer("params", [x], parameters=parameters).as_numpy("PARAMS")[0] for _ in range(3)}
+            assert len(answers) == 1
+            runs[name] = triton_inferences(server, model="params") - before
+    finally:
+        c.close()
+    assert runs == {"temperature": 3, "top_p": 3, "seeded": 1, "other seed": 1, "greedy": 1}, runs
 
 
 def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(server, gateway, redis_server,

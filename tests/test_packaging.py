@@ -81,7 +81,8 @@ def _third_party_imports(folder: Path) -> set[str]:
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
-            found.update(n.split(".")[0] for n in names)
+            # a module beside the importing file is its own (a served model's files are deployed together)
+            found.update(n.split(".")[0] for n in names if not (path.parent / f"{n.split('.')[0]}.py").exists())
     provided_by_triton = {"triton_python_backend_utils"}  # the python backend's own module
     return {m for m in found if m not in sys.stdlib_module_names and m != "dstool"} - provided_by_triton
 

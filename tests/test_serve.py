@@ -58,7 +58,7 @@ def test_repository_layout_and_schema(repo, trained):
     assert decoder.max_batch_size == 0 and len(past) == 8  # 4 layers x keys/values, [batch, kv heads 2, past, 32]
     assert all(list(t.dims) == [-1, 2, -1, 32] for t in past)
     generate = repository.read_config(repo / "dstool_lm_generate" / "config.pbtxt")
-    assert [t.name for t in generate.input] == ["text_input", "max_new_tokens", "use_kv_cache"]
+    assert [t.name for t in generate.input] == ["text_input", "max_new_tokens", "use_kv_cache", "stop_token_ids"]
     assert generate.dynamic_batching.max_queue_delay_microseconds > 0
     assert (repo / "dstool_lm_tokenizer" / "1" / "tokenizer.json").is_file()
 
@@ -342,6 +342,57 @@ def test_concurrent_prompts_are_batched_and_each_stays_exact(server, trained):
     assert results == [_torch_greedy(trained, p, 12)[1] for p in prompts]
 
 
+def test_seeded_sampling_repeats_alone_and_in_a_batch(server, trained):
+    """A seeded request gives the same tokens alone, again, and batched with other (seeded and unseeded)
+    requests; other seeds give other text; the generate extension takes the same parameters; stop_token_ids stop."""
+    import json
+    import urllib.request
+
+    import tritonclient.grpc.aio as grpc_aio
+
+    prompt = "ROMEO:\nBut soft, what light"
+
+    async def generate(jobs: list[tuple[str, dict, list[int] | None]]) -> list[list[int]]:
+        client = grpc_aio.InferenceServerClient(server.grpc_url)
+
+        async def one(text: str, parameters: dict, stop: list[int] | None) -> list[int]:
+            values = {"text_input": np.array([[text.encode()]], dtype=np.object_),
+                      "max_new_tokens": np.array([[16]], dtype=np.int32)}
+            if stop is not None:
+                values["stop_token_ids"] = np.array([stop], dtype=np.int64)
+            inputs = []
+            for name, value in values.items():
+                inputs.append(grpc_aio.InferInput(name, list(value.shape), {np.object_: "BYTES", np.int32: "INT32",
+                                                                             np.int64: "INT64"}[value.dtype.type]))
+                inputs[-1].set_data_from_numpy(value)
+            result = await client.infer("dstool_lm_generate", inputs, parameters=parameters)
+            return result.as_numpy("output_ids")[0].tolist()
+
+        try:
+            return await asyncio.gather(*(one(*job) for job in jobs))
+        finally:
+            await client.close()
+
+    sampled = {"temperature": 1.2, "top_p": 0.95, "top_k": 200}
+    alone = [asyncio.run(generate([(prompt, {**sampled, "seed": seed}, None)]))[0] for seed in (1, 2, 3)]
+    again = [asyncio.run(generate([(prompt, {**sampled, "seed": seed}, None)]))[0] for seed in (1, 2, 3)]
+    crowd = asyncio.run(generate([(prompt, {**sampled, "seed": 1}, None), ("QUEEN:\n", sampled, None),
+                                  (prompt, {**sampled, "seed": 2}, None), ("KING:\nNow", {}, None),
+                                  (prompt, {**sampled, "seed": 3}, None), (prompt, sampled, None)]))
+    assert alone == again == [crowd[0], crowd[2], crowd[4]]
+    greedy = _torch_greedy(trained, prompt, 16)[1]
+    assert len({tuple(a) for a in alone}) == 3 and greedy not in alone
+    assert crowd[3] == _torch_greedy(trained, "KING:\nNow", 16)[1]  # greedy beside sampled requests
+
+    stop_at = max(i for i, t in enumerate(greedy) if t not in greedy[:i])  # the last token new to the output
+    assert asyncio.run(generate([(prompt, {}, [greedy[stop_at]])]))[0] == greedy[:stop_at + 1]
+
+    body = json.dumps({"text_input": prompt, "max_new_tokens": 16, **sampled, "seed": 2}).encode()
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/dstool_lm_generate/generate", body)
+    with urllib.request.urlopen(request, timeout=60) as answer:
+        assert json.loads(answer.read())["output_ids"] == alone[1]
+
+
 def test_bad_generation_requests_are_one_line_errors(server):
     proc = dstool("infer", "x", "--max-new-tokens", "5000", "--url", server.http_url, check=False)
     assert proc.returncode == 2 and "exceed the model's 1024 positions" in proc.stderr
@@ -379,6 +430,8 @@ def test_the_models_answer_client_mistakes_as_client_errors(server):
              ("dstool_lm_generate", lambda m: text_request(m, b"caf\xe9 au lait"), "not valid UTF-8"),
              ("dstool_lm_generate", lambda m: text_request(m, b""), "is empty"),
              ("dstool_lm_generate", lambda m: text_request(m, b"ROMEO:", 5000), "exceed the model's 1024 positions")]
+    sampling = [({"temperature": -1}, "temperature must be a number >= 0"),
+                ({"top_p": 0.0}, "top_p must be a number > 0 and <= 1"), ({"seed": -5}, "seed must be an integer")]
     for module, url, code in ((thttp, server.http_url, "400"), (tgrpc, server.grpc_url, "INVALID_ARGUMENT")):
         client = module.InferenceServerClient(url)
         try:
@@ -386,5 +439,9 @@ def test_the_models_answer_client_mistakes_as_client_errors(server):
                 with pytest.raises(InferenceServerException) as e:
                     client.infer(model, make(module))
                 assert needle in e.value.message() and code in str(e.value.status()), (model, str(e.value))
+            for parameters, needle in sampling:
+                with pytest.raises(InferenceServerException) as e:
+                    client.infer("dstool_lm_generate", text_request(module, b"ROMEO:"), parameters=parameters)
+                assert needle in e.value.message() and code in str(e.value.status()), (parameters, str(e.value))
         finally:
             client.close()

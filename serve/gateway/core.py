@@ -12,7 +12,7 @@ from pathlib import Path
 import orjson
 
 from dstool.serve.gateway.cache import Entry, ResultCache
-from dstool.serve.gateway.keys import cache_key, is_sequence_request, key_fingerprint, model_fingerprint
+from dstool.serve.gateway.keys import cache_key, key_fingerprint, model_fingerprint, never_cached
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
 from dstool.serve.gateway.upstream import Upstreams, UpstreamTimeout, UpstreamUnavailable
@@ -212,7 +212,7 @@ class GatewayCore:
     def key_now(self, request: InferRequest) -> str | None:
         """The cache key, if the model's deployment is known and fresh and the request is cacheable."""
         d = self.deployments.now(request.model) if addressable(request.model) else None
-        if d is None or not d.cacheable or is_sequence_request(request):
+        if d is None or not d.cacheable or never_cached(request):
             return None
         version = served_version(d, request.version)
         fingerprint = d.fingerprint(version) if version else None
@@ -225,7 +225,7 @@ class GatewayCore:
         d = await self.deployments.get(request.model)
         version = served_version(d, request.version)
         fingerprint = d.fingerprint(version) if version else None
-        if opt_out or version is None or fingerprint is None or not d.cacheable or is_sequence_request(request):
+        if opt_out or version is None or fingerprint is None or not d.cacheable or never_cached(request):
             return None, version or ""
         return cache_key(fingerprint, version, request, d.outputs), version
 

@@ -17,6 +17,8 @@ DELIVERY_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "h
 OUTPUT_FORMAT_PARAMETERS = frozenset({"binary_data", "binary_data_size"})
 # Parameters that make a request part of a stateful sequence: never cached.
 SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
+# Parameters that ask a generation model to sample even without a temperature (dstool's, vLLM's names).
+SAMPLING_PARAMETERS = frozenset({"top_k", "top_p", "min_p"})
 
 
 def model_fingerprint(model: str, version: str, config: dict, files: list | None = None) -> str:
@@ -48,6 +50,20 @@ def cache_key(fingerprint: str, version: str, request: InferRequest, model_outpu
 def key_fingerprint(key: str) -> str:
     """The model fingerprint a cache key was made under."""
     return key.rsplit(":", 2)[-2]
+
+
+def never_cached(request: InferRequest) -> bool:
+    """A request whose answer is not a function of the request: part of a sequence, or a draw (sampling without
+    a seed: temperature > 0, or top_k/top_p/min_p with no temperature — the generation model's rule)."""
+    p = request.parameters
+    if is_sequence_request(request):
+        return True
+    if p.get("seed") is not None:
+        return False
+    if "temperature" in p:
+        t = p["temperature"]
+        return isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
+    return any(k in p for k in SAMPLING_PARAMETERS)
 
 
 def is_sequence_request(request: InferRequest) -> bool:

@@ -1,18 +1,23 @@
 """Triton python-backend model: the text-generation entry point (BLS).
 
-text_input (+ optional max_new_tokens, use_kv_cache) -> text_output, output_ids. Each request is tokenized
-by the tokenizer model; the requests the dynamic batcher hands over together are decoded greedily as one
-batch (right-padded, padding masked); the new ids go to the detokenizer model. Two decoding loops:
+text_input (+ optional max_new_tokens, use_kv_cache, stop_token_ids) -> text_output, output_ids. Each request is
+tokenized by the tokenizer model; the requests the dynamic batcher hands over together are decoded as one batch
+(right-padded, padding masked); the new ids go to the detokenizer model. Each request chooses its tokens by its
+own sampling parameters (request parameters temperature, top_k, top_p, min_p, repetition_penalty,
+presence_penalty, frequency_penalty, seed: sampling.py beside this file); greedy when it gives none. Two
+decoding loops:
   with the key/value cache (default)  one prefill call of the decoder model, then one call per new token
                                        that feeds only that token and the cache returned by the call before;
   without it (use_kv_cache=false)      one call of the logits model per new token on the whole sequence.
-Greedy, stopping at the end-of-sequence token, as `model.generate(do_sample=False)` in PyTorch.
+Greedy decoding equals `model.generate(do_sample=False)` in PyTorch; a request stops at the end-of-sequence
+token, at one of its stop_token_ids, or after max_new_tokens.
 """
 
 import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from sampling import Sampler, SamplingError, SamplingParams
 
 
 class RequestError(ValueError):
@@ -30,7 +35,7 @@ class TritonPythonModel:
 
     def execute(self, requests):
         responses = [None] * len(requests)
-        jobs: dict[bool, list] = {True: [], False: []}  # use_kv_cache -> [(request, prompt ids, max new tokens)]
+        jobs: dict[bool, list] = {True: [], False: []}  # use_kv_cache -> [(request, prompt ids, job)]
         for i, r in enumerate(requests):
             try:
                 jobs[self._flag(r, "use_kv_cache", True)].append((i, *self._prepare(r)))
@@ -41,7 +46,7 @@ class TritonPythonModel:
             if not batch:
                 continue
             loop = self._generate_with_cache if use_cache else self._generate_without_cache
-            for (i, _, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [n for _, _, n in batch])):
+            for (i, _, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [j for _, _, j in batch])):
                 ids = np.asarray(new_ids, dtype=np.int64)
                 text = self._infer(self.models["detokenizer"], {"output_ids": ids}, ["text_output"])[0]
                 responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text.reshape(1, 1)),
@@ -68,7 +73,13 @@ class TritonPythonModel:
         if prompt.size + new_tokens > self.max_positions:
             raise RequestError(f"prompt ({prompt.size} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                                f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
-        return prompt.reshape(-1).tolist(), new_tokens
+        try:
+            sampler = Sampler(SamplingParams.from_parameters(json.loads(request.parameters() or "{}")))
+        except SamplingError as e:
+            raise RequestError(str(e)) from None
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
+        stop_ids = self.eos | set(stop.as_numpy().reshape(-1).tolist()) if stop is not None else self.eos
+        return prompt.reshape(-1).tolist(), Job(new_tokens, sampler, stop_ids)
 
     @staticmethod
     def _flag(request, name, default):
@@ -83,13 +94,19 @@ class TritonPythonModel:
             raise pb_utils.TritonModelException(f"{model}: {response.error().message()}")
         return [pb_utils.get_output_tensor_by_name(response, name).as_numpy() for name in outputs]
 
-    def _step(self, generated, done, next_ids, limits):
+    @staticmethod
+    def _step(generated, done, next_ids, jobs):
         for b, token in enumerate(next_ids):
             if not done[b]:
                 generated[b].append(int(token))
-                done[b] = int(token) in self.eos or len(generated[b]) >= limits[b]
+                done[b] = int(token) in jobs[b].stop_ids or len(generated[b]) >= jobs[b].max_new_tokens
 
-    def _generate_with_cache(self, prompts, limits):
+    @staticmethod
+    def _choose(logits, rows, prompts, generated, jobs):
+        """Each request's next token from its row of logits, by its own sampler."""
+        return np.array([jobs[b].sampler.next(logits[r], prompts[b], generated[b]) for r, b in enumerate(rows)])
+
+    def _generate_with_cache(self, prompts, jobs):
         batch, lengths = len(prompts), np.array([len(p) for p in prompts])
         ids, mask = _right_padded(prompts)
         positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
@@ -100,9 +117,10 @@ class TritonPythonModel:
         logits, *values = self._infer(self.models["decoder"], {"input_ids": ids, "attention_mask": mask,
                                                                "position_ids": positions, **cache},
                                       ["logits", *cache_outputs])
-        next_ids = logits[np.arange(batch), lengths - 1].argmax(-1)
-        for step in range(max(limits)):
-            self._step(generated, done, next_ids, limits)
+        rows = list(range(batch))
+        next_ids = self._choose(logits[np.arange(batch), lengths - 1], rows, prompts, generated, jobs)
+        for step in range(max(j.max_new_tokens for j in jobs)):
+            self._step(generated, done, next_ids, jobs)
             if all(done):
                 break
             cache = dict(zip(cache, values))
@@ -110,10 +128,10 @@ class TritonPythonModel:
             logits, *values = self._infer(self.models["decoder"], {
                 "input_ids": next_ids[:, None].astype(np.int64), "attention_mask": mask,
                 "position_ids": (lengths + step)[:, None].astype(np.int64), **cache}, ["logits", *cache_outputs])
-            next_ids = logits[:, -1].argmax(-1)
+            next_ids = self._choose(logits[:, -1], rows, prompts, generated, jobs)
         return generated
 
-    def _generate_without_cache(self, prompts, limits):
+    def _generate_without_cache(self, prompts, jobs):
         generated: list[list[int]] = [[] for _ in prompts]
         done = [False] * len(prompts)
         while not all(done):
@@ -122,10 +140,18 @@ class TritonPythonModel:
             ids, mask = _right_padded(sequences)
             logits = self._infer(self.models["logits"], {"input_ids": ids, "attention_mask": mask}, ["logits"])[0]
             next_ids = [0] * len(prompts)
-            for row, (b, s) in enumerate(zip(active, sequences)):
-                next_ids[b] = logits[row, len(s) - 1].argmax()
-            self._step(generated, done, next_ids, limits)
+            last = logits[np.arange(len(active)), [len(s) - 1 for s in sequences]]
+            for b, token in zip(active, self._choose(last, active, prompts, generated, jobs)):
+                next_ids[b] = token
+            self._step(generated, done, next_ids, jobs)
         return generated
+
+
+class Job:
+    """What one request asked for: how many new tokens at most, how to choose them, where to stop."""
+
+    def __init__(self, max_new_tokens, sampler, stop_ids):
+        self.max_new_tokens, self.sampler, self.stop_ids = max_new_tokens, sampler, stop_ids
 
 
 def _right_padded(sequences):

@@ -1,0 +1,135 @@
+"""Choosing the next token from a row of logits, with the parameters users know from vLLM and OpenAI (numpy only:
+it runs inside Triton's python backend, next to the generation model).
+
+Greedy (argmax) unless sampling is asked for: `temperature` > 0, or `top_k` / `top_p` / `min_p` / `seed` given
+(temperature 1 then); `temperature` 0 is greedy whatever else is set. Applied in the order of transformers'
+`generate`: repetition penalty (over prompt and output, as transformers does), presence and frequency penalties
+(over the output, as OpenAI and vLLM do), then temperature, top-k, top-p, min-p. `seed` makes a request's choices
+its own: the same seed gives the same tokens, whatever other requests share its batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import numpy as np
+
+
+class SamplingError(ValueError):
+    """A parameter the client got wrong (the message names it and the accepted values)."""
+
+
+def _number(params: dict, name: str, default: float, low: float, high: float = math.inf,
+            low_open: bool = False) -> float:
+    value = _optional(params, name, low, high, low_open)
+    return default if value is None else value
+
+
+def _optional(params: dict, name: str, low: float, high: float = math.inf, low_open: bool = False) -> float | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or \
+            value < low or value > high or (low_open and value == low):
+        bound = f"> {low:g}" if low_open else f">= {low:g}"
+        if high != math.inf:
+            bound += f" and <= {high:g}"
+        raise SamplingError(f"{name} must be a number {bound}, got {value!r}")
+    return float(value)
+
+
+def _integer(params: dict, name: str, low: int, high: int) -> int | None:
+    value = params.get(name)
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise SamplingError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0: greedy
+    top_k: int = 0  # 0: all tokens
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    seed: int | None = None
+
+    NAMES = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+             "seed")
+
+    @classmethod
+    def from_parameters(cls, params: dict) -> SamplingParams:
+        """From a request's parameters (other keys are ignored); SamplingError naming a bad value."""
+        temperature = _optional(params, "temperature", 0.0, 100.0)
+        top_k = _integer(params, "top_k", 0, 2**31 - 1)
+        top_p = _optional(params, "top_p", 0.0, 1.0, low_open=True)
+        min_p = _optional(params, "min_p", 0.0, 1.0)
+        seed = _integer(params, "seed", 0, 2**63 - 1)
+        sampled = temperature is None and any(v is not None for v in (top_k, top_p, min_p, seed))
+        return cls(temperature=1.0 if sampled else temperature or 0.0, top_k=top_k or 0,
+                   top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
+                   repetition_penalty=_number(params, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
+                   presence_penalty=_number(params, "presence_penalty", 0.0, -2.0, 2.0),
+                   frequency_penalty=_number(params, "frequency_penalty", 0.0, -2.0, 2.0), seed=seed)
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+class Sampler:
+    """One request's choices: `next(logits, prompt, output)` -> token id."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.rng = np.random.default_rng(params.seed) if not params.greedy else None
+
+    def penalized(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> np.ndarray:
+        p = self.params
+        logits = np.asarray(logits, np.float32)
+        if p.repetition_penalty != 1.0 and (prompt or output):
+            seen = np.unique(np.asarray(prompt + output, np.int64))
+            logits = logits.copy()
+            scores = logits[seen]
+            logits[seen] = np.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+        if (p.presence_penalty or p.frequency_penalty) and output:
+            tokens, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
+            logits = logits.copy()
+            logits[tokens] -= p.presence_penalty + p.frequency_penalty * counts.astype(np.float32)
+        return logits
+
+    def warped(self, logits: np.ndarray) -> np.ndarray:
+        """Temperature, top-k, top-p and min-p on penalized logits (-inf where a token is ruled out)."""
+        p = self.params
+        scores = logits.astype(np.float64) / p.temperature
+        if 0 < p.top_k < scores.size:
+            kth = np.partition(scores, -p.top_k)[-p.top_k]
+            scores = np.where(scores < kth, -np.inf, scores)
+        if p.top_p < 1.0:
+            order = np.argsort(scores, kind="stable")  # ascending, as transformers sorts
+            probs = _softmax(scores[order])
+            drop = np.cumsum(probs) <= 1.0 - p.top_p
+            drop[-1] = False  # the most likely token always stays
+            scores[order[drop]] = -np.inf
+        if p.min_p > 0.0:
+            probs = _softmax(scores)
+            scores = np.where(probs < p.min_p * probs.max(), -np.inf, scores)
+        return scores
+
+    def next(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> int:
+        logits = self.penalized(logits, prompt, output)
+        if self.rng is None:
+            return int(np.argmax(logits))
+        cumulative = np.cumsum(_softmax(self.warped(logits)))
+        # the first token whose cumulative probability exceeds a uniform draw (never one with probability 0)
+        return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+
+
+def _softmax(scores: np.ndarray) -> np.ndarray:
+    e = np.exp(scores - scores.max())
+    return e / e.sum()
