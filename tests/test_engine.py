@@ -1,0 +1,111 @@
+"""The continuous-batching generation engine (serve/triton_models/engine.py) on the exported decoder graph:
+greedy equal to transformers' greedy, sequences joining and leaving a running batch, seeds, the cache budget."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dstool.serve.triton_models.engine import Engine, Sequence
+from dstool.serve.triton_models.sampling import Sampler, SamplingParams
+
+PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\n", "KING RICHARD:\nNow is the winter of our discontent",
+           "QUEEN:\nAy", "GLOUCESTER:\nWas ever woman in this humour wooed?", "LADY ANNE:\nFoul devil"]
+
+
+@pytest.fixture(scope="module")
+def setup(repo, trained):
+    import onnxruntime as ort
+    from transformers import AutoTokenizer
+
+    session = ort.InferenceSession(str(repo / "dstool_lm_decoder" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    config = (repo / "dstool_lm_generate" / "config.pbtxt").read_text()
+    empty = json.loads(json.loads(config.split('key: "empty_cache"')[1].split("string_value: ")[1].split("\n")[0]))
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    return session, {k: tuple(v) for k, v in empty.items()}, tokenizer
+
+
+def _greedy(trained, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(trained).eval()
+    with torch.no_grad():
+        return model.generate(torch.tensor([prompt_ids]), max_new_tokens=new_tokens, do_sample=False)[
+            0, len(prompt_ids):].tolist()
+
+
+def _sequence(name: str, ids: list[int], new_tokens: int, params: dict | None = None) -> Sequence:
+    return Sequence(name, ids, new_tokens, Sampler(SamplingParams.from_parameters(params or {})).next, {0})
+
+
+def _run(engine: Engine) -> dict[str, list[int]]:
+    out: dict[str, list[int]] = {}
+    while engine.busy:
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+    return out
+
+
+def test_sequences_join_and_leave_a_running_batch_and_stay_exact(setup, trained):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    lengths = [12, 5, 16, 9, 14, 7]  # they finish at different steps and make room for the waiting ones
+    engine = Engine(session, shapes, max_batch=3)
+    for i, (x, n) in enumerate(zip(ids, lengths)):
+        engine.add(_sequence(str(i), x, n))
+    sizes, out = [], {}
+    while engine.busy:
+        produced = engine.step()
+        sizes.append(len(engine.running))
+        for s, token in produced:
+            out.setdefault(s.id, []).append(token)
+    assert max(sizes) == 3 and len(sizes) < sum(lengths) / 2  # batched, and no waiting for the whole batch
+    for i, (x, n) in enumerate(zip(ids, lengths)):
+        assert out[str(i)] == _greedy(trained, x, n), i
+
+
+def test_a_newcomer_gets_its_first_token_in_the_step_it_joins(setup, trained):
+    session, shapes, tokenizer = setup
+    a, b = (tokenizer(p)["input_ids"] for p in PROMPTS[:2])
+    engine = Engine(session, shapes)
+    engine.add(_sequence("a", a, 20))
+    for _ in range(4):
+        engine.step()
+    engine.add(_sequence("b", b, 6))
+    assert {s.id for s, _ in engine.step()} == {"a", "b"}
+    out = _run(engine)
+    assert len(out["a"]) == 15 and out["a"] == _greedy(trained, a, 20)[5:]
+
+
+def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(setup):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    params = {"temperature": 1.1, "top_p": 0.9, "seed": 11}
+    alone = Engine(session, shapes)
+    alone.add(_sequence("x", ids[0], 16, params))
+    crowd = Engine(session, shapes, max_batch=4)
+    for i, x in enumerate(ids):
+        crowd.add(_sequence(str(i), x, 10 + i, {"temperature": 0.9} if i % 2 else {}))
+    crowd.add(_sequence("x", ids[0], 16, params))
+    assert _run(alone)["x"] == _run(crowd)["x"]
+
+
+def test_the_cache_budget_makes_admission_wait(setup):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    budget = max(len(x) for x in ids) + 8 + 20  # room for about two sequences at once
+    engine = Engine(session, shapes, max_batch=8, max_cache_tokens=budget)
+    for i, x in enumerate(ids):
+        engine.add(_sequence(str(i), x, 8))
+    held = []
+    out = {}
+    while engine.busy:
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+        held.append(sum(s.reserved for s in engine.running))
+    assert max(held) <= budget and len(out) == len(ids)
+    with pytest.raises(ValueError, match="exceed the engine's"):
+        engine.add(_sequence("big", ids[0], budget))
