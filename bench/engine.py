@@ -1,0 +1,117 @@
+"""The continuous-batching engine (serve/triton_models/engine.py) on the exported decoder graph, in one process.
+
+    .venv/bin/python bench/engine.py [--repository REPO] [--new-tokens 64] [--rounds 3]
+
+Without --repository the ~40 M-parameter Llama of bench/compress.py (untrained: speed does not depend on the
+weights) is exported first. Greedy, 25-token prompts, medians of interleaved rounds:
+- 1 stream: tokens/s and time to the first token;
+- 16 streams submitted together: tokens/s (what a static batch does too);
+- 16 streams arriving one per decoding step: tokens/s and the queue wait of each (steps from its arrival to
+  its first token: 1 means it joined the running batch at the next step).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def prepare(a, work: Path) -> Path:
+    if a.repository:
+        return Path(a.repository)
+    from compress import build_model  # the same ~40 M model as the compression benchmark
+
+    build_model(work / "model")
+    subprocess.run([sys.executable, "-m", "dstool.cli", "export", str(work / "model"), "--repository",
+                    str(work / "repo"), "--name", "lm"], check=True, capture_output=True)
+    return work / "repo"
+
+
+def main() -> int:
+    import onnxruntime as ort
+
+    from dstool.serve.triton_models.engine import Engine, Sequence
+    from dstool.serve.triton_models.sampling import Sampler, SamplingParams
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--repository", help="a dstool export repository (default: export the ~40 M model)")
+    p.add_argument("--name", default=None, help="the model family's name in the repository")
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--rounds", type=int, default=3)
+    a = p.parse_args()
+    with tempfile.TemporaryDirectory(prefix="dstool-bench-engine-") as tmp:
+        repo = prepare(a, Path(tmp))
+        name = a.name or next(d.name[:-len("_decoder")] for d in repo.iterdir() if d.name.endswith("_decoder"))
+        version = max((d for d in (repo / f"{name}_decoder").iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+        opts = ort.SessionOptions()
+        session = ort.InferenceSession(str(version / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        config = (repo / f"{name}_generate" / "config.pbtxt").read_text()
+        shapes = {k: tuple(v) for k, v in json.loads(json.loads(
+            config.split('key: "empty_cache"')[1].split("string_value: ")[1].split("\n")[0])).items()}
+        rng = np.random.default_rng(0)
+        prompts = [rng.integers(5, 4000, 25).tolist() for _ in range(16)]
+
+        def sequence(i: int) -> Sequence:
+            # eos never stops a run (every stream makes new_tokens tokens, as in the other systems' runs)
+            return Sequence(str(i), prompts[i], a.new_tokens, Sampler(SamplingParams()).next, set())
+
+        def one_stream() -> dict:
+            engine = Engine(session, shapes)
+            engine.add(sequence(0))
+            started = time.perf_counter()
+            engine.step()
+            first = time.perf_counter() - started
+            while engine.busy:
+                engine.step()
+            return {"tokens_per_s": a.new_tokens / (time.perf_counter() - started), "first_token_ms": first * 1e3}
+
+        def together() -> dict:
+            engine = Engine(session, shapes)
+            for i in range(16):
+                engine.add(sequence(i))
+            started = time.perf_counter()
+            while engine.busy:
+                engine.step()
+            return {"tokens_per_s": 16 * a.new_tokens / (time.perf_counter() - started)}
+
+        def staggered() -> dict:
+            engine = Engine(session, shapes)
+            arrived, waits, step = {}, [], 0
+            started = time.perf_counter()
+            while engine.busy or step < 16:
+                if step < 16:
+                    engine.add(sequence(step))
+                    arrived[str(step)] = step
+                step += 1
+                for s, _ in engine.step():
+                    if len(s.output) == 1:
+                        waits.append(step - arrived[s.id])
+            return {"tokens_per_s": 16 * a.new_tokens / (time.perf_counter() - started),
+                    "queue_wait_steps_p99": float(np.percentile(waits, 99))}
+
+        runs: dict[str, list[dict]] = {}
+        for r in range(a.rounds):
+            for label, fn in (("1 stream", one_stream), ("16 together", together), ("16 staggered", staggered)):
+                runs.setdefault(label, []).append(fn())
+            print(f"round {r + 1} of {a.rounds} done", flush=True)
+    print(f"\n{a.new_tokens} new tokens per stream, 25-token prompts, greedy; medians of {a.rounds} rounds\n")
+    print("| engine, one process | tokens/s | other |\n|---|---:|---|")
+    for label, samples in runs.items():
+        med = {k: float(np.median([s[k] for s in samples])) for k in samples[0]}
+        other = ", ".join(f"{k} {v:.1f}" for k, v in med.items() if k != "tokens_per_s")
+        print(f"| {label} | {med['tokens_per_s']:.0f} | {other} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
