@@ -19,7 +19,7 @@ CACHE_SCHEMES = ("redis", "rediss", "unix", "memory")
 def model_names(name: str) -> dict[str, str]:
     """The repository's models: NAME (token ids -> logits) and the text-generation models around it."""
     return {"logits": name, "decoder": f"{name}_decoder", "tokenizer": f"{name}_tokenizer",
-            "detokenizer": f"{name}_detokenizer", "generate": f"{name}_generate"}
+            "detokenizer": f"{name}_detokenizer", "generate": f"{name}_generate", "llm": f"{name}_llm"}
 
 
 class RepositorySettings(CommandConfig):

@@ -101,14 +101,24 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                                  ("use_kv_cache", mc.TYPE_BOOL, [1], True),
                                  ("stop_token_ids", mc.TYPE_INT64, [-1], True)],
                  [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
+    "llm": ("llm.py", [("text_input", mc.TYPE_STRING, [1], False), ("max_new_tokens", mc.TYPE_INT32, [1], True),
+                       ("stop_token_ids", mc.TYPE_INT64, [-1], True), ("stream", mc.TYPE_BOOL, [1], True)],
+            [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
 }
+# Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
+BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py"]}
+ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 
 
 def text_model_config(role: str, name: str, s: RepositorySettings, parameters: dict[str, str]) -> mc.ModelConfig:
-    """The config of a python-backend text model (tokenizer, detokenizer, or the generation entry point)."""
+    """The config of a python-backend text model (tokenizer, detokenizer, the generation entry point, or the
+    streaming llm model: decoupled, one instance holding the continuous-batching engine)."""
     _, inputs, outputs = TEXT_MODELS[role]
     entry = role == "generate"
     cfg = _common(name, s, s.max_batch_size if entry else 0, entry and s.dynamic_batching, onnx_platform=False)
+    if role == "llm":
+        cfg.instance_group[0].count = 1
+        cfg.model_transaction_policy.decoupled = True
     for n, t, d, optional in inputs:
         cfg.input.add(name=n, data_type=t, dims=d, optional=optional)
     for n, t, d in outputs:
@@ -207,16 +217,18 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
         if any(0 in dims for dims in empty_cache.values()):
             raise StageFailed(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got "
                               f"{empty_cache}")
-        parameters = {"generate": {"models": json.dumps(names), "empty_cache": json.dumps(empty_cache),
-                                   "eos_token_ids": json.dumps(a.eos_token_ids), "max_positions": str(a.max_positions),
-                                   "default_max_new_tokens": str(a.default_max_new_tokens)}}
-        for role in ("tokenizer", "detokenizer", "generate"):
+        generation = {"empty_cache": json.dumps(empty_cache), "eos_token_ids": json.dumps(a.eos_token_ids),
+                      "max_positions": str(a.max_positions), "default_max_new_tokens": str(a.default_max_new_tokens)}
+        parameters = {"generate": {"models": json.dumps(names), **generation},
+                      "llm": {"decoder": names["decoder"], "max_batch": str(ENGINE_MAX_BATCH),
+                              "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions), **generation}}
+        for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
-            if role == "generate":  # imported by model.py (Triton puts the version folder on its path)
-                shutil.copy2(MODELS_PY / "sampling.py", folder / "sampling.py")
-            else:
+            for name in BESIDE.get(role, []):
+                shutil.copy2(MODELS_PY / name, folder / name)
+            if role != "generate":
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():
                         shutil.copy2(a.tokenizer_dir / name, folder / name)

@@ -38,7 +38,8 @@ def test_repository_layout_and_schema(repo, trained):
     from tritonclient.grpc import model_config_pb2
 
     assert sorted(p.name for p in repo.iterdir() if p.is_dir()) == [
-        "dstool_lm", "dstool_lm_decoder", "dstool_lm_detokenizer", "dstool_lm_generate", "dstool_lm_tokenizer"]
+        "dstool_lm", "dstool_lm_decoder", "dstool_lm_detokenizer", "dstool_lm_generate", "dstool_lm_llm",
+        "dstool_lm_tokenizer"]
     deployed = Repository.read(repo).deployments
     assert [(d.name, d.version, d.compressed, d.recipe) for d in deployed] == [("dstool_lm", 1, None, None)]
     assert deployed[0].source.kind == "hf-model" and deployed[0].source.path == str(trained.resolve())
@@ -391,6 +392,75 @@ def test_seeded_sampling_repeats_alone_and_in_a_batch(server, trained):
     request = urllib.request.Request(f"http://{server.http_url}/v2/models/dstool_lm_generate/generate", body)
     with urllib.request.urlopen(request, timeout=60) as answer:
         assert json.loads(answer.read())["output_ids"] == alone[1]
+
+
+def test_llm_model_streams_tokens_and_batches_continuously(server, trained):
+    """NAME_llm (decoupled, the continuous-batching engine): over a gRPC stream each token comes as its own
+    response, the text adding up to transformers' greedy text; six concurrent streams each stay exact; without
+    `stream` one response; the generate extension streams server-sent events; seeds and bad values as NAME_generate."""
+    import json
+    import queue
+    import urllib.request
+
+    import tritonclient.grpc as grpc
+
+    prompts = [f"{name}:\n" + "Now is the winter " * (1 + i % 3) for i, name in
+               enumerate(["GLOUCESTER", "KING RICHARD", "QUEEN", "LADY ANNE", "BUCKINGHAM", "HASTINGS"])]
+    expected = [_torch_greedy(trained, p, 12 + 2 * i) for i, p in enumerate(prompts)]
+
+    def inputs(prompt: str, new_tokens: int, stream: bool):
+        values = [("text_input", np.array([prompt.encode()], dtype=np.object_), "BYTES"),
+                  ("max_new_tokens", np.array([new_tokens], np.int32), "INT32"),
+                  ("stream", np.array([stream]), "BOOL")]
+        made = []
+        for name, value, datatype in values:
+            made.append(grpc.InferInput(name, list(value.shape), datatype))
+            made[-1].set_data_from_numpy(value)
+        return made
+
+    c = grpc.InferenceServerClient(server.grpc_url)
+    answers: queue.Queue = queue.Queue()
+    c.start_stream(callback=lambda result, error: answers.put((result, error)))
+    try:
+        for i, p in enumerate(prompts):
+            c.async_stream_infer("dstool_lm_llm", inputs(p, 12 + 2 * i, True), request_id=str(i))
+        texts, ids, finals = [""] * 6, [[] for _ in prompts], 0
+        while finals < 6:
+            result, error = answers.get(timeout=120)
+            assert error is None, error
+            i = int(result.get_response().id)
+            texts[i] += result.as_numpy("text_output")[0].decode()
+            ids[i] += result.as_numpy("output_ids").tolist()
+            finals += result.get_response().parameters["triton_final_response"].bool_param
+        assert [(t, x) for t, x in zip(texts, ids)] == expected
+        c.async_stream_infer("dstool_lm_llm", inputs(prompts[0], 12, False), request_id="whole")
+        result, error = answers.get(timeout=120)
+        assert error is None and result.as_numpy("output_ids").tolist() == expected[0][1]
+        assert result.as_numpy("text_output")[0].decode() == expected[0][0]
+        seeded = []
+        for _ in range(2):
+            c.async_stream_infer("dstool_lm_llm", inputs(prompts[0], 12, False),
+                                 parameters={"temperature": 1.2, "seed": 4})
+            result, error = answers.get(timeout=120)
+            assert error is None
+            seeded.append(result.as_numpy("output_ids").tolist())
+        assert seeded[0] == seeded[1] != expected[0][1]
+        for parameters, prompt, needle in (({"top_p": 0}, prompts[0], "top_p must be"),
+                                           ({}, "", "text_input is empty")):
+            c.async_stream_infer("dstool_lm_llm", inputs(prompt, 4, True), parameters=parameters)
+            result, error = answers.get(timeout=120)
+            assert error is not None and needle in error.message(), error
+    finally:
+        c.stop_stream()
+        c.close()
+
+    body = json.dumps({"text_input": prompts[1], "max_new_tokens": 14, "stream": True}).encode()
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/dstool_lm_llm/generate_stream", body)
+    with urllib.request.urlopen(request, timeout=120) as answer:
+        events = [json.loads(line[len(b"data: "):]) for line in answer.read().splitlines() if line.startswith(b"data")]
+    assert len(events) == len(expected[1][1]) and "".join(e["text_output"] for e in events) == expected[1][0]
+    # the generate extension writes a one-element tensor as a scalar
+    assert [e["output_ids"] for e in events] == expected[1][1]
 
 
 def test_bad_generation_requests_are_one_line_errors(server):

@@ -1,0 +1,161 @@
+"""Triton python-backend model (decoupled): text generation on the continuous-batching engine (engine.py beside
+this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
+
+text_input BYTES [1] (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1]; sampling as
+request parameters) -> text_output BYTES [1], output_ids INT64 [-1]. With `stream` true, one response per token
+(the text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
+Requests join the running batch at the next decoding step, from one engine thread; a request whose client has
+gone (cancelled) leaves the batch.
+"""
+
+import json
+import os
+import threading
+import uuid
+
+import numpy as np
+import onnxruntime as ort
+import triton_python_backend_utils as pb_utils
+from engine import Engine, Sequence
+from sampling import Sampler, SamplingError, SamplingParams
+from transformers import AutoTokenizer
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class RequestError(ValueError):
+    """The client's mistake (INVALID_ARG: HTTP 400 / gRPC INVALID_ARGUMENT)."""
+
+
+class Stream:
+    """Where one sequence's tokens go."""
+
+    def __init__(self, sender, stream: bool):
+        self.sender, self.stream, self.sent = sender, stream, ""
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        config = json.loads(args["model_config"])
+        params = {k: v["string_value"] for k, v in config["parameters"].items()}
+        folder = os.path.join(args["model_repository"], args["model_version"])
+        decoder = os.path.join(os.path.dirname(args["model_repository"]), params["decoder"], args["model_version"],
+                               "model.onnx")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
+        session = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
+        shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
+        self.engine = Engine(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]))
+        self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.eos = set(json.loads(params["eos_token_ids"]))
+        self.default_new_tokens = int(params["default_max_new_tokens"])
+        self.max_positions = int(params["max_positions"])
+        self.streams: dict[str, Stream] = {}
+        self.incoming: list[Sequence] = []
+        self.wake = threading.Condition()
+        self.stopping = False
+        self.thread = threading.Thread(target=self._loop, name="dstool-engine", daemon=True)
+        self.thread.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                sequence, stream = self._sequence(request)
+            except RequestError as e:
+                sender.send(pb_utils.InferenceResponse(
+                    error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+                continue
+            with self.wake:
+                self.streams[sequence.id] = Stream(sender, stream)
+                self.incoming.append(sequence)
+                self.wake.notify()
+        return None
+
+    def finalize(self):
+        with self.wake:
+            self.stopping = True
+            self.wake.notify()
+        self.thread.join(30)
+
+    def _sequence(self, request):
+        text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)
+        if text.size != 1:
+            raise RequestError(f"send one prompt per request (got {text.size})")
+        try:
+            prompt = text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
+        except UnicodeDecodeError as e:
+            raise RequestError(f"text_input is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+        ids = self.tokenizer(prompt)["input_ids"]
+        if not ids:
+            raise RequestError("text_input is empty: send at least one token of text")
+        limit = pb_utils.get_input_tensor_by_name(request, "max_new_tokens")
+        new_tokens = int(limit.as_numpy().reshape(-1)[0]) if limit is not None else self.default_new_tokens
+        if new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be at least 1, got {new_tokens}")
+        if len(ids) + new_tokens > min(self.max_positions, self.engine.max_cache_tokens or self.max_positions):
+            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
+                               f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
+        try:
+            sampler = Sampler(SamplingParams.from_parameters(json.loads(request.parameters() or "{}")))
+        except SamplingError as e:
+            raise RequestError(str(e)) from None
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
+        stop_ids = self.eos | set(stop.as_numpy().reshape(-1).tolist()) if stop is not None else self.eos
+        flag = pb_utils.get_input_tensor_by_name(request, "stream")
+        stream = bool(flag.as_numpy().reshape(-1)[0]) if flag is not None else False
+        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream
+
+    def _loop(self):
+        while True:
+            with self.wake:
+                while not self.stopping and not self.incoming and not self.engine.busy:
+                    self.wake.wait()
+                if self.stopping:
+                    return
+                incoming, self.incoming = self.incoming, []
+            for sequence in incoming:
+                self.engine.add(sequence)
+            for sequence in [s for s in self.engine.running if self.streams[s.id].sender.is_cancelled()]:
+                self.engine.cancel(sequence.id)
+                self.streams.pop(sequence.id, None)
+            try:
+                produced = self.engine.step()
+            except Exception as e:  # the engine failed: every sequence it holds gets the error, the loop goes on
+                self._fail_all(e)
+                continue
+            for sequence, token in produced:
+                self._emit(sequence, token)
+
+    def _emit(self, sequence, token):
+        out = self.streams[sequence.id]
+        if out.stream:
+            text = self.tokenizer.decode(sequence.output, skip_special_tokens=True)
+            if text.endswith("\ufffd") and not sequence.finished:
+                delta = ""  # a character still incomplete: its bytes come with the next token
+            else:
+                delta, out.sent = text[len(out.sent):], text
+            response = self._response(delta, [token])
+        elif sequence.finished:
+            response = self._response(self.tokenizer.decode(sequence.output, skip_special_tokens=True),
+                                      sequence.output)
+        else:
+            return
+        out.sender.send(response, flags=FINAL if sequence.finished else 0)
+        if sequence.finished:
+            self.streams.pop(sequence.id, None)
+
+    @staticmethod
+    def _response(text, ids):
+        return pb_utils.InferenceResponse([
+            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64))])
+
+    def _fail_all(self, error):
+        held = list(self.engine.running) + list(self.engine.waiting)
+        for sequence in held:
+            self.engine.cancel(sequence.id)
+            out = self.streams.pop(sequence.id, None)
+            if out is not None:
+                out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"generation failed: {type(error).__name__}: {error}")), flags=FINAL)
