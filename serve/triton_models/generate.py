@@ -17,7 +17,7 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from sampling import Sampler, SamplingError, SamplingParams
+from sampling import SamplingError, request_choices
 
 
 class RequestError(ValueError):
@@ -73,12 +73,12 @@ class TritonPythonModel:
         if prompt.size + new_tokens > self.max_positions:
             raise RequestError(f"prompt ({prompt.size} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                                f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         try:
-            sampler = Sampler(SamplingParams.from_parameters(json.loads(request.parameters() or "{}")))
+            sampler, stop_ids = request_choices(request.parameters(), stop.as_numpy() if stop is not None else None,
+                                                self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
-        stop_ids = self.eos | set(stop.as_numpy().reshape(-1).tolist()) if stop is not None else self.eos
         return prompt.reshape(-1).tolist(), Job(new_tokens, sampler, stop_ids)
 
     @staticmethod

@@ -17,7 +17,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from engine import Engine, Sequence
-from sampling import Sampler, SamplingError, SamplingParams
+from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -96,12 +96,12 @@ class TritonPythonModel:
         if len(ids) + new_tokens > min(self.max_positions, self.engine.max_cache_tokens or self.max_positions):
             raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                                f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
+        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         try:
-            sampler = Sampler(SamplingParams.from_parameters(json.loads(request.parameters() or "{}")))
+            sampler, stop_ids = request_choices(request.parameters(), stop.as_numpy() if stop is not None else None,
+                                                self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
-        stop_ids = self.eos | set(stop.as_numpy().reshape(-1).tolist()) if stop is not None else self.eos
         flag = pb_utils.get_input_tensor_by_name(request, "stream")
         stream = bool(flag.as_numpy().reshape(-1)[0]) if flag is not None else False
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream

@@ -10,6 +10,7 @@ its own: the same seed gives the same tokens, whatever other requests share its 
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass
 
@@ -128,6 +129,14 @@ class Sampler:
         cumulative = np.cumsum(_softmax(self.warped(logits)))
         # the first token whose cumulative probability exceeds a uniform draw (never one with probability 0)
         return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+
+
+def request_choices(parameters: str, stop_token_ids: np.ndarray | None, eos: set[int]) -> tuple[Sampler, set[int]]:
+    """A request's sampler, from its parameters (the JSON text Triton gives), and where it stops: the model's
+    end-of-sequence ids and the request's stop_token_ids. SamplingError names a bad value."""
+    sampler = Sampler(SamplingParams.from_parameters(json.loads(parameters or "{}")))
+    stops = set(eos) if stop_token_ids is None else set(eos) | set(np.asarray(stop_token_ids).reshape(-1).tolist())
+    return sampler, stops
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
