@@ -101,9 +101,11 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                                  ("use_kv_cache", mc.TYPE_BOOL, [1], True),
                                  ("stop_token_ids", mc.TYPE_INT64, [-1], True)],
                  [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
-    "llm": ("llm.py", [("text_input", mc.TYPE_STRING, [1], False), ("max_new_tokens", mc.TYPE_INT32, [1], True),
-                       ("stop_token_ids", mc.TYPE_INT64, [-1], True), ("stream", mc.TYPE_BOOL, [1], True)],
-            [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1])]),
+    "llm": ("llm.py", [("text_input", mc.TYPE_STRING, [1], True), ("messages", mc.TYPE_STRING, [1], True),
+                       ("max_new_tokens", mc.TYPE_INT32, [1], True), ("stop_token_ids", mc.TYPE_INT64, [-1], True),
+                       ("stream", mc.TYPE_BOOL, [1], True)],
+            [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1]),
+             ("prompt_tokens", mc.TYPE_INT32, [1])]),
 }
 # Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
 BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py"]}

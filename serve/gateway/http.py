@@ -438,6 +438,9 @@ class HttpFrontend:
         self.connections: set[HttpConnection] = set()
         self.buffered = 0  # request body bytes held by all connections
         self.draining = False
+        from dstool.serve.gateway.openai import OpenAIFrontend  # it builds on this module's types
+
+        self.openai = OpenAIFrontend(core.upstreams)
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:
         """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes)."""
@@ -448,6 +451,8 @@ class HttpFrontend:
     def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if req.path == "/metrics":
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
+        if req.path.startswith("/v1/"):
+            return self.openai.handle(req)
         parts = req.path.split("/")
         # /v2/models/NAME/infer or /v2/models/NAME/versions/DIGITS/infer, matched as Triton matches them: on the
         # path as sent (no percent-decoding), the name being its UTF-8 bytes

@@ -1,9 +1,11 @@
 """Triton python-backend model (decoupled): text generation on the continuous-batching engine (engine.py beside
 this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
 
-text_input BYTES [1] (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1]; sampling as
-request parameters) -> text_output BYTES [1], output_ids INT64 [-1]. With `stream` true, one response per token
-(the text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
+text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content"}, ...], laid out by the tokenizer's
+chat template, or "ROLE: CONTENT" lines and "assistant:" without one) (+ optional max_new_tokens INT32 [1],
+stop_token_ids INT64 [-1], stream BOOL [1]; sampling as request parameters) -> text_output BYTES [1], output_ids
+INT64 [-1], prompt_tokens INT32 [1]. With `stream` true, one response per token (the text it adds, and its id)
+and the last one marked final; otherwise one response with the whole text and ids.
 Requests join the running batch at the next decoding step, from one engine thread; a request whose client has
 gone (cancelled) leaves the batch.
 """
@@ -78,14 +80,37 @@ class TritonPythonModel:
             self.wake.notify()
         self.thread.join(30)
 
-    def _sequence(self, request):
-        text = pb_utils.get_input_tensor_by_name(request, "text_input").as_numpy().reshape(-1)
+    def _text(self, request, name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        if tensor is None:
+            return None
+        text = tensor.as_numpy().reshape(-1)
         if text.size != 1:
-            raise RequestError(f"send one prompt per request (got {text.size})")
+            raise RequestError(f"send one {name} per request (got {text.size})")
         try:
-            prompt = text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
+            return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
         except UnicodeDecodeError as e:
-            raise RequestError(f"text_input is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+            raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+
+    def _chat_prompt(self, messages):
+        try:
+            chat = json.loads(messages)
+            if not chat or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
+                                   and isinstance(m.get("content"), str) for m in chat):
+                raise ValueError
+        except ValueError:
+            raise RequestError('messages must be a JSON list of {"role": ..., "content": ...} with text '
+                               "content") from None
+        if self.tokenizer.chat_template:
+            return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        return "".join(f"{m['role']}: {m['content']}\n" for m in chat) + "assistant:"
+
+    def _sequence(self, request):
+        prompt, messages = self._text(request, "text_input"), self._text(request, "messages")
+        if (prompt is None) == (messages is None):
+            raise RequestError("send text_input (a prompt) or messages (a chat), one of them")
+        if messages is not None:
+            prompt = self._chat_prompt(messages)
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
@@ -135,10 +160,10 @@ class TritonPythonModel:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
-            response = self._response(delta, [token])
+            response = self._response(delta, [token], len(sequence.prompt))
         elif sequence.finished:
             response = self._response(self.tokenizer.decode(sequence.output, skip_special_tokens=True),
-                                      sequence.output)
+                                      sequence.output, len(sequence.prompt))
         else:
             return
         out.sender.send(response, flags=FINAL if sequence.finished else 0)
@@ -146,10 +171,11 @@ class TritonPythonModel:
             self.streams.pop(sequence.id, None)
 
     @staticmethod
-    def _response(text, ids):
+    def _response(text, ids, prompt_tokens):
         return pb_utils.InferenceResponse([
             pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64))])
+            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
+            pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32))])
 
     def _fail_all(self, error):
         held = list(self.engine.running) + list(self.engine.waiting)

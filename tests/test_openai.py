@@ -1,0 +1,121 @@
+"""The OpenAI API on the gateway, served by dstool_lm_llm on a real Triton, checked with the official `openai`
+client (sync, async, streaming) and a raw HTTP request, against transformers' greedy text."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import json
+
+import pytest
+
+from gatewaylib import GatewayProcess
+
+TOKEN = "sk-dstool-test"
+
+
+@pytest.fixture(scope="module")
+def api(server, session_tmp):
+    gw = GatewayProcess(session_tmp / "gateway-openai.log",
+                        config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
+                                "cache": "memory", "token": TOKEN})
+    yield gw
+    gw.stop()
+
+
+def _greedy(trained, prompt: str, new_tokens: int) -> tuple[str, int, list[int]]:
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        out = AutoModelForCausalLM.from_pretrained(trained).eval().generate(
+            ids, max_new_tokens=new_tokens, do_sample=False)[0, ids.shape[1]:]
+    return tokenizer.decode(out, skip_special_tokens=True), ids.shape[1], out.tolist()
+
+
+def _client(api, key: str = TOKEN):
+    import openai
+
+    return openai.OpenAI(base_url=f"http://{api.http_url}/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def test_models_and_a_greedy_completion(api, trained):
+    client = _client(api)
+    assert "dstool_lm" in [m.id for m in client.models.list().data]
+    prompt = "ROMEO:\nBut soft, what light"
+    text, prompt_tokens, ids = _greedy(trained, prompt, 12)
+    answer = client.completions.create(model="dstool_lm", prompt=prompt, max_tokens=12, temperature=0)
+    assert answer.choices[0].text == text and answer.object == "text_completion"
+    assert answer.usage.prompt_tokens == prompt_tokens and answer.usage.completion_tokens == len(ids)
+    assert answer.choices[0].finish_reason == ("length" if len(ids) == 12 else "stop")
+
+
+def test_a_streamed_chat_completion(api, trained):
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    messages = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Where art thou?"}]
+    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
+        if tokenizer.chat_template else "system: You are Juliet.\nuser: Where art thou?\nassistant:"
+    text, prompt_tokens, ids = _greedy(trained, prompt, 10)
+    chunks = list(_client(api).chat.completions.create(model="dstool_lm", messages=messages, max_tokens=10,
+                                                       temperature=0, stream=True,
+                                                       stream_options={"include_usage": True}))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    pieces = [c.choices[0].delta.content for c in chunks if c.choices and c.choices[0].delta.content]
+    assert "".join(pieces) == text and len(pieces) > 1  # token by token
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("length", "stop")
+    assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == len(ids)
+
+
+def test_async_client_seeds_n_and_stop_strings(api, trained):
+    import openai
+
+    prompt = "KING RICHARD:\nNow is the winter"
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=f"http://{api.http_url}/v1", api_key=TOKEN, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(client.completions.create(
+                model="dstool_lm", prompt=prompt, max_tokens=12, temperature=1.0, seed=3, n=2) for _ in range(2)))
+        finally:
+            await client.close()
+
+    first, second = asyncio.run(run())
+    assert [c.text for c in first.choices] == [c.text for c in second.choices]  # seeded: the same draws
+    assert [c.index for c in first.choices] == [0, 1] and first.usage.completion_tokens >= 2
+
+    text, _, _ = _greedy(trained, prompt, 16)
+    stop = text.strip()[len(text.strip()) // 2:][:3]
+    assert stop, text
+    cut = _client(api).completions.create(model="dstool_lm", prompt=prompt, max_tokens=16, temperature=0,
+                                          stop=["never in this text", stop])
+    assert cut.choices[0].text == text[:text.find(stop)] and cut.choices[0].finish_reason == "stop"
+
+
+def test_errors_in_openais_form(api):
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="does not exist"):
+        _client(api).completions.create(model="no_such_model", prompt="x", max_tokens=2)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
+        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="top_p must be"):
+        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, top_p=0)
+    with pytest.raises(openai.AuthenticationError):
+        _client(api, key="wrong").models.list()
+
+
+def test_raw_sse_ends_with_done(api):
+    body = json.dumps({"model": "dstool_lm", "prompt": "JULIET:\n", "max_tokens": 5, "temperature": 0,
+                       "stream": True})
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=60)
+    conn.request("POST", "/v1/completions", body, {"Authorization": f"Bearer {TOKEN}",
+                                                    "Content-Type": "application/json"})
+    r = conn.getresponse()
+    events = [line for line in r.read().decode().split("\n\n") if line]
+    conn.close()
+    assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
