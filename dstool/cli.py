@@ -101,9 +101,18 @@ def _gateway(cfg) -> int:
 def _infer(cfg) -> int:
     from dstool.serve import client
 
+    if cfg.prompt is not None and (cfg.stream or cfg.openai):
+        pieces = client.openai_text(cfg.address, cfg.model, cfg.prompt, cfg.max_new_tokens, cfg.sampling(),
+                                    cfg.stream) if cfg.openai else \
+            client.stream_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens, cfg.sampling())
+        print(cfg.prompt, end="", flush=True)
+        for piece in pieces:
+            print(piece, end="", flush=True)
+        print()
+        return 0
     if cfg.prompt is not None:
         text, _ = client.generate_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens,
-                                       cfg.kv_cache)
+                                       cfg.kv_cache, cfg.sampling())
         print(cfg.prompt + text)
         return 0
     logits = client.infer_ids(cfg.address, cfg.protocol, cfg.model, cfg.token_ids())

@@ -240,6 +240,16 @@ class InferConfig(CommandConfig):
     url: str | None = Field(None, description="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
     protocol: Literal["http", "grpc"] = "http"
     model: str = Field("dstool_lm", description="the model family's name in the repository")
+    stream: bool = Field(False, description="print the text token by token as MODEL_llm generates it")
+    openai: bool = Field(False, description="ask the gateway's OpenAI route (/v1/completions; HTTP port)")
+    temperature: float | None = Field(None, ge=0, le=100, description="sample at this temperature (0: greedy)")
+    top_k: int | None = Field(None, ge=0, description="sample from the k most likely tokens")
+    top_p: float | None = Field(None, gt=0, le=1, description="sample from the smallest set this likely")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below this share of the most likely")
+    repetition_penalty: float | None = Field(None, gt=0, description="penalize tokens already in prompt or output")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's presence penalty")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's frequency penalty")
+    seed: int | None = Field(None, ge=0, description="the same seed, the same sampled text")
 
     @field_validator("ids")
     @classmethod
@@ -252,7 +262,17 @@ class InferConfig(CommandConfig):
     def _one_input(self) -> InferConfig:
         if (self.prompt is None) == (self.ids is None):
             raise ValueError("give a PROMPT to generate from, or --ids for the tensor model (one of the two)")
+        if self.ids is not None and (self.stream or self.openai or self.sampling()):
+            raise ValueError("--stream, --openai and sampling options generate text: give a PROMPT, not --ids")
+        if self.openai and self.protocol != "http":
+            raise ValueError("--openai speaks HTTP to the gateway: drop --protocol grpc")
         return self
+
+    def sampling(self) -> dict:
+        """The sampling options given, as the models' request parameters."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
     def token_ids(self) -> list[int]:
         return [int(x) for x in (self.ids or "").split(",") if x.strip()]

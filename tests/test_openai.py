@@ -119,3 +119,17 @@ def test_raw_sse_ends_with_done(api):
     conn.close()
     assert r.status == 200 and r.getheader("Content-Type") == "text/event-stream"
     assert events[-1] == "data: [DONE]" and all(e.startswith("data: {") for e in events[:-1])
+
+
+def test_dstool_infer_over_the_openai_route(api, trained, monkeypatch):
+    from conftest import dstool
+
+    prompt = "JULIET:\nO Romeo"
+    text, _, _ = _greedy(trained, prompt, 10)
+    monkeypatch.setenv("DSTOOL_GATEWAY_TOKEN", TOKEN)
+    for extra in ([], ["--stream"]):
+        proc = dstool("infer", prompt, "--openai", "--max-new-tokens", "10", "--url", api.http_url, *extra)
+        assert proc.stdout == prompt + text + "\n", proc.stderr
+    monkeypatch.setenv("DSTOOL_GATEWAY_TOKEN", "wrong")
+    bad = dstool("infer", prompt, "--openai", "--url", api.http_url, check=False)
+    assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "401" in bad.stderr, bad.stderr

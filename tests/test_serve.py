@@ -463,6 +463,19 @@ def test_llm_model_streams_tokens_and_batches_continuously(server, trained):
     assert [e["output_ids"] for e in events] == expected[1][1]
 
 
+def test_infer_streams_and_samples_from_the_cli(server, trained):
+    prompt = "ROMEO:\nBut soft, what light"
+    text, _ = _torch_greedy(trained, prompt, 12)
+    for protocol, url in (("grpc", server.grpc_url), ("http", server.http_url)):
+        proc = dstool("infer", prompt, "--stream", "--max-new-tokens", "12", "--url", url, "--protocol", protocol)
+        assert proc.stdout == prompt + text + "\n" and not proc.stderr, proc.stderr
+    sampled = [dstool("infer", prompt, "--max-new-tokens", "12", "--temperature", "1.2", "--seed", "9", "--url",
+                      server.http_url, *extra).stdout for extra in ([], [], ["--stream"])]
+    assert sampled[0] == sampled[1] == sampled[2] != prompt + text + "\n"  # MODEL_generate and MODEL_llm alike
+    bad = dstool("infer", "--ids", "1,2", "--stream", "--url", server.http_url, check=False)
+    assert bad.returncode == 2 and "give a PROMPT" in bad.stderr
+
+
 def test_bad_generation_requests_are_one_line_errors(server):
     proc = dstool("infer", "x", "--max-new-tokens", "5000", "--url", server.http_url, check=False)
     assert proc.returncode == 2 and "exceed the model's 1024 positions" in proc.stderr

@@ -79,6 +79,10 @@ class TritonPythonModel:
             self.stopping = True
             self.wake.notify()
         self.thread.join(30)
+        for out in self.streams.values():  # unloading: what is still generating ends here, said so
+            out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("the model is being unloaded")),
+                            flags=FINAL)
+        self.streams.clear()
 
     def _text(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -142,8 +146,8 @@ class TritonPythonModel:
             for sequence in incoming:
                 self.engine.add(sequence)
             for sequence in [s for s in self.engine.running if self.streams[s.id].sender.is_cancelled()]:
-                self.engine.cancel(sequence.id)
-                self.streams.pop(sequence.id, None)
+                self.engine.cancel(sequence.id)  # its client has gone; Triton still waits for the final flag
+                self.streams.pop(sequence.id).sender.send(flags=FINAL)
             try:
                 produced = self.engine.step()
             except Exception as e:  # the engine failed: every sequence it holds gets the error, the loop goes on
