@@ -131,6 +131,9 @@ def _sse(url: str, path: str, body: dict, headers: dict) -> Iterator[dict]:
         yield answer
     except (ConnectionError, OSError) as e:
         raise UsageError(f"nothing answers at {url} ({e}): start one with `dstool serve`") from None
+    except (http.client.HTTPException, json.JSONDecodeError):
+        raise UsageError(f"{url} does not answer HTTP as Triton or the gateway does: give the HTTP port "
+                         "(--url HOST:PORT)") from None
     finally:
         conn.close()
 

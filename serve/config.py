@@ -235,7 +235,8 @@ class InferConfig(CommandConfig):
 
     prompt: str | None = positional("text to continue", default=None)
     ids: str | None = Field(None, description="comma-separated token ids for the tensor model (instead of PROMPT)")
-    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the model's, 32)")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the model's, 32; "
+                                       "with --openai, OpenAI's 16)")
     kv_cache: bool = Field(True, description="decode with the key/value cache")
     url: str | None = Field(None, description="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
     protocol: Literal["http", "grpc"] = "http"

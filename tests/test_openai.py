@@ -133,3 +133,5 @@ def test_dstool_infer_over_the_openai_route(api, trained, monkeypatch):
     monkeypatch.setenv("DSTOOL_GATEWAY_TOKEN", "wrong")
     bad = dstool("infer", prompt, "--openai", "--url", api.http_url, check=False)
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "401" in bad.stderr, bad.stderr
+    grpc_port = dstool("infer", prompt, "--openai", "--url", api.grpc_url, check=False)  # not HTTP
+    assert grpc_port.returncode == 2 and "give the HTTP port" in grpc_port.stderr, grpc_port.stderr
