@@ -28,6 +28,8 @@ API_GATEWAY = ("import json, sys; from dstool import log; from dstool.serve.gate
 # name -> (python file, [(input, type, dims, optional)], [(output, type, dims)], decoupled)
 TEST_MODELS = {
     "echo_fp32": ("echo.py", [("INPUT0", mc.TYPE_FP32, [-1], False)], [("INPUT0_OUT", mc.TYPE_FP32, [-1])], False),
+    "echo_joined": ("echo.py", [("INPUT0", mc.TYPE_FP32, [-1], False)], [("INPUT0_OUT", mc.TYPE_FP32, [-1])],
+                    False),  # used by one test only: its inference count is that test's own
     "echo_int32": ("echo.py", [("INPUT0", mc.TYPE_INT32, [-1], False)], [("INPUT0_OUT", mc.TYPE_INT32, [-1])], False),
     "echo_bytes": ("echo.py", [("INPUT0", mc.TYPE_STRING, [-1], False)], [("INPUT0_OUT", mc.TYPE_STRING, [-1])], False),
     "echo_pair": ("echo.py", [("INPUT0", mc.TYPE_FP32, [-1], False), ("INPUT1", mc.TYPE_INT64, [-1], False)],

@@ -44,11 +44,11 @@ def test_a_cancelled_miss_does_not_hang_the_requests_that_joined_it(gateway, gat
     async def run():
         g, h = grpc_aio.InferenceServerClient(gateway.grpc_url), http_aio.InferenceServerClient(gateway.http_url)
         try:
-            first = asyncio.ensure_future(g.infer("echo_fp32", _fp32_inputs(grpc_aio, values), client_timeout=0.5,
+            first = asyncio.ensure_future(g.infer("echo_joined", _fp32_inputs(grpc_aio, values), client_timeout=0.5,
                                                   parameters=parameters))
             await asyncio.sleep(0.15)
             started = time.monotonic()
-            joiner = await asyncio.wait_for(h.infer("echo_fp32", _fp32_inputs(http_aio, values),
+            joiner = await asyncio.wait_for(h.infer("echo_joined", _fp32_inputs(http_aio, values),
                                                     parameters=parameters), 10)
             with pytest.raises(InferenceServerException, match="Deadline"):
                 await first
@@ -64,7 +64,7 @@ def test_a_cancelled_miss_does_not_hang_the_requests_that_joined_it(gateway, gat
         while True:
             time.sleep(0.2)
             counts.append(sum(int(m["inference_count"]) for m in
-                              stats.get_inference_statistics("echo_fp32")["model_stats"]))
+                              stats.get_inference_statistics("echo_joined")["model_stats"]))
             if counts[-1] == counts[-2]:
                 return counts[-1]
 
