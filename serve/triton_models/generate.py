@@ -66,17 +66,10 @@ class TritonPythonModel:
         prompt = self._infer(self.models["tokenizer"], {"text_input": text.astype(np.object_)}, ["input_ids"])[0]
         if prompt.size == 0:
             raise RequestError("text_input is empty: send at least one token of text")
-        limit = pb_utils.get_input_tensor_by_name(request, "max_new_tokens")
-        new_tokens = int(limit.as_numpy().reshape(-1)[0]) if limit is not None else self.default_new_tokens
-        if new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be at least 1, got {new_tokens}")
-        if prompt.size + new_tokens > self.max_positions:
-            raise RequestError(f"prompt ({prompt.size} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
-                               f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
         try:
-            sampler, stop_ids = request_choices(request.parameters(), stop.as_numpy() if stop is not None else None,
-                                                self.eos)
+            new_tokens, sampler, stop_ids = request_choices(
+                request.parameters(), prompt.size, _values(request, "max_new_tokens"), self.default_new_tokens,
+                self.max_positions, _values(request, "stop_token_ids"), self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
         return prompt.reshape(-1).tolist(), Job(new_tokens, sampler, stop_ids)
@@ -152,6 +145,12 @@ class Job:
 
     def __init__(self, max_new_tokens, sampler, stop_ids):
         self.max_new_tokens, self.sampler, self.stop_ids = max_new_tokens, sampler, stop_ids
+
+
+def _values(request, name):
+    """An optional input's values, or None."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return tensor.as_numpy() if tensor is not None else None
 
 
 def _right_padded(sequences):

@@ -118,21 +118,15 @@ class TritonPythonModel:
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
-        limit = pb_utils.get_input_tensor_by_name(request, "max_new_tokens")
-        new_tokens = int(limit.as_numpy().reshape(-1)[0]) if limit is not None else self.default_new_tokens
-        if new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be at least 1, got {new_tokens}")
-        if len(ids) + new_tokens > min(self.max_positions, self.engine.max_cache_tokens or self.max_positions):
-            raise RequestError(f"prompt ({len(ids)} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
-                               f"{self.max_positions} positions: shorten the prompt or ask for fewer tokens")
-        stop = pb_utils.get_input_tensor_by_name(request, "stop_token_ids")
+        positions = min(self.max_positions, self.engine.max_cache_tokens or self.max_positions)
         try:
-            sampler, stop_ids = request_choices(request.parameters(), stop.as_numpy() if stop is not None else None,
-                                                self.eos)
+            new_tokens, sampler, stop_ids = request_choices(
+                request.parameters(), len(ids), _values(request, "max_new_tokens"), self.default_new_tokens,
+                positions, _values(request, "stop_token_ids"), self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        flag = pb_utils.get_input_tensor_by_name(request, "stream")
-        stream = bool(flag.as_numpy().reshape(-1)[0]) if flag is not None else False
+        flag = _values(request, "stream")
+        stream = bool(flag.reshape(-1)[0]) if flag is not None else False
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream
 
     def _loop(self):
@@ -189,3 +183,9 @@ class TritonPythonModel:
             if out is not None:
                 out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     f"generation failed: {type(error).__name__}: {error}")), flags=FINAL)
+
+
+def _values(request, name):
+    """An optional input's values, or None."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return tensor.as_numpy() if tensor is not None else None

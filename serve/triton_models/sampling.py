@@ -131,12 +131,21 @@ class Sampler:
         return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
 
 
-def request_choices(parameters: str, stop_token_ids: np.ndarray | None, eos: set[int]) -> tuple[Sampler, set[int]]:
-    """A request's sampler, from its parameters (the JSON text Triton gives), and where it stops: the model's
-    end-of-sequence ids and the request's stop_token_ids. SamplingError names a bad value."""
+def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndarray | None, default_new_tokens: int,
+                    max_positions: int, stop_token_ids: np.ndarray | None,
+                    eos: set[int]) -> tuple[int, Sampler, set[int]]:
+    """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
+    prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
+    and where it stops (the model's end-of-sequence ids and its stop_token_ids). SamplingError names a mistake."""
+    new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
+    if new_tokens < 1:
+        raise SamplingError(f"max_new_tokens must be at least 1, got {new_tokens}")
+    if prompt_tokens + new_tokens > max_positions:
+        raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
+                            f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
     sampler = Sampler(SamplingParams.from_parameters(json.loads(parameters or "{}")))
     stops = set(eos) if stop_token_ids is None else set(eos) | set(np.asarray(stop_token_ids).reshape(-1).tolist())
-    return sampler, stops
+    return new_tokens, sampler, stops
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:
