@@ -13,7 +13,6 @@ weights) is exported first. Greedy, 25-token prompts, medians of interleaved rou
 from __future__ import annotations
 
 import argparse
-import json
 import subprocess
 import sys
 import tempfile
@@ -40,6 +39,7 @@ def prepare(a, work: Path) -> Path:
 def main() -> int:
     import onnxruntime as ort
 
+    from dstool.serve.repository import cache_shapes
     from dstool.serve.triton_models.engine import Engine, Sequence
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
@@ -55,9 +55,7 @@ def main() -> int:
         version = max((d for d in (repo / f"{name}_decoder").iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
         opts = ort.SessionOptions()
         session = ort.InferenceSession(str(version / "model.onnx"), opts, providers=["CPUExecutionProvider"])
-        config = (repo / f"{name}_generate" / "config.pbtxt").read_text()
-        shapes = {k: tuple(v) for k, v in json.loads(json.loads(
-            config.split('key: "empty_cache"')[1].split("string_value: ")[1].split("\n")[0])).items()}
+        shapes = cache_shapes(repo / f"{name}_generate" / "config.pbtxt")
         rng = np.random.default_rng(0)
         prompts = [rng.integers(5, 4000, 25).tolist() for _ in range(16)]
 

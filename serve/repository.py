@@ -132,6 +132,13 @@ def text_model_config(role: str, name: str, s: RepositorySettings, parameters: d
     return cfg
 
 
+def cache_shapes(config_path: Path) -> dict[str, tuple[int, int]]:
+    """The decoder's cache inputs -> (kv_heads, head_dim), as a generation model's config records them (what the
+    generation engine needs to lay out an empty cache)."""
+    return {k: tuple(v) for k, v in
+            json.loads(read_config(config_path).parameters["empty_cache"].string_value).items()}
+
+
 def check_against_graph(cfg: mc.ModelConfig, onnx_path: Path, where: str) -> mc.ModelConfig:
     """Names, dtypes and shapes of `cfg`'s inputs and outputs against the ONNX graph; UsageError naming the first
     mismatch."""

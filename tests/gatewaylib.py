@@ -176,6 +176,25 @@ class GatewayProcess:
         return self.proc.returncode
 
 
+def decoded_body(headers: dict, body: bytes):
+    """An HTTP answer's content, to compare two servers' answers: decompressed, then (JSON header, binary rest)
+    for the binary tensor extension, JSON, or the bytes as they are (Triton writes BYTES unchanged, also when
+    they are not UTF-8)."""
+    import zlib
+
+    encoding = headers.get("content-encoding")
+    if encoding:
+        body = zlib.decompress(body, 31 if encoding == "gzip" else 15)
+    length = headers.get("inference-header-content-length")
+    if length is not None:
+        n = int(length)
+        return json.loads(body[:n]), body[n:]
+    try:
+        return json.loads(body)
+    except ValueError:  # UnicodeDecodeError included
+        return body
+
+
 def wait_for(condition, what: str, seconds: float = 10.0) -> None:
     deadline = time.time() + seconds
     while not condition():

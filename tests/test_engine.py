@@ -3,10 +3,9 @@ greedy equal to transformers' greedy, sequences joining and leaving a running ba
 
 from __future__ import annotations
 
-import json
-
 import pytest
 
+from dstool.serve.repository import cache_shapes
 from dstool.serve.triton_models.engine import Engine, Sequence
 from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
@@ -21,10 +20,8 @@ def setup(repo, trained):
 
     session = ort.InferenceSession(str(repo / "dstool_lm_decoder" / "1" / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
-    config = (repo / "dstool_lm_generate" / "config.pbtxt").read_text()
-    empty = json.loads(json.loads(config.split('key: "empty_cache"')[1].split("string_value: ")[1].split("\n")[0]))
     tokenizer = AutoTokenizer.from_pretrained(trained)
-    return session, {k: tuple(v) for k, v in empty.items()}, tokenizer
+    return session, cache_shapes(repo / "dstool_lm_generate" / "config.pbtxt"), tokenizer
 
 
 def _greedy(trained, prompt_ids: list[int], new_tokens: int) -> list[int]:

@@ -16,7 +16,7 @@ import time
 import numpy as np
 import pytest
 
-from gatewaylib import GatewayProcess, wait_for
+from gatewaylib import GatewayProcess, decoded_body, wait_for
 
 
 def _fp32_inputs(module, values, binary: bool = True):
@@ -628,22 +628,6 @@ PARITY = [
 ]
 
 
-def _decoded(headers: dict, body: bytes):
-    import zlib
-
-    encoding = headers.get("content-encoding")
-    if encoding:
-        body = zlib.decompress(body, 31 if encoding == "gzip" else 15)
-    length = headers.get("inference-header-content-length")
-    if length is not None:
-        n = int(length)
-        return json.loads(body[:n]), body[n:]
-    try:
-        return json.loads(body)
-    except (ValueError, UnicodeDecodeError):
-        return body  # Triton writes BYTES as they are, also when they are not UTF-8: compared byte for byte
-
-
 @pytest.mark.parametrize("case,method,path,body,headers,kind", PARITY, ids=[p[0] for p in PARITY])
 def test_the_gateway_answers_as_triton_does(parity_gateway, gateway_server, case, method, path, body, headers, kind):
     direct = _http(gateway_server.http_port, method, path, body, headers)
@@ -658,10 +642,10 @@ def test_the_gateway_answers_as_triton_does(parity_gateway, gateway_server, case
         assert (direct[1]["content-type"], through[1]["content-type"]) == ("text/plain", "application/json")
     else:
         assert through[1].get("content-type", "").split(";")[0] == direct[1].get("content-type", "").split(";")[0]
-    assert _decoded(*through[1:]) == _decoded(*direct[1:]), (direct, through)
+    assert decoded_body(*through[1:]) == decoded_body(*direct[1:]), (direct, through)
     if case != "an Upgrade request":  # twice: the second answer may come from the cache
-        assert _decoded(*_http(parity_gateway.http_port, method, path, body, headers)[1:]) == \
-            _decoded(*direct[1:])
+        assert decoded_body(*_http(parity_gateway.http_port, method, path, body, headers)[1:]) == \
+            decoded_body(*direct[1:])
 
 
 def test_forwarded_headers_reach_the_model_and_separate_cache_entries(parity_gateway, gateway_server):
