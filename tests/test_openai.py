@@ -135,3 +135,22 @@ def test_dstool_infer_over_the_openai_route(api, trained, monkeypatch):
     assert bad.returncode == 2 and len(bad.stderr.strip().splitlines()) == 1 and "401" in bad.stderr, bad.stderr
     grpc_port = dstool("infer", prompt, "--openai", "--url", api.grpc_url, check=False)  # not HTTP
     assert grpc_port.returncode == 2 and "give the HTTP port" in grpc_port.stderr, grpc_port.stderr
+
+
+@pytest.mark.parametrize("path, body, status, needle", [
+    ("/v1/completions", b"{not json", 400, "the body is not JSON"),
+    ("/v1/completions", b"[1, 2]", 400, "must be a JSON object"),
+    ("/v1/completions", b'{"prompt": "x"}', 400, "'model' is required"),
+    ("/v1/completions", b'{"model": "dstool_lm", "prompt": 5}', 400, "'prompt' must be a string"),
+    ("/v1/completions", b'{"model": "dstool_lm", "prompt": "x", "max_tokens": 0}', 400, "'max_tokens'"),
+    ("/v1/completions", b'{"model": "dstool_lm", "prompt": "x", "n": 99}', 400, "'n' must be"),
+    ("/v1/completions", b'{"model": "dstool_lm", "prompt": "x", "stop": [1]}', 400, "'stop' must be"),
+    ("/v1/chat/completions", b'{"model": "dstool_lm", "messages": []}', 400, "'messages' must be"),
+    ("/v1/embeddings", b"{}", 404, "no route")])
+def test_bad_openai_requests_get_openai_errors(api, path, body, status, needle):
+    conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=30)
+    conn.request("POST", path, body, {"Authorization": f"Bearer {TOKEN}", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    answer = json.loads(r.read())
+    conn.close()
+    assert r.status == status and needle in answer["error"]["message"] and "type" in answer["error"], answer
