@@ -440,7 +440,10 @@ class HttpFrontend:
         self.draining = False
         from dstool.serve.gateway.openai import OpenAIFrontend  # it builds on this module's types
 
-        self.openai = OpenAIFrontend(core.upstreams)
+        from dstool.serve.gateway.generation import GenerationCache
+
+        self.generation = GenerationCache(core)
+        self.openai = OpenAIFrontend(core.upstreams, self.generation)
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:
         """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes)."""
@@ -461,7 +464,33 @@ class HttpFrontend:
                                                       and parts[5].isdigit())):
             model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
             return self.infer(req, model, parts[5] if len(parts) == 7 else "")
+        if req.method == "POST" and parts[-1] in ("generate", "generate_stream") and len(parts) in (5, 7) \
+                and parts[1:3] == ["v2", "models"] and parts[3] and "content-encoding" not in req.headers \
+                and (len(parts) == 5 or (parts[4] == "versions" and parts[5].isascii() and parts[5].isdigit())):
+            model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
+            return self.generate(req, model, parts[5] if len(parts) == 7 else "", parts[-1])
         return self.relay(req)
+
+    async def generate(self, req: HttpRequest, model: str, version: str, route: str) -> Response:
+        """Triton's generate extension through the generation cache (generation.py)."""
+        started = time.perf_counter()
+        cache_control = req.headers.get("cache-control", "")
+        headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
+        keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
+        try:
+            g = await self.generation.open(model, version, route, req.body, headers, keyed,
+                                           opt_out="no-store" in cache_control or "no-cache" in cache_control)
+        except (UpstreamUnavailable, UpstreamTimeout) as e:
+            self.metrics.error("upstream")
+            return error_response(503, str(e))
+        outcome = g.outcome if g.status == 200 else "error"
+        self.metrics.observe(model, "http", outcome, time.perf_counter() - started)
+        if route == "generate" or g.status != 200:
+            body = b"".join([e async for e in g.events])
+            if g.status >= 400 and not body:
+                return error_response(g.status, error_message(g.status, body))
+            return HttpResponse(g.status, [body], g.headers)
+        return StreamingResponse(g.status, g.headers, _sse(g.events))
 
     def infer(self, req: HttpRequest, model: str, version: str):
         started = time.perf_counter()
@@ -564,6 +593,11 @@ class HttpFrontend:
         if r.status >= 400 and not body:
             return error_response(r.status, error_message(r.status, body))
         return HttpResponse(r.status, [body], passed)
+
+
+async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async for event in events:
+        yield event + b"\n\n"
 
 
 _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)

@@ -53,17 +53,19 @@ def key_fingerprint(key: str) -> str:
 
 
 def never_cached(request: InferRequest) -> bool:
-    """A request whose answer is not a function of the request: part of a sequence, or a draw (sampling without
-    a seed: temperature > 0, or top_k/top_p/min_p with no temperature — the generation model's rule)."""
-    p = request.parameters
-    if is_sequence_request(request):
-        return True
-    if p.get("seed") is not None:
+    """A request whose answer is not a function of the request: part of a sequence, or a draw."""
+    return is_sequence_request(request) or is_draw(request.parameters)
+
+
+def is_draw(parameters: dict) -> bool:
+    """Sampling without a seed: temperature > 0, or top_k/top_p/min_p with no temperature (the generation
+    models' rule, serve/triton_models/sampling.py)."""
+    if parameters.get("seed") is not None:
         return False
-    if "temperature" in p:
-        t = p["temperature"]
+    if "temperature" in parameters:
+        t = parameters["temperature"]
         return isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
-    return any(k in p for k in SAMPLING_PARAMETERS)
+    return any(k in parameters for k in SAMPLING_PARAMETERS)
 
 
 def is_sequence_request(request: InferRequest) -> bool:

@@ -12,12 +12,14 @@ when set, is the API key.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
 
 import orjson
 
+from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
@@ -67,8 +69,9 @@ class Choice:
 
 
 class OpenAIFrontend:
-    def __init__(self, upstreams, default_max_tokens: int = 16):
+    def __init__(self, upstreams, generation: GenerationCache, default_max_tokens: int = 16):
         self.upstreams = upstreams
+        self.generation = generation
         self.default_max_tokens = default_max_tokens
 
     async def handle(self, req: HttpRequest):
@@ -147,7 +150,9 @@ class OpenAIFrontend:
         model, fields, max_tokens, n, stops, stream, options = self._request(req, chat)
         choices = [Choice(i, stops) for i in range(n)]
         events: asyncio.Queue = asyncio.Queue()
-        tasks = [asyncio.ensure_future(self._run(model, fields, c, events)) for c in choices]
+        cache_control = req.headers.get("cache-control", "")
+        opt_out = "no-store" in cache_control or "no-cache" in cache_control
+        tasks = [asyncio.ensure_future(self._run(model, fields, c, events, opt_out)) for c in choices]
         first = await events.get()  # the first event, or an error before anything was generated
         if isinstance(first, OpenAIError):
             for t in tasks:
@@ -228,30 +233,27 @@ class OpenAIFrontend:
             for t in tasks:
                 t.cancel()
 
-    async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue) -> None:
+    async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool) -> None:
         """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None)."""
         fields = dict(fields)
         if "seed" in fields and choice.index:
             fields["seed"] = fields["seed"] + choice.index if isinstance(fields["seed"], int) else fields["seed"]
-        path = f"/v2/models/{model}_llm/generate_stream"
         try:
-            r = await self.upstreams.open("POST", path, orjson.dumps(fields), (("Content-Type", "application/json"),))
-            if not r.streaming:
-                body = await r.read()
-                raise _upstream_error(r.status, body, model)
-            buffer = b""
-            async for part in r.chunks():
-                buffer += part
-                while b"\n\n" in buffer:
-                    line, buffer = buffer.split(b"\n\n", 1)
-                    if not line.startswith(b"data: "):
+            g = await self.generation.open(f"{model}_llm", "", "generate_stream", orjson.dumps(fields),
+                                           opt_out=opt_out)
+            if g.status != 200:
+                body = b"".join([e async for e in g.events])
+                raise _upstream_error(g.status, body, model)
+            async with contextlib.aclosing(g.events) as stream:
+                async for event in stream:
+                    d = data(event)
+                    if d is None:
                         continue
-                    data = orjson.loads(line[len(b"data: "):])
-                    if "error" in data:
-                        raise _upstream_error(400, orjson.dumps(data), model)
+                    if "error" in d:
+                        raise _upstream_error(400, orjson.dumps(d), model)
                     choice.tokens += 1
-                    choice.prompt_tokens = int(data.get("prompt_tokens", 0))
-                    text = choice.add(data.get("text_output", ""))
+                    choice.prompt_tokens = int(d.get("prompt_tokens", 0))
+                    text = choice.add(d.get("text_output", ""))
                     await events.put((choice, text))
                     if choice.finish_reason == "stop":  # a stop string: the rest is not wanted
                         await events.put((choice, None))
