@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
-from collections.abc import AsyncIterator
+from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
 import orjson
@@ -35,7 +35,7 @@ class Generation:
 
     status: int
     headers: list[tuple[str, str]]
-    events: AsyncIterator[bytes]
+    events: AsyncGenerator[bytes, None]
     outcome: str  # hit, miss or bypass
 
 
@@ -88,7 +88,7 @@ class GenerationCache:
             return Generation(r.status, passed, _one(whole), "miss" if key else "bypass")
         return Generation(r.status, passed, self._relay(r, key, served, model, passed), "miss" if key else "bypass")
 
-    async def _relay(self, r, key: str | None, served: str, model: str, headers) -> AsyncIterator[bytes]:
+    async def _relay(self, r, key: str | None, served: str, model: str, headers) -> AsyncGenerator[bytes, None]:
         """Triton's events as they come; a complete, error-free stream within the size bound is kept."""
         recorded: list[bytes] | None = [] if key is not None else None
         size, limit = 0, self.core.cache.max_entry_bytes
@@ -131,10 +131,10 @@ def _json(body: bytes) -> dict | None:
     return value if isinstance(value, dict) else None
 
 
-async def _one(body: bytes) -> AsyncIterator[bytes]:
+async def _one(body: bytes) -> AsyncGenerator[bytes, None]:
     yield body
 
 
-async def _replay(result: InferResult) -> AsyncIterator[bytes]:
+async def _replay(result: InferResult) -> AsyncGenerator[bytes, None]:
     for t in result.outputs:
         yield t.raw

@@ -438,9 +438,8 @@ class HttpFrontend:
         self.connections: set[HttpConnection] = set()
         self.buffered = 0  # request body bytes held by all connections
         self.draining = False
-        from dstool.serve.gateway.openai import OpenAIFrontend  # it builds on this module's types
-
         from dstool.serve.gateway.generation import GenerationCache
+        from dstool.serve.gateway.openai import OpenAIFrontend  # it builds on this module's types
 
         self.generation = GenerationCache(core)
         self.openai = OpenAIFrontend(core.upstreams, self.generation)
