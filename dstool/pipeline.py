@@ -6,6 +6,7 @@ steps, each with a gate (`dstool.steps`):
   export     the int8 output -> Triton repository  gate: every config against Triton's schema and the graphs
   serve      Triton behind the cache gateway       gate: the generation entry point is ready
   infer      prompts over HTTP and gRPC            gate: both protocols return the same text
+  stream     a chat completion, OpenAI route       gate: token by token, and the cached stream the same
   report     compression table, cache hit rate     gate: the repeated prompts were cache hits
   shutdown   SIGTERM (runs whatever failed)        gate: exit code 0
 
@@ -85,6 +86,8 @@ def run_pipeline(cfg: PipelineConfig) -> dict:
         Step("serve", "Triton behind the cache gateway", run.serve),
         Step("infer", f"{len(cfg.prompts)} prompts, each sent over HTTP, then gRPC, then HTTP again", run.infer,
              gate=run.same_text),
+        Step("stream", "a chat completion streamed through the gateway's OpenAI route (the openai client), twice",
+             run.stream, gate=run.streamed),
         Step("report", "compression table and cache hit rate", run.report, gate=run.cache_hits),
         Step("shutdown", "SIGTERM to dstool serve", run.shutdown, gate=lambda code: None if code == 0 else
              f"dstool serve exited with {code}; see {out / 'serve.log'}", cleanup=True),
@@ -194,6 +197,41 @@ class _Run:
             answers.append({"prompt": prompt, "texts": [text for _, text, _ in calls]})
         self.summary["answers"] = [{"prompt": a["prompt"], "text": a["texts"][0]} for a in answers]
         return answers
+
+    def stream(self) -> list[list[str]]:
+        """The chat completion's pieces as they arrive, twice (computed, then replayed from the cache); shown live
+        on a terminal."""
+        import openai
+
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.cfg.http_port}/v1", api_key="dstool",
+                               max_retries=0, timeout=120)
+        messages: list = [{"role": "user", "content": "Speak, Juliet."}]
+        runs, times = [], []
+        live = sys.stdout.isatty()
+        for attempt in range(2):
+            pieces, started = [], time.perf_counter()
+            chunks = client.chat.completions.create(model="dstool_lm", messages=messages, temperature=0,
+                                                    max_tokens=self.cfg.max_new_tokens, stream=True)
+            for chunk in chunks:
+                if chunk.choices and chunk.choices[0].delta.content:
+                    pieces.append(chunk.choices[0].delta.content)
+                    if live and attempt == 0:
+                        sys.stdout.write(("    " if len(pieces) == 1 else "") + pieces[-1].replace("\n", " "))
+                        sys.stdout.flush()
+            if live and attempt == 0:
+                sys.stdout.write("\r\033[K")
+            runs.append(pieces)
+            times.append((time.perf_counter() - started) * 1e3)
+        log.info(f"{messages[0]['content']!r} -> {''.join(runs[0])!r}  ({len(runs[0])} pieces in {times[0]:.0f} ms; "
+                 f"again from the cache: {times[1]:.0f} ms)")
+        self.summary["stream"] = {"messages": messages, "pieces": runs[0]}
+        return runs
+
+    @staticmethod
+    def streamed(runs) -> str | None:
+        if len(runs[0]) < 2:
+            return f"the answer came in {len(runs[0])} piece(s), not token by token"
+        return None if runs[0] == runs[1] else "the cached stream differs from the computed one"
 
     @staticmethod
     def same_text(answers) -> str | None:

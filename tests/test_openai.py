@@ -58,7 +58,7 @@ def test_a_streamed_chat_completion(api, trained):
     tokenizer = AutoTokenizer.from_pretrained(trained)
     messages = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Where art thou?"}]
     prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
-        if tokenizer.chat_template else "system: You are Juliet.\nuser: Where art thou?\nassistant:"
+        if tokenizer.chat_template else "SYSTEM:\nYou are Juliet.\n\nUSER:\nWhere art thou?\n\nASSISTANT:\n"
     text, prompt_tokens, ids = _greedy(trained, prompt, 10)
     chunks = list(_client(api).chat.completions.create(model="dstool_lm", messages=messages, max_tokens=10,
                                                        temperature=0, stream=True,

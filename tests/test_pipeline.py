@@ -43,11 +43,13 @@ def test_pipeline_runs_end_to_end(tmp_path, redis_url):
                   "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
                   timeout=1200)
     out = proc.stdout
-    for step in ("1/7 train", "2/7 compress", "3/7 export", "4/7 serve", "5/7 infer", "6/7 report", "7/7 shutdown"):
+    for step in ("1/8 train", "2/8 compress", "3/8 export", "4/8 serve", "5/8 infer", "6/8 stream", "7/8 report",
+                 "8/8 shutdown"):
         assert f"[pipeline {step}]" in out
     assert "| int8 |" in out and "| prune 0.3 |" in out
-    assert "cache: 6 hits, 3 misses, hit rate 67%" in out  # each of 3 prompts: computed once, then 2 hits
-    assert out.count("' -> '") == 3 and "[pipeline] done" in out
+    # each of 3 prompts: computed once, then 2 hits; the streamed chat: computed, then a hit
+    assert "cache: 7 hits, 4 misses, hit rate 64%" in out
+    assert out.count("' -> '") == 4 and "[pipeline] done" in out
     assert (tmp_path / "repo" / "dstool_lm_generate" / "1" / "model.py").is_file()
     # One voice: the step lines and their results (indented), nothing from other libraries; they are in the log.
     assert proc.stderr == "", proc.stderr
@@ -56,7 +58,8 @@ def test_pipeline_runs_end_to_end(tmp_path, redis_url):
     log = (tmp_path / "run" / "pipeline.log").read_text()
     assert "torch.onnx" in log and "step 20 loss" in (tmp_path / "run" / "train" / "logs" / "rank0.log").read_text()
     summary = json.loads((tmp_path / "run" / "pipeline.json").read_text())
-    assert [s["status"] for s in summary["steps"]] == ["passed"] * 7
+    assert [s["status"] for s in summary["steps"]] == ["passed"] * 8
+    assert len(summary["stream"]["pieces"]) > 1  # token by token
 
 
 def test_pipeline_refuses_a_busy_port_before_training(tmp_path):

@@ -104,3 +104,12 @@ def test_sampled_frequencies_follow_the_distribution():
 def test_bad_parameters_are_named(params, needle):
     with pytest.raises(sampling.SamplingError, match=needle):
         sampling.SamplingParams.from_parameters(params)
+
+
+def test_stops_are_eos_and_stop_ids_unless_eos_is_ignored():
+    from dstool.serve.triton_models.sampling import SamplingError, request_choices
+
+    assert request_choices("{}", 3, None, 8, 64, np.array([7, 9]), {2})[2] == {2, 7, 9}
+    assert request_choices('{"ignore_eos": true}', 3, np.array([5]), 8, 64, None, {2})[::2] == (5, set())
+    with pytest.raises(SamplingError, match="ignore_eos must be true or false"):
+        request_choices('{"ignore_eos": 1}', 3, None, 8, 64, None, {2})

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import time
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ import orjson
 
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, served_version
 from dstool.serve.gateway.keys import PREFIX, is_draw, key_fingerprint
+from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import InferResult, Tensor
 
 ROUTES = ("generate", "generate_stream")
@@ -36,7 +38,6 @@ class Generation:
     status: int
     headers: list[tuple[str, str]]
     events: AsyncGenerator[bytes, None]
-    outcome: str  # hit, miss or bypass
 
 
 def data(event: bytes) -> dict | None:
@@ -45,8 +46,9 @@ def data(event: bytes) -> dict | None:
 
 
 class GenerationCache:
-    def __init__(self, core: GatewayCore):
+    def __init__(self, core: GatewayCore, metrics: Metrics):
         self.core = core
+        self.metrics = metrics
 
     async def key(self, model: str, version: str, route: str, body: bytes,
                   headers: tuple[tuple[str, str], ...]) -> tuple[str | None, str]:
@@ -70,23 +72,30 @@ class GenerationCache:
 
     async def open(self, model: str, version: str, route: str, body: bytes,
                    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),),
-                   keyed: tuple[tuple[str, str], ...] = (), opt_out: bool = False) -> Generation:
+                   keyed: tuple[tuple[str, str], ...] = (), opt_out: bool = False,
+                   protocol: str = "http") -> Generation:
         """Answer a generate request from the cache or from Triton (recording a cacheable miss); `headers` go to
-        Triton, `keyed` (those Triton passes on to the model) are part of the key."""
+        Triton, `keyed` (those Triton passes on to the model) are part of the key. Counted in the gateway's metrics
+        under `protocol` (the time to the answer's head)."""
+        started = time.perf_counter()
         key, served = (None, "") if opt_out else await self.key(model, version, route, body, keyed)
         if key is not None:
             entry = await self.core.lookup(key)
             if entry is not None:
-                return Generation(200, list(entry.result.parameters["headers"]), _replay(entry.result), "hit")
+                self.metrics.observe(model, protocol, "hit", time.perf_counter() - started,
+                                     sum(len(t.raw) for t in entry.result.outputs))
+                return Generation(200, list(entry.result.parameters["headers"]), _replay(entry.result))
         path = model_path(model) + (f"/versions/{version}" if version else "") + "/" + route
         r = await self.core.upstreams.open("POST", path, body, headers)
         passed = [("Content-Type", r.headers["content-type"])] if "content-type" in r.headers else []
+        outcome = "error" if r.status != 200 else "miss" if key else "bypass"
+        self.metrics.observe(model, protocol, outcome, time.perf_counter() - started)
         if not r.streaming:
             whole = await r.read()
             if key is not None and r.status == 200:
                 self._store(key, served, model, passed, [whole])
-            return Generation(r.status, passed, _one(whole), "miss" if key else "bypass")
-        return Generation(r.status, passed, self._relay(r, key, served, model, passed), "miss" if key else "bypass")
+            return Generation(r.status, passed, _one(whole))
+        return Generation(r.status, passed, self._relay(r, key, served, model, passed))
 
     async def _relay(self, r, key: str | None, served: str, model: str, headers) -> AsyncGenerator[bytes, None]:
         """Triton's events as they come; a complete, error-free stream within the size bound is kept."""

@@ -441,7 +441,7 @@ class HttpFrontend:
         from dstool.serve.gateway.generation import GenerationCache
         from dstool.serve.gateway.openai import OpenAIFrontend  # it builds on this module's types
 
-        self.generation = GenerationCache(core)
+        self.generation = GenerationCache(core, metrics)
         self.openai = OpenAIFrontend(core.upstreams, self.generation)
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:
@@ -472,7 +472,6 @@ class HttpFrontend:
 
     async def generate(self, req: HttpRequest, model: str, version: str, route: str) -> Response:
         """Triton's generate extension through the generation cache (generation.py)."""
-        started = time.perf_counter()
         cache_control = req.headers.get("cache-control", "")
         headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
         keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
@@ -482,8 +481,6 @@ class HttpFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
-        outcome = g.outcome if g.status == 200 else "error"
-        self.metrics.observe(model, "http", outcome, time.perf_counter() - started)
         if route == "generate" or g.status != 200:
             body = b"".join([e async for e in g.events])
             if g.status >= 400 and not body:

@@ -23,7 +23,8 @@ from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty")
+PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+          "ignore_eos")
 # fields this server does not serve yet, with the values that ask for nothing
 UNSUPPORTED: dict[str, tuple] = {
     "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
@@ -240,7 +241,7 @@ class OpenAIFrontend:
             fields["seed"] = fields["seed"] + choice.index if isinstance(fields["seed"], int) else fields["seed"]
         try:
             g = await self.generation.open(f"{model}_llm", "", "generate_stream", orjson.dumps(fields),
-                                           opt_out=opt_out)
+                                           opt_out=opt_out, protocol="openai")
             if g.status != 200:
                 body = b"".join([e async for e in g.events])
                 raise _upstream_error(g.status, body, model)

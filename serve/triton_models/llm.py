@@ -2,8 +2,9 @@
 this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
 
 text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content"}, ...], laid out by the tokenizer's
-chat template, or "ROLE: CONTENT" lines and "assistant:" without one) (+ optional max_new_tokens INT32 [1],
-stop_token_ids INT64 [-1], stream BOOL [1]; sampling as request parameters) -> text_output BYTES [1], output_ids
+chat template, or without one as the corpus lays out a play's speeches: "ROLE:\nCONTENT\n\n" ending in
+"ASSISTANT:\n") (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1]; sampling as
+request parameters) -> text_output BYTES [1], output_ids
 INT64 [-1], prompt_tokens INT32 [1]. With `stream` true, one response per token (the text it adds, and its id)
 and the last one marked final; otherwise one response with the whole text and ids.
 Requests join the running batch at the next decoding step, from one engine thread; a request whose client has
@@ -107,7 +108,7 @@ class TritonPythonModel:
                                "content") from None
         if self.tokenizer.chat_template:
             return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return "".join(f"{m['role']}: {m['content']}\n" for m in chat) + "assistant:"
+        return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in chat) + "ASSISTANT:\n"
 
     def _sequence(self, request):
         prompt, messages = self._text(request, "text_input"), self._text(request, "messages")

@@ -136,15 +136,22 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
                     eos: set[int]) -> tuple[int, Sampler, set[int]]:
     """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
     prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
-    and where it stops (the model's end-of-sequence ids and its stop_token_ids). SamplingError names a mistake."""
+    and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids).
+    SamplingError names a mistake."""
     new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
     if new_tokens < 1:
         raise SamplingError(f"max_new_tokens must be at least 1, got {new_tokens}")
     if prompt_tokens + new_tokens > max_positions:
         raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                             f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
-    sampler = Sampler(SamplingParams.from_parameters(json.loads(parameters or "{}")))
-    stops = set(eos) if stop_token_ids is None else set(eos) | set(np.asarray(stop_token_ids).reshape(-1).tolist())
+    params = json.loads(parameters or "{}")
+    sampler = Sampler(SamplingParams.from_parameters(params))
+    ignore_eos = params.get("ignore_eos", False)
+    if not isinstance(ignore_eos, bool):
+        raise SamplingError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+    stops = set() if ignore_eos else set(eos)
+    if stop_token_ids is not None:
+        stops |= set(np.asarray(stop_token_ids).reshape(-1).tolist())
     return new_tokens, sampler, stops
 
 
