@@ -105,7 +105,10 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                        ("max_new_tokens", mc.TYPE_INT32, [1], True), ("stop_token_ids", mc.TYPE_INT64, [-1], True),
                        ("stream", mc.TYPE_BOOL, [1], True)],
             [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1]),
-             ("prompt_tokens", mc.TYPE_INT32, [1])]),
+             ("prompt_tokens", mc.TYPE_INT32, [1]),
+             # with the `logprobs` parameter (K): each token's text and log-probability, and the K most likely
+             ("tokens", mc.TYPE_STRING, [-1]), ("logprobs", mc.TYPE_FP32, [-1]),
+             ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1])]),
 }
 # Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
 BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py"]}

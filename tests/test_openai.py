@@ -100,8 +100,13 @@ def test_errors_in_openais_form(api):
 
     with pytest.raises(openai.NotFoundError, match="does not exist"):
         _client(api).completions.create(model="no_such_model", prompt="x", max_tokens=2)
-    with pytest.raises(openai.BadRequestError, match="'logprobs' is not supported"):
-        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="'logprobs' must be an integer from 0 to 20"):
+        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, logprobs=21)
+    with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
+        _client(api).chat.completions.create(model="dstool_lm", messages=[{"role": "user", "content": "x"}],
+                                             max_tokens=2, top_logprobs=2)
+    with pytest.raises(openai.BadRequestError, match="'echo' is not supported"):
+        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="top_p must be"):
         _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, top_p=0)
     with pytest.raises(openai.AuthenticationError):
@@ -231,3 +236,36 @@ def test_openai_answers_from_the_cache_equal_fresh_ones(api, server):
     client.completions.create(model="dstool_lm", prompt="KING:", max_tokens=6)  # temperature 1, no seed
     client.completions.create(model="dstool_lm", prompt="KING:", max_tokens=6)
     assert _llm_requests(server) == before + 5
+
+
+def test_logprobs_are_the_models_own(api, trained):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    prompt = "ROMEO:\nBut soft"
+    text, _, ids = _greedy(trained, prompt, 6)
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    prompt_ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        logits = AutoModelForCausalLM.from_pretrained(trained).eval()(
+            torch.cat([prompt_ids, torch.tensor([ids])], 1)).logits[0, prompt_ids.shape[1] - 1:-1]
+    expected = torch.log_softmax(logits.double(), -1)
+    answer = _client(api).completions.create(model="dstool_lm", prompt=prompt, max_tokens=6, temperature=0,
+                                             logprobs=3)
+    lp = answer.choices[0].logprobs
+    assert "".join(lp.tokens) == text == answer.choices[0].text and len(lp.tokens) == len(ids)
+    assert lp.token_logprobs == pytest.approx([float(expected[i, t]) for i, t in enumerate(ids)], abs=1e-4)
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(len(ids))]
+    for i, top in enumerate(lp.top_logprobs):  # greedy: the token is the most likely one
+        assert len(top) == 3 and max(top.values()) == pytest.approx(lp.token_logprobs[i], abs=1e-6)
+        assert sorted(top.values(), reverse=True) == pytest.approx(
+            torch.topk(expected[i], 3).values.tolist(), abs=1e-4)
+
+    chunks = list(_client(api).chat.completions.create(
+        model="dstool_lm", messages=[{"role": "user", "content": "Speak."}], max_tokens=5, temperature=0,
+        logprobs=True, top_logprobs=2, stream=True))
+    content = [e for c in chunks if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    pieces = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert len(content) == 5 and "".join(e.token for e in content) == pieces
+    assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
+               and e.bytes == list(e.token.encode()) for e in content)

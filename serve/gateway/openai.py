@@ -16,6 +16,7 @@ import contextlib
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import orjson
 
@@ -27,7 +28,7 @@ PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "prese
           "ignore_eos")
 # fields this server does not serve yet, with the values that ask for nothing
 UNSUPPORTED: dict[str, tuple] = {
-    "logprobs": (None, False, 0), "top_logprobs": (None, 0), "echo": (None, False), "suffix": (None, ""),
+    "echo": (None, False), "suffix": (None, ""),
     "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, [])}
 
 
@@ -42,11 +43,55 @@ class OpenAIError(Exception):
         return HttpResponse(self.status, [orjson.dumps(body)], [("Content-Type", "application/json")])
 
 
+MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit for chat; vLLM's for completions too)
+
+
+@dataclass(slots=True)
+class Ranked:
+    """One generated token's text and log-probability, and the most likely alternatives'."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
+def ranked(event: dict) -> list[Ranked]:
+    """The tokens' log-probabilities in one generate_stream event (Triton writes a one-element tensor as a scalar,
+    and the others flattened)."""
+    if "logprobs" not in event:
+        return []
+    lps, tokens = _listed(event["logprobs"]), _listed(event.get("tokens"))
+    top_tokens, top_lps = _listed(event.get("top_tokens")), _listed(event.get("top_logprobs"))
+    k = len(top_lps) // len(lps) if lps else 0
+    return [Ranked(tokens[i], lps[i], list(zip(top_tokens[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])))
+            for i in range(len(lps))]
+
+
+def _listed(value) -> list:
+    return value if isinstance(value, list) else [] if value is None else [value]
+
+
+def logprobs_field(chat: bool, rows: list[Ranked], offset: int = 0) -> dict:
+    """A choice's `logprobs` as OpenAI writes it: chat's `content` list, or completions' parallel lists
+    (`text_offset` counted from the start of the completion, `offset` being where `rows` begin)."""
+    if chat:
+        return {"content": [{"token": r.token, "logprob": r.logprob, "bytes": list(r.token.encode()),
+                             "top_logprobs": [{"token": t, "logprob": lp, "bytes": list(t.encode())}
+                                              for t, lp in r.top]} for r in rows], "refusal": None}
+    offsets = []
+    for r in rows:
+        offsets.append(offset)
+        offset += len(r.token)
+    return {"tokens": [r.token for r in rows], "token_logprobs": [r.logprob for r in rows],
+            "top_logprobs": [{**dict(r.top), r.token: r.logprob} for r in rows], "text_offset": offsets}
+
+
 class Choice:
-    """One choice's text as it comes from the model, cut at the first stop string."""
+    """One choice's text as it comes from the model, cut at the first stop string, and its tokens' logprobs."""
 
     def __init__(self, index: int, stops: list[str]):
         self.index, self.stops, self.text, self.sent, self.tokens = index, stops, "", 0, 0
+        self.ranked: list[Ranked] = []
         self.prompt_tokens = 0
         self.finish_reason: str | None = None
         self.hold = max((len(s) for s in stops), default=1) - 1  # characters that may begin a stop string
@@ -144,6 +189,19 @@ class OpenAIFrontend:
         fields.update({k: body[k] for k in PASSED[1:] if body.get(k) is not None})
         if body.get("seed") is not None:
             fields["seed"] = body["seed"]
+        logprobs, top = body.get("logprobs"), body.get("top_logprobs")
+        if chat:
+            if logprobs is not None and not isinstance(logprobs, bool):
+                raise OpenAIError(400, f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
+            if top is not None and not logprobs:
+                raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
+            logprobs, name = (top or 0) if logprobs else None, "top_logprobs"
+        else:
+            name = "logprobs"
+        if logprobs is not None:
+            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
+                raise OpenAIError(400, f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}", name)
+            fields["logprobs"] = logprobs
         options = body.get("stream_options") or {}
         return model, fields, max_tokens, n, stops, bool(body.get("stream", False)), options
 
@@ -164,7 +222,7 @@ class OpenAIFrontend:
         if stream:
             return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")],
                                      self._sse(first, events, tasks, choices, max_tokens, chat, ident, created, model,
-                                               bool(options.get("include_usage"))))
+                                               bool(options.get("include_usage")), "logprobs" in fields))
         done = 0
         event = first
         while True:
@@ -177,11 +235,13 @@ class OpenAIFrontend:
             event = await events.get()
         usage = self._usage(choices)
         rows = []
+        asked = "logprobs" in fields
         for c in choices:
             c.end(max_tokens)
-            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": None,
+            lp = logprobs_field(chat, c.ranked) if asked else None
+            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
                          "finish_reason": c.finish_reason} if chat else
-                        {"index": c.index, "text": c.text, "logprobs": None, "finish_reason": c.finish_reason})
+                        {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
                 "model": model, "choices": rows, "usage": usage}
         return HttpResponse(200, [orjson.dumps(body)], [("Content-Type", "application/json")])
@@ -193,15 +253,21 @@ class OpenAIFrontend:
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
     async def _sse(self, event, events, tasks, choices, max_tokens, chat, ident, created, model,
-                   include_usage) -> AsyncIterator[bytes]:
+                   include_usage, asked) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
+        offsets = {c.index: 0 for c in choices}  # each choice's text offset so far, for completions' logprobs
 
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False) -> bytes:
+        def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
+                  rows: list[Ranked] | None = None) -> bytes:
+            lp = None
+            if asked and rows:
+                lp = logprobs_field(chat, rows, offsets[index])
+                offsets[index] += sum(len(r.token) for r in rows)
             if chat:
                 delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-                row = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
             else:
-                row = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish}
+                row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
             return b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
                                              "choices": [row]}) + b"\n\n"
 
@@ -214,7 +280,7 @@ class OpenAIFrontend:
                 if isinstance(event, OpenAIError):
                     yield b"data: " + orjson.dumps({"error": {"message": event.message, "type": event.kind}}) + b"\n\n"
                     break
-                choice, text = event
+                choice, text, rows = event
                 if text is None:
                     rest = choice.end(max_tokens)
                     if rest:
@@ -223,8 +289,8 @@ class OpenAIFrontend:
                     done += 1
                     if done == len(choices):
                         break
-                elif text:
-                    yield chunk(choice.index, text, None)
+                elif text or (asked and rows):
+                    yield chunk(choice.index, text, None, rows=rows)
                 event = await events.get()
             if include_usage:
                 yield b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
@@ -254,12 +320,14 @@ class OpenAIFrontend:
                         raise _upstream_error(400, orjson.dumps(d), model)
                     choice.tokens += 1
                     choice.prompt_tokens = int(d.get("prompt_tokens", 0))
+                    rows = ranked(d)
+                    choice.ranked += rows
                     text = choice.add(d.get("text_output", ""))
-                    await events.put((choice, text))
+                    await events.put((choice, text, rows))
                     if choice.finish_reason == "stop":  # a stop string: the rest is not wanted
-                        await events.put((choice, None))
+                        await events.put((choice, None, []))
                         return
-            await events.put((choice, None))
+            await events.put((choice, None, []))
         except OpenAIError as e:
             await events.put(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:

@@ -28,6 +28,7 @@ class TritonPythonModel:
     def initialize(self, args):
         params = {k: v["string_value"] for k, v in json.loads(args["model_config"])["parameters"].items()}
         self.models = json.loads(params["models"])  # tokenizer, detokenizer, decoder, logits
+        self.llm_name = args["model_name"].removesuffix("_generate") + "_llm"
         self.empty_cache = json.loads(params["empty_cache"])  # cache input name -> [kv_heads, head_dim]
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
@@ -72,6 +73,9 @@ class TritonPythonModel:
                 self.max_positions, _values(request, "stop_token_ids"), self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
+        if sampler.logprobs is not None:
+            raise RequestError(f"logprobs: this model does not report them; ask {self.llm_name} (the streaming "
+                               "model) or the gateway's OpenAI route")
         return prompt.reshape(-1).tolist(), Job(new_tokens, sampler, stop_ids)
 
     @staticmethod

@@ -31,10 +31,11 @@ class RequestError(ValueError):
 
 
 class Stream:
-    """Where one sequence's tokens go."""
+    """Where one sequence's tokens go, and (with logprobs) each token's ranked log-probabilities."""
 
     def __init__(self, sender, stream: bool):
         self.sender, self.stream, self.sent = sender, stream, ""
+        self.ranked: list[tuple[float, np.ndarray, np.ndarray]] = []
 
 
 class TritonPythonModel:
@@ -64,13 +65,16 @@ class TritonPythonModel:
         for request in requests:
             sender = request.get_response_sender()
             try:
-                sequence, stream = self._sequence(request)
+                sequence, stream, sampler = self._sequence(request)
             except RequestError as e:
                 sender.send(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
                 continue
+            out = Stream(sender, stream)
+            if sampler.logprobs is not None:
+                sequence.choose = _ranking(sampler, out.ranked)
             with self.wake:
-                self.streams[sequence.id] = Stream(sender, stream)
+                self.streams[sequence.id] = out
                 self.incoming.append(sequence)
                 self.wake.notify()
         return None
@@ -128,7 +132,7 @@ class TritonPythonModel:
             raise RequestError(str(e)) from None
         flag = _values(request, "stream")
         stream = bool(flag.reshape(-1)[0]) if flag is not None else False
-        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream
+        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream, sampler
 
     def _loop(self):
         while True:
@@ -159,22 +163,30 @@ class TritonPythonModel:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
-            response = self._response(delta, [token], len(sequence.prompt))
+            response = self._response(delta, [token], len(sequence.prompt), out.ranked[-1:])
         elif sequence.finished:
             response = self._response(self.tokenizer.decode(sequence.output, skip_special_tokens=True),
-                                      sequence.output, len(sequence.prompt))
+                                      sequence.output, len(sequence.prompt), out.ranked)
         else:
             return
         out.sender.send(response, flags=FINAL if sequence.finished else 0)
         if sequence.finished:
             self.streams.pop(sequence.id, None)
 
-    @staticmethod
-    def _response(text, ids, prompt_tokens):
-        return pb_utils.InferenceResponse([
-            pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
-            pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
-            pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32))])
+    def _response(self, text, ids, prompt_tokens, ranked):
+        tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
+                   pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
+                   pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32))]
+        if ranked:  # the tokens' own text and log-probabilities, and the most likely alternatives'
+            tensors += [
+                pb_utils.Tensor("tokens", self._texts(ids)),
+                pb_utils.Tensor("logprobs", np.array([r[0] for r in ranked], dtype=np.float32)),
+                pb_utils.Tensor("top_tokens", np.stack([self._texts(r[1]) for r in ranked])),
+                pb_utils.Tensor("top_logprobs", np.stack([r[2] for r in ranked]).astype(np.float32))]
+        return pb_utils.InferenceResponse(tensors)
+
+    def _texts(self, ids):
+        return np.array([self.tokenizer.decode([int(i)]).encode("utf-8") for i in ids], dtype=np.object_)
 
     def _fail_all(self, error):
         held = list(self.engine.running) + list(self.engine.waiting)
@@ -184,6 +196,17 @@ class TritonPythonModel:
             if out is not None:
                 out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
                     f"generation failed: {type(error).__name__}: {error}")), flags=FINAL)
+
+
+def _ranking(sampler, ranked):
+    """The sampler's choice, each token's log-probabilities kept in `ranked`."""
+
+    def choose(logits, prompt, output):
+        token = sampler.next(logits, prompt, output)
+        ranked.append(sampler.ranked(logits, token))
+        return token
+
+    return choose
 
 
 def _values(request, name):

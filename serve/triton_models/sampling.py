@@ -16,6 +16,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+MAX_LOGPROBS = 20  # alternatives reported per token, at most (OpenAI's limit)
+
 
 class SamplingError(ValueError):
     """A parameter the client got wrong (the message names it and the accepted values)."""
@@ -84,11 +86,24 @@ class SamplingParams:
 
 
 class Sampler:
-    """One request's choices: `next(logits, prompt, output)` -> token id."""
+    """One request's choices: `next(logits, prompt, output)` -> token id; with `logprobs` (K), `ranked(logits,
+    token)` -> the token's log-probability, and the K most likely tokens' ids and log-probabilities."""
 
-    def __init__(self, params: SamplingParams):
+    def __init__(self, params: SamplingParams, logprobs: int | None = None):
         self.params = params
+        self.logprobs = logprobs
         self.rng = np.random.default_rng(params.seed) if not params.greedy else None
+
+    def ranked(self, logits: np.ndarray, token: int) -> tuple[float, np.ndarray, np.ndarray]:
+        """Log-probabilities under the model's own distribution (the raw logits, before penalties and temperature:
+        vLLM's default), the K most likely first."""
+        scores = np.asarray(logits, np.float64)
+        logp = scores - scores.max()
+        logp -= np.log(np.exp(logp).sum())
+        k = min(self.logprobs or 0, logp.size)
+        top = np.argpartition(-logp, k - 1)[:k] if k else np.zeros(0, np.int64)
+        top = top[np.argsort(-logp[top], kind="stable")]
+        return float(logp[token]), top, logp[top].astype(np.float32)
 
     def penalized(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> np.ndarray:
         p = self.params
@@ -136,7 +151,8 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
                     eos: set[int]) -> tuple[int, Sampler, set[int]]:
     """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
     prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
-    and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids).
+    and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids);
+    the `logprobs` parameter (alternatives per token, 0-20) is the sampler's.
     SamplingError names a mistake."""
     new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
     if new_tokens < 1:
@@ -145,7 +161,7 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
         raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                             f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
     params = json.loads(parameters or "{}")
-    sampler = Sampler(SamplingParams.from_parameters(params))
+    sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS))
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise SamplingError(f"ignore_eos must be true or false, got {ignore_eos!r}")
