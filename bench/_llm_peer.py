@@ -11,6 +11,7 @@ to the first token. Token ids are given, not text: each engine's tokenizer treat
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import time
@@ -64,12 +65,14 @@ def vllm(model_dir: Path, work: Path):
 
 def main() -> None:
     engine, model_dir, work = sys.argv[1], Path(sys.argv[2]), Path(sys.argv[3])
+    answers = os.fdopen(os.dup(1), "w")  # the answers' channel; what the engines print goes to stderr
+    os.dup2(2, 1)
     run = genai(engine.split("-")[1], model_dir, work) if engine.startswith("genai") else vllm(model_dir, work)
     run(list(range(5, 30)), 1, 4)  # warm up
-    print("ready", flush=True)
+    print("ready", file=answers, flush=True)
     for line in sys.stdin:
         ask = json.loads(line)
-        print(json.dumps(run(ask["ids"], ask["streams"], ask["new_tokens"])), flush=True)
+        print(json.dumps(run(ask["ids"], ask["streams"], ask["new_tokens"])), file=answers, flush=True)
 
 
 if __name__ == "__main__":  # vLLM starts its engine process with spawn: the guard is needed

@@ -49,7 +49,7 @@ def prepare(work: Path, keep_from: Path | None) -> tuple[Path, str, Path]:
     if not (model / "config.json").exists():
         build_model(model)
     tokenizer = AutoTokenizer.from_pretrained(model)
-    text = next(iter(read_documents(None)))
+    text = "\n\n".join(d for _, d in zip(range(8), read_documents(None)))
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]
     prompt = tokenizer.decode(ids[:PROMPT_TOKENS - len(tokenizer("")["input_ids"])])
     dstool = [sys.executable, "-m", "dstool.cli"]

@@ -57,6 +57,10 @@ def test_sequences_join_and_leave_a_running_batch_and_stay_exact(setup, trained)
     while engine.busy:
         produced = engine.step()
         sizes.append(len(engine.running))
+        # one shared batch cache: each row masks exactly the tokens its sequence has seen, and no position is
+        # kept that no row uses (the longest leaving shrinks it)
+        assert engine.mask.sum(1).tolist() == [len(s.prompt) + len(s.output) - 1 for s in engine.running]
+        assert engine.mask.any(0).all() and all(v.shape[2] == engine.mask.shape[1] for v in engine.cache.values())
         for s, token in produced:
             out.setdefault(s.id, []).append(token)
     assert max(sizes) == 3 and len(sizes) < sum(lengths) / 2  # batched, and no waiting for the whole batch
@@ -106,3 +110,20 @@ def test_the_cache_budget_makes_admission_wait(setup):
     assert max(held) <= budget and len(out) == len(ids)
     with pytest.raises(ValueError, match="exceed the engine's"):
         engine.add(_sequence("big", ids[0], budget))
+
+
+def test_a_cancelled_sequence_leaves_and_the_others_stay_exact(setup, trained):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    engine = Engine(session, shapes, max_batch=3)
+    for i, x in enumerate(ids):
+        engine.add(_sequence(str(i), x, 10))
+    out: dict[str, list[int]] = {}
+    for step in range(10):
+        if step == 3:
+            engine.cancel("1")
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+    assert len(out["1"]) == 3 and not engine.busy
+    for i in (0, 2):
+        assert out[str(i)] == _greedy(trained, ids[i], 10), i

@@ -9,9 +9,13 @@ process (numpy + onnxruntime): no Triton calls and no copies between processes p
 Each `step` first admits waiting sequences (as many as `max_batch` and the `max_cache_tokens` budget allow —
 admission waits, it never fails, when the budget is spent) and prefills them together, then runs one decoding
 step for the sequences that were already running; so a newcomer gets its first token in the step it joins, and
-holds the others up by one prefill at most. A sequence leaves the batch as soon as it finishes. Each sequence
-keeps its own cache (the tokens it has seen, no padding); a step lays the running caches side by side, padded
-to the longest and masked, as the graph takes them, and keeps the one new position of each.
+holds the others up by one prefill at most. A sequence leaves the batch as soon as it finishes.
+
+The running sequences share one batch cache, a row each, with a mask of the positions each row holds: the cache
+the graph returns from a decoding step is the next step's input as it is (no copy per token, as in a plain
+generation loop). Rows of different lengths are padded where they joined, and the padding is masked; each row
+keeps its own position ids. The cache is copied only when the batch changes: newcomers' rows appended, finished
+rows dropped (and columns no row uses any more with them).
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ class Sequence:
     choose: Callable[[np.ndarray, list[int], list[int]], int]  # (logits row, prompt, output) -> token
     stop_ids: set[int]
     output: list[int] = field(default_factory=list)
-    cache: dict[str, np.ndarray] = field(default_factory=dict)  # input name -> [kv_heads, seen, head_dim]
     finished: bool = False
 
     @property
@@ -58,7 +61,9 @@ class Engine:
         self.max_batch = max_batch
         self.max_cache_tokens = max_cache_tokens
         self.waiting: deque[Sequence] = deque()
-        self.running: list[Sequence] = []
+        self.running: list[Sequence] = []  # the batch cache's rows, in order
+        self.cache: dict[str, np.ndarray] = self._empty(0)  # input name -> [rows, kv_heads, positions, head_dim]
+        self.mask = np.zeros((0, 0), np.int64)  # [rows, positions]: 1 where a row holds a token
 
     @property
     def busy(self) -> bool:
@@ -73,26 +78,32 @@ class Engine:
     def cancel(self, sequence_id: str) -> None:
         """Drop a sequence, waiting or running (its client has gone)."""
         self.waiting = deque(s for s in self.waiting if s.id != sequence_id)
-        self.running = [s for s in self.running if s.id != sequence_id]
+        self._keep([i for i, s in enumerate(self.running) if s.id != sequence_id])
 
     def step(self) -> list[tuple[Sequence, int]]:
         """Admit and prefill newcomers, decode one token for the others; (sequence, new token) for each."""
-        decoding = list(self.running)
         newcomers = self._admit()
-        produced = self._prefill(newcomers) if newcomers else []
-        if decoding:
-            produced += self._decode(decoding)
-        self.running = [s for s in self.running if not s.finished]
+        produced = []
+        if newcomers:
+            produced, cache, mask = self._prefill(newcomers)
+        if self.running:
+            produced += self._decode()
+        if newcomers:
+            self._append(newcomers, cache, mask)
+        self._keep([i for i, s in enumerate(self.running) if not s.finished])
         return produced
+
+    def _empty(self, rows: int, positions: int = 0) -> dict[str, np.ndarray]:
+        return {name: np.zeros((rows, heads, positions, dim), np.float32)
+                for name, (heads, dim) in self.cache_shapes.items()}
 
     def _admit(self) -> list[Sequence]:
         held = sum(s.reserved for s in self.running)
-        admitted = []
-        while self.waiting and len(self.running) < self.max_batch and (
+        admitted: list[Sequence] = []
+        while self.waiting and len(self.running) + len(admitted) < self.max_batch and (
                 self.max_cache_tokens is None or held + self.waiting[0].reserved <= self.max_cache_tokens):
             s = self.waiting.popleft()
             held += s.reserved
-            self.running.append(s)
             admitted.append(s)
         return admitted
 
@@ -101,43 +112,56 @@ class Engine:
         logits, *caches = self.session.run(names, feeds)
         return logits, dict(zip(self.cache_shapes, caches))
 
-    def _prefill(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
+    def _prefill(self, batch: list[Sequence]):
+        """The newcomers' prompts together (right-padded, the padding masked): their first tokens, cache and mask."""
         lengths = [len(s.prompt) for s in batch]
         ids = np.zeros((len(batch), max(lengths)), np.int64)
         mask = np.zeros_like(ids)
-        for b, s in enumerate(batch):  # right-padded, the padding masked
+        for b, s in enumerate(batch):
             ids[b, :lengths[b]], mask[b, :lengths[b]] = s.prompt, 1
         positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
-        empty = {name: np.zeros((len(batch), heads, 0, dim), np.float32)
-                 for name, (heads, dim) in self.cache_shapes.items()}
-        logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions, **empty})
-        produced = []
-        for b, s in enumerate(batch):
-            s.cache = {name: np.ascontiguousarray(value[b, :, :lengths[b]]) for name, value in present.items()}
-            token = s.choose(logits[b, lengths[b] - 1], s.prompt, s.output)
-            s._take(token)
-            produced.append((s, token))
-        return produced
+        logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                                     **self._empty(len(batch))})
+        return [self._choose(s, logits[b, lengths[b] - 1]) for b, s in enumerate(batch)], present, mask
 
-    def _decode(self, batch: list[Sequence]) -> list[tuple[Sequence, int]]:
-        seen = [len(s.prompt) + len(s.output) - 1 for s in batch]  # positions in each cache; the last token is new
-        longest = max(seen)
-        mask = np.zeros((len(batch), longest + 1), np.int64)
-        past = {name: np.zeros((len(batch), heads, longest, dim), np.float32)
-                for name, (heads, dim) in self.cache_shapes.items()}
-        for b, s in enumerate(batch):  # each cache left-aligned, the padding up to the longest masked
-            mask[b, :seen[b]] = 1
-            for name in past:
-                past[name][b, :, :seen[b]] = s.cache[name]
-        mask[:, -1] = 1
-        logits, present = self._run({
-            "input_ids": np.array([[s.output[-1]] for s in batch], np.int64), "attention_mask": mask,
-            "position_ids": np.array([[n] for n in seen], np.int64), **past})
-        produced = []
-        for b, s in enumerate(batch):
-            s.cache = {name: np.concatenate([s.cache[name], value[b, :, -1:]], axis=1)
-                       for name, value in present.items()}
-            token = s.choose(logits[b, -1], s.prompt, s.output)
-            s._take(token)
-            produced.append((s, token))
-        return produced
+    def _decode(self) -> list[tuple[Sequence, int]]:
+        """One token for every row: the last token in, the graph's cache out kept as the batch cache."""
+        batch = self.running
+        self.mask = np.concatenate([self.mask, np.ones((len(batch), 1), np.int64)], axis=1)
+        logits, self.cache = self._run({
+            "input_ids": np.array([[s.output[-1]] for s in batch], np.int64), "attention_mask": self.mask,
+            "position_ids": np.array([[len(s.prompt) + len(s.output) - 1] for s in batch], np.int64), **self.cache})
+        return [self._choose(s, logits[b, -1]) for b, s in enumerate(batch)]
+
+    @staticmethod
+    def _choose(s: Sequence, logits: np.ndarray) -> tuple[Sequence, int]:
+        token = s.choose(logits, s.prompt, s.output)
+        s._take(token)
+        return s, token
+
+    def _append(self, newcomers: list[Sequence], cache: dict[str, np.ndarray], mask: np.ndarray) -> None:
+        """The newcomers' rows after the running ones, the shorter side padded (masked) to the longer."""
+        width = max(self.mask.shape[1], mask.shape[1])
+
+        def padded(a: np.ndarray, axis: int) -> np.ndarray:
+            pad = [(0, 0)] * a.ndim
+            pad[axis] = (0, width - a.shape[axis])
+            return np.pad(a, pad) if pad[axis][1] else a
+
+        self.cache = {n: np.concatenate([padded(self.cache[n], 2), padded(cache[n], 2)]) for n in self.cache}
+        self.mask = np.concatenate([padded(self.mask, 1), padded(mask, 1)])
+        self.running += newcomers
+
+    def _keep(self, rows: list[int]) -> None:
+        """Keep these rows of the batch (and only the positions they use)."""
+        if len(rows) == len(self.running):
+            return
+        self.running = [self.running[i] for i in rows]
+        mask = self.mask[rows]
+        used = np.flatnonzero(mask.any(axis=0))
+        if used.size < mask.shape[1]:
+            mask = mask[:, used]
+            self.cache = {n: v[rows][:, :, used] for n, v in self.cache.items()}
+        else:
+            self.cache = {n: v[rows] for n, v in self.cache.items()}
+        self.mask = mask
