@@ -86,15 +86,15 @@ async def _grpc_streams(url: str, model: str, prompt: str, streams: int, new_tok
         async def requests():
             yield {"model_name": model, "inputs": inputs, "parameters": {"ignore_eos": True}}
 
-        sent, first, tokens = time.perf_counter(), 0.0, 0
+        sent, times, tokens = time.perf_counter(), [], 0
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 raise RuntimeError(error)
             tokens += len(result.as_numpy("output_ids"))
-            first = first or time.perf_counter() - sent
+            times.append(time.perf_counter() - sent)
             if result.get_response().parameters["triton_final_response"].bool_param:
                 break
-        return tokens, first, sent
+        return tokens, times
 
     try:
         started = time.perf_counter()
@@ -102,9 +102,11 @@ async def _grpc_streams(url: str, model: str, prompt: str, streams: int, new_tok
         wall = time.perf_counter() - started
     finally:
         await client.close()
+    gaps = [b - a for _, times in done for a, b in zip(times, times[1:])]
     return {"tokens_per_s": sum(d[0] for d in done) / wall,
-            "first_token_ms": 1e3 * float(np.median([d[1] for d in done])),
-            "first_token_ms_all": [1e3 * d[1] for d in done], "tokens": sum(d[0] for d in done)}
+            "first_token_ms": 1e3 * float(np.median([d[1][0] for d in done])),
+            "first_token_ms_all": [1e3 * d[1][0] for d in done], "tokens": sum(d[0] for d in done),
+            "step_ms": 1e3 * float(np.median(gaps)) if gaps else None}
 
 
 async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_tokens: int) -> dict:
@@ -249,6 +251,8 @@ def main() -> int:
                          "vllm": "vLLM-CPU"}[engine]] = lambda s, peer=peer: peer.run(ids, s, a.new_tokens)
             systems = {k: v for k, v in systems.items() if k not in a.skip}
             results: dict[str, dict[int, list[dict]]] = {k: {} for k in systems}
+            for run in systems.values():  # warm up: the first requests of each are slower
+                run(1)
             for r in range(a.rounds):
                 for label, run in systems.items():
                     for streams in (1, a.streams):
@@ -256,12 +260,19 @@ def main() -> int:
                             continue
                         results[label].setdefault(streams, []).append(run(streams))
                 print(f"round {r + 1} of {a.rounds} done", flush=True)
-            step_ms = 1e3 / float(np.median([x["tokens_per_s"] for x in results["dstool on Triton (gRPC)"][1]]))
-            waits = []
+            # streams arriving one decoding step apart, each while the others decode: its wait for its first token,
+            # in decoding steps of the batch it joins (1: the next step; prefill and all)
+            waits, step_ms, queue = [], 0.0, {}
             for _ in range(a.rounds):
+                solo = results["dstool on Triton (gRPC)"][1]
+                before = queue_steps(fp32_server.metrics_port)
                 arrivals = asyncio.run(_grpc_streams(fp32_server.grpc_url, "fp32_llm", prompt, a.streams,
-                                                     a.new_tokens, stagger=step_ms / 1e3))
-                waits += [t / step_ms for t in arrivals["first_token_ms_all"]]
+                                                     a.new_tokens, stagger=float(np.median(
+                                                         [x["step_ms"] for x in solo])) / 1e3))
+                step_ms = arrivals["step_ms"]
+                waits += [t / step_ms for t in arrivals["first_token_ms_all"][1:]]
+                for le, n in queue_steps(fp32_server.metrics_port).items():
+                    queue[le] = queue.get(le, 0) + n - before.get(le, 0)
             for peer in started_peers:
                 peer.close()
         finally:
@@ -271,11 +282,25 @@ def main() -> int:
                 stop_process(proc, grace=10)
             for srv in servers:
                 srv.stop()
-    report(results, a, waits, step_ms)
+    report(results, a, waits, step_ms, queue)
     return 0
 
 
-def report(results: dict, a, waits: list[float], step_ms: float) -> None:
+def queue_steps(metrics_port: int) -> dict[float, float]:
+    """NAME_llm's queue-wait histogram (decoding steps a request waited to be admitted) from Triton's /metrics:
+    upper bound -> requests at or below it."""
+    import urllib.request
+
+    body = urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=10).read().decode()
+    counts = {}
+    for line in body.splitlines():
+        if line.startswith("dstool_llm_queue_steps_bucket{") and 'model="fp32_llm"' in line:
+            le = line.split('le="', 1)[1].split('"', 1)[0]
+            counts[float(le)] = float(line.rsplit(" ", 1)[1])
+    return counts
+
+
+def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[float, float]) -> None:
     def med(label: str, streams: int, key: str) -> float | None:
         rows = results.get(label, {}).get(streams)
         return float(np.median([r[key] for r in rows])) if rows and key in rows[0] else None
@@ -305,8 +330,13 @@ def report(results: dict, a, waits: list[float], step_ms: float) -> None:
         x = med(f"dstool {variant} on Triton (gRPC)", 1, "tokens_per_s")
         if x and fp32:
             print(f"dstool {variant} / fp32 at 1 stream: {x / fp32:.2f}x")
-    print(f"{a.streams} streams arriving one decoding step ({step_ms:.1f} ms) apart: queue wait p50 "
-          f"{np.percentile(waits, 50):.2f}, p99 {np.percentile(waits, 99):.2f} steps")
+    total = queue.get(float("inf"), 0)
+    p99 = next((le for le, n in sorted(queue.items()) if total and n >= 0.99 * total), None)
+    print(f"{a.streams} streams arriving one decoding step apart, {total:.0f} requests: queue wait (Triton's "
+          f"dstool_llm_queue_steps) p99 <= {p99:g} decoding steps (0: admitted at the next step)")
+    print(f"{a.streams} streams arriving one decoding step apart: time to the first token of each newcomer p50 "
+          f"{np.percentile(waits, 50):.2f}, p99 {np.percentile(waits, 99):.2f} decoding steps of the batch it joined "
+          f"({step_ms:.1f} ms a step)")
 
 
 if __name__ == "__main__":

@@ -113,6 +113,8 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
 # Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
 BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py"]}
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
+# prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
+ENGINE_PREFILL_TOKENS = 64
 
 
 def text_model_config(role: str, name: str, s: RepositorySettings, parameters: dict[str, str]) -> mc.ModelConfig:
@@ -233,7 +235,8 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                       "max_positions": str(a.max_positions), "default_max_new_tokens": str(a.default_max_new_tokens)}
         parameters = {"generate": {"models": json.dumps(names), **generation},
                       "llm": {"decoder": names["decoder"], "max_batch": str(ENGINE_MAX_BATCH),
-                              "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions), **generation}}
+                              "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions),
+                              "max_prefill_tokens": str(ENGINE_PREFILL_TOKENS), **generation}}
         for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)

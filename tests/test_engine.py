@@ -127,3 +127,25 @@ def test_a_cancelled_sequence_leaves_and_the_others_stay_exact(setup, trained):
     assert len(out["1"]) == 3 and not engine.busy
     for i in (0, 2):
         assert out[str(i)] == _greedy(trained, ids[i], 10), i
+
+
+def test_prefill_is_bounded_per_step_while_others_decode_and_long_prompts_go_in_chunks(setup, trained):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    assert max(len(x) for x in ids) > 5
+    engine = Engine(session, shapes, max_batch=8, max_prefill_tokens=5)
+    engine.add(_sequence("first", ids[0], 30))
+    engine.step()  # nothing was running: the whole prompt at once
+    for i, x in enumerate(ids[1:], 1):
+        engine.add(_sequence(str(i), x, 8))
+    out: dict[str, list[int]] = {}
+    while engine.busy:
+        before = {s.id: s.prefilled for s in engine.prefilling + list(engine.waiting)}
+        running = bool(engine.running)
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+        after = {s.id: s.prefilled for s in engine.prefilling + engine.running + list(engine.waiting)}
+        spent = sum(after[k] - v for k, v in before.items())
+        assert not running or spent <= 5  # the running sequence waits for 5 prompt tokens' work at most
+    for i, x in enumerate(ids[1:], 1):
+        assert out[str(i)] == _greedy(trained, x, 8), i  # chunked prompts: the same tokens

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import json
 import shutil
 import signal
 import subprocess
@@ -347,7 +348,6 @@ def test_concurrent_prompts_are_batched_and_each_stays_exact(server, trained):
 def test_seeded_sampling_repeats_alone_and_in_a_batch(server, trained):
     """A seeded request gives the same tokens alone, again, and batched with other (seeded and unseeded)
     requests; other seeds give other text; the generate extension takes the same parameters; stop_token_ids stop."""
-    import json
     import urllib.request
 
     import tritonclient.grpc.aio as grpc_aio
@@ -399,7 +399,6 @@ def test_llm_model_streams_tokens_and_batches_continuously(server, trained):
     """NAME_llm (decoupled, the continuous-batching engine): over a gRPC stream each token comes as its own
     response, the text adding up to transformers' greedy text; six concurrent streams each stay exact; without
     `stream` one response; the generate extension streams server-sent events; seeds and bad values as NAME_generate."""
-    import json
     import queue
     import urllib.request
 
@@ -529,3 +528,32 @@ def test_the_models_answer_client_mistakes_as_client_errors(server):
                 assert needle in e.value.message() and code in str(e.value.status()), (parameters, str(e.value))
         finally:
             client.close()
+
+
+def test_llm_model_reports_its_queue_and_tokens_on_tritons_metrics(server):
+    """NAME_llm's own figures on Triton's /metrics (python-backend custom metrics): the queue wait in decoding
+    steps and seconds, time to first token, tokens, sequences by state."""
+    import urllib.request
+
+    def metrics() -> dict[str, float]:
+        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
+                if line.startswith("dstool_llm_") and 'model="dstool_lm_llm"' in line}
+
+    labels = '{model="dstool_lm_llm",version="1"}'
+    before = metrics()
+    body = json.dumps({"text_input": "HASTINGS:\n", "max_new_tokens": 5, "ignore_eos": True}).encode()
+    for _ in range(3):
+        urllib.request.urlopen(urllib.request.Request(
+            f"http://{server.http_url}/v2/models/dstool_lm_llm/generate", body), timeout=120).read()
+    after = metrics()
+
+    def grew(name: str) -> float:
+        return after[name] - before.get(name, 0.0)
+
+    assert grew(f"dstool_llm_generated_tokens_total{labels}") == 15  # ignore_eos: max_new_tokens each
+    assert grew(f"dstool_llm_queue_steps_count{labels}") == 3
+    assert grew(f"dstool_llm_time_to_first_token_seconds_count{labels}") == 3
+    # one request at a time: each joined the next step
+    assert grew('dstool_llm_queue_steps_bucket{model="dstool_lm_llm",version="1",le="0"}') == 3
+    assert after['dstool_llm_sequences{model="dstool_lm_llm",state="running",version="1"}'] == 0

@@ -6,10 +6,13 @@ process (numpy + onnxruntime): no Triton calls and no copies between processes p
     while engine.busy:
         for sequence, token in engine.step(): ...   # each running sequence's next token
 
-Each `step` first admits waiting sequences (as many as `max_batch` and the `max_cache_tokens` budget allow —
-admission waits, it never fails, when the budget is spent) and prefills them together, then runs one decoding
-step for the sequences that were already running; so a newcomer gets its first token in the step it joins, and
-holds the others up by one prefill at most. A sequence leaves the batch as soon as it finishes.
+Each `step` admits waiting sequences (as many as `max_batch` and the `max_cache_tokens` budget allow — admission
+waits, it never fails, when the budget is spent), prefills up to `max_prefill_tokens` of their prompts (together;
+a longer prompt in chunks over several steps, its cache kept between them; all of them when none is running),
+then runs one decoding step for the
+running sequences; a sequence whose prompt is done gets its first token in that step and joins the batch for
+the next. So a newcomer starts at the next step, and prefill holds the running ones up by a bounded amount of
+work per step, however many arrive. A sequence leaves the batch as soon as it finishes.
 
 The running sequences share one batch cache, a row each, with a mask of the positions each row holds: the cache
 the graph returns from a decoding step is the next step's input as it is (no copy per token, as in a plain
@@ -21,7 +24,7 @@ rows dropped (and columns no row uses any more with them).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +41,9 @@ class Sequence:
     stop_ids: set[int]
     output: list[int] = field(default_factory=list)
     finished: bool = False
+    started_step: int | None = None  # the engine's step that began its prefill
+    prefilled: int = 0  # prompt tokens in its cache so far
+    partial: tuple[dict[str, np.ndarray], np.ndarray] | None = None  # its cache and mask while prefilling
 
     @property
     def reserved(self) -> int:
@@ -51,10 +57,15 @@ class Sequence:
 
 class Engine:
     def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
-                 max_cache_tokens: int | None = None):
+                 max_cache_tokens: int | None = None, max_prefill_tokens: int = 64):
         """`session`: an onnxruntime session of the decoder graph; `cache_shapes`: its cache inputs
-        (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all running
-        sequences together may hold (default: unbounded)."""
+        (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all admitted
+        sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
+        self.max_prefill_tokens = max_prefill_tokens
+        self.prefilling: list[Sequence] = []  # admitted, prompt not done yet
+        self.steps_started = 0
         self.session = session
         self.cache_shapes = cache_shapes
         self.cache_outputs = {name: name.replace("past_key_values.", "cache.", 1) for name in cache_shapes}
@@ -67,7 +78,7 @@ class Engine:
 
     @property
     def busy(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
 
     def add(self, sequence: Sequence) -> None:
         if self.max_cache_tokens is not None and sequence.reserved > self.max_cache_tokens:
@@ -78,29 +89,35 @@ class Engine:
     def cancel(self, sequence_id: str) -> None:
         """Drop a sequence, waiting or running (its client has gone)."""
         self.waiting = deque(s for s in self.waiting if s.id != sequence_id)
+        self.prefilling = [s for s in self.prefilling if s.id != sequence_id]
         self._keep([i for i, s in enumerate(self.running) if s.id != sequence_id])
 
     def step(self) -> list[tuple[Sequence, int]]:
         """Admit and prefill newcomers, decode one token for the others; (sequence, new token) for each."""
-        newcomers = self._admit()
-        produced = []
-        if newcomers:
-            produced, cache, mask = self._prefill(newcomers)
+        return [token for part in self.steps() for token in part]
+
+    def steps(self) -> Iterator[list[tuple[Sequence, int]]]:
+        """`step` in its two parts: the first tokens of sequences whose prompt is done (prefill), then the running
+        ones' next tokens — so a server can send the first ones before the batch decodes."""
+        self.steps_started += 1
+        self.prefilling += self._admit()
+        joining: list[tuple[Sequence, dict[str, np.ndarray], np.ndarray]] = []
+        if self.prefilling:
+            produced, joining = self._prefill()
+            yield produced
         if self.running:
-            produced += self._decode()
-        if newcomers:
-            self._append(newcomers, cache, mask)
+            yield self._decode()
+        self._append([j for j in joining if not j[0].finished])
         self._keep([i for i, s in enumerate(self.running) if not s.finished])
-        return produced
 
     def _empty(self, rows: int, positions: int = 0) -> dict[str, np.ndarray]:
         return {name: np.zeros((rows, heads, positions, dim), np.float32)
                 for name, (heads, dim) in self.cache_shapes.items()}
 
     def _admit(self) -> list[Sequence]:
-        held = sum(s.reserved for s in self.running)
+        held = sum(s.reserved for s in self.running + self.prefilling)
         admitted: list[Sequence] = []
-        while self.waiting and len(self.running) + len(admitted) < self.max_batch and (
+        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch and (
                 self.max_cache_tokens is None or held + self.waiting[0].reserved <= self.max_cache_tokens):
             s = self.waiting.popleft()
             held += s.reserved
@@ -112,17 +129,52 @@ class Engine:
         logits, *caches = self.session.run(names, feeds)
         return logits, dict(zip(self.cache_shapes, caches))
 
-    def _prefill(self, batch: list[Sequence]):
-        """The newcomers' prompts together (right-padded, the padding masked): their first tokens, cache and mask."""
-        lengths = [len(s.prompt) for s in batch]
-        ids = np.zeros((len(batch), max(lengths)), np.int64)
-        mask = np.zeros_like(ids)
-        for b, s in enumerate(batch):
-            ids[b, :lengths[b]], mask[b, :lengths[b]] = s.prompt, 1
-        positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
-        logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                                     **self._empty(len(batch))})
-        return [self._choose(s, logits[b, lengths[b] - 1]) for b, s in enumerate(batch)], present, mask
+    def _prefill(self):
+        """The next chunks of the prefilling sequences' prompts, up to `max_prefill_tokens` in all, as one batch
+        (each row its cache so far, then its chunk right-padded; the padding masked). Returns the first tokens of
+        the sequences whose prompt is done, with their cache rows to join the batch."""
+        # nothing running: nobody to hold up, so every admitted prompt at once
+        budget, group = self.max_prefill_tokens if self.running else sum(len(s.prompt) for s in self.prefilling), []
+        for s in self.prefilling:
+            take = min(len(s.prompt) - s.prefilled, budget)
+            if take == 0:
+                break
+            group.append((s, take))
+            budget -= take
+        past_len = max(s.partial[1].shape[1] if s.partial else 0 for s, _ in group)
+        width = max(take for _, take in group)
+        rows = len(group)
+        ids = np.zeros((rows, width), np.int64)
+        positions = np.zeros((rows, width), np.int64)
+        mask = np.zeros((rows, past_len + width), np.int64)
+        past = self._empty(rows, past_len)
+        for b, (s, take) in enumerate(group):
+            if s.started_step is None:
+                s.started_step = self.steps_started
+            ids[b, :take] = s.prompt[s.prefilled:s.prefilled + take]
+            positions[b] = s.prefilled + np.arange(width)
+            mask[b, past_len:past_len + take] = 1
+            if s.partial:
+                cache, held = s.partial
+                mask[b, :held.shape[1]] = held[0]
+                for name in past:
+                    past[name][b, :, :held.shape[1]] = cache[name][0]
+        logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past})
+        produced, joining = [], []
+        for b, (s, take) in enumerate(group):
+            s.prefilled += take
+            held = np.flatnonzero(mask[b])  # the row's own positions, the padding left out
+            row = ({name: value[b:b + 1, :, held] for name, value in present.items()},
+                   np.ones((1, held.size), np.int64))
+            if s.prefilled < len(s.prompt):
+                s.partial = row
+                continue
+            s.partial = None
+            produced.append(self._choose(s, logits[b, take - 1]))
+            joining.append((s, *row))
+        done = {id(s) for s, *_ in joining}
+        self.prefilling = [s for s in self.prefilling if id(s) not in done]
+        return produced, joining
 
     def _decode(self) -> list[tuple[Sequence, int]]:
         """One token for every row: the last token in, the graph's cache out kept as the batch cache."""
@@ -139,18 +191,21 @@ class Engine:
         s._take(token)
         return s, token
 
-    def _append(self, newcomers: list[Sequence], cache: dict[str, np.ndarray], mask: np.ndarray) -> None:
-        """The newcomers' rows after the running ones, the shorter side padded (masked) to the longer."""
-        width = max(self.mask.shape[1], mask.shape[1])
+    def _append(self, joining: list[tuple[Sequence, dict[str, np.ndarray], np.ndarray]]) -> None:
+        """The joining sequences' rows after the running ones, all padded (masked) to the longest."""
+        if not joining:
+            return
+        width = max(self.mask.shape[1], *(mask.shape[1] for _, _, mask in joining))
 
         def padded(a: np.ndarray, axis: int) -> np.ndarray:
             pad = [(0, 0)] * a.ndim
             pad[axis] = (0, width - a.shape[axis])
             return np.pad(a, pad) if pad[axis][1] else a
 
-        self.cache = {n: np.concatenate([padded(self.cache[n], 2), padded(cache[n], 2)]) for n in self.cache}
-        self.mask = np.concatenate([padded(self.mask, 1), padded(mask, 1)])
-        self.running += newcomers
+        self.cache = {n: np.concatenate([padded(self.cache[n], 2), *(padded(c[n], 2) for _, c, _ in joining)])
+                      for n in self.cache}
+        self.mask = np.concatenate([padded(self.mask, 1), *(padded(m, 1) for _, _, m in joining)])
+        self.running += [s for s, _, _ in joining]
 
     def _keep(self, rows: list[int]) -> None:
         """Keep these rows of the batch (and only the positions they use)."""

@@ -14,6 +14,7 @@ gone (cancelled) leaves the batch.
 import json
 import os
 import threading
+import time
 import uuid
 
 import numpy as np
@@ -36,6 +37,57 @@ class Stream:
     def __init__(self, sender, stream: bool):
         self.sender, self.stream, self.sent = sender, stream, ""
         self.ranked: list[tuple[float, np.ndarray, np.ndarray]] = []
+        self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
+
+
+class Metrics:
+    """The engine's own figures, on Triton's /metrics (the python backend's custom metrics)."""
+
+    SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+
+    def __init__(self, model, version):
+        labels = {"model": model, "version": version}
+        H, C, G = pb_utils.MetricFamily.HISTOGRAM, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        self.families = [
+            pb_utils.MetricFamily("dstool_llm_queue_steps", "Decoding steps that began after a request arrived and "
+                                  "before the one that began its prefill (0: the next step)", H),
+            pb_utils.MetricFamily("dstool_llm_queue_seconds", "Time from a request's arrival to the step that began "
+                                  "its prefill", H),
+            pb_utils.MetricFamily("dstool_llm_time_to_first_token_seconds", "Time from a request's arrival to its "
+                                  "first token", H),
+            pb_utils.MetricFamily("dstool_llm_generated_tokens_total", "Tokens generated", C),
+            pb_utils.MetricFamily("dstool_llm_prompt_tokens_total", "Prompt tokens prefilled", C),
+            pb_utils.MetricFamily("dstool_llm_sequences", "Sequences in the engine, by state", G)]
+        queue_steps, queue, first, tokens, prompt, sequences = self.families
+        self.queue_steps = queue_steps.Metric(labels=labels, buckets=[0, 1, 2, 4, 8, 16, 32, 64])
+        self.queue = queue.Metric(labels=labels, buckets=self.SECONDS)
+        self.first = first.Metric(labels=labels, buckets=self.SECONDS)
+        self.tokens, self.prompt = tokens.Metric(labels=labels), prompt.Metric(labels=labels)
+        self.waiting = sequences.Metric(labels={**labels, "state": "waiting"})
+        self.running = sequences.Metric(labels={**labels, "state": "running"})
+
+    def close(self):
+        """The metrics before their families (the python backend's rule)."""
+        for name in ("queue_steps", "queue", "first", "tokens", "prompt", "waiting", "running"):
+            delattr(self, name)
+        self.families.clear()
+
+    def first_token(self, sequence, out, began):
+        """A sequence's first token, in a step that began at `began` (monotonic)."""
+        started = out.started_at if out.started_at is not None else began
+        self.queue_steps.observe(sequence.started_step - out.arrived_step - 1)
+        self.queue.observe(started - out.arrived)
+        self.first.observe(time.monotonic() - out.arrived)
+        self.prompt.increment(len(sequence.prompt))
+
+    def step(self, engine, streams, began, tokens):
+        for sequence in engine.prefilling:  # begun, its prompt still being prefilled in chunks
+            out = streams.get(sequence.id)
+            if out is not None and out.started_at is None and sequence.started_step == engine.steps_started:
+                out.started_at = began
+        self.tokens.increment(tokens)
+        self.waiting.set(len(engine.waiting) + len(engine.prefilling))
+        self.running.set(len(engine.running))
 
 
 class TritonPythonModel:
@@ -49,12 +101,14 @@ class TritonPythonModel:
         opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
         session = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
         shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
-        self.engine = Engine(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]))
+        self.engine = Engine(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]),
+                             int(params["max_prefill_tokens"]))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
         self.max_positions = int(params["max_positions"])
         self.streams: dict[str, Stream] = {}
+        self.metrics = Metrics(args["model_name"], args["model_version"])
         self.incoming: list[Sequence] = []
         self.wake = threading.Condition()
         self.stopping = False
@@ -74,6 +128,7 @@ class TritonPythonModel:
             if sampler.logprobs is not None:
                 sequence.choose = _ranking(sampler, out.ranked)
             with self.wake:
+                out.arrived_step = self.engine.steps_started
                 self.streams[sequence.id] = out
                 self.incoming.append(sequence)
                 self.wake.notify()
@@ -84,10 +139,15 @@ class TritonPythonModel:
             self.stopping = True
             self.wake.notify()
         self.thread.join(30)
+        self.metrics.close()
         for out in self.streams.values():  # unloading: what is still generating ends here, said so
-            out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError("the model is being unloaded")),
-                            flags=FINAL)
+            self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError("the model is being unloaded")))
         self.streams.clear()
+
+    @staticmethod
+    def _send(out, response=None, flags=FINAL):
+        """A response (or the final flag alone) to a request."""
+        out.sender.send(response, flags=flags)
 
     def _text(self, request, name):
         tensor = pb_utils.get_input_tensor_by_name(request, name)
@@ -144,32 +204,36 @@ class TritonPythonModel:
                 incoming, self.incoming = self.incoming, []
             for sequence in incoming:
                 self.engine.add(sequence)
-            for sequence in [s for s in self.engine.running if self.streams[s.id].sender.is_cancelled()]:
+            held = self.engine.running + self.engine.prefilling + list(self.engine.waiting)
+            for sequence in [s for s in held if self.streams[s.id].sender.is_cancelled()]:
                 self.engine.cancel(sequence.id)  # its client has gone; Triton still waits for the final flag
-                self.streams.pop(sequence.id).sender.send(flags=FINAL)
+                self._send(self.streams.pop(sequence.id))
+            began, made = time.monotonic(), 0
             try:
-                produced = self.engine.step()
+                for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
+                    for sequence, token in produced:
+                        if len(sequence.output) == 1:
+                            self.metrics.first_token(sequence, self.streams[sequence.id], began)
+                        self._emit(sequence, token)
+                    made += len(produced)
             except Exception as e:  # the engine failed: every sequence it holds gets the error, the loop goes on
                 self._fail_all(e)
-                continue
-            for sequence, token in produced:
-                self._emit(sequence, token)
+            self.metrics.step(self.engine, self.streams, began, made)
 
     def _emit(self, sequence, token):
         out = self.streams[sequence.id]
-        if out.stream:
-            text = self.tokenizer.decode(sequence.output, skip_special_tokens=True)
+        if not out.stream and not sequence.finished:
+            return
+        text = self.tokenizer.decode(sequence.output, skip_special_tokens=True)
+        if out.stream:  # the new token's text
             if text.endswith("\ufffd") and not sequence.finished:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
             response = self._response(delta, [token], len(sequence.prompt), out.ranked[-1:])
-        elif sequence.finished:
-            response = self._response(self.tokenizer.decode(sequence.output, skip_special_tokens=True),
-                                      sequence.output, len(sequence.prompt), out.ranked)
-        else:
-            return
-        out.sender.send(response, flags=FINAL if sequence.finished else 0)
+        else:  # the whole text
+            response = self._response(text, sequence.output, len(sequence.prompt), out.ranked)
+        self._send(out, response, FINAL if sequence.finished else 0)
         if sequence.finished:
             self.streams.pop(sequence.id, None)
 
@@ -189,13 +253,13 @@ class TritonPythonModel:
         return np.array([self.tokenizer.decode([int(i)]).encode("utf-8") for i in ids], dtype=np.object_)
 
     def _fail_all(self, error):
-        held = list(self.engine.running) + list(self.engine.waiting)
+        held = self.engine.running + self.engine.prefilling + list(self.engine.waiting)
         for sequence in held:
             self.engine.cancel(sequence.id)
             out = self.streams.pop(sequence.id, None)
             if out is not None:
-                out.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"generation failed: {type(error).__name__}: {error}")), flags=FINAL)
+                self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                    f"generation failed: {type(error).__name__}: {error}")))
 
 
 def _ranking(sampler, ranked):
