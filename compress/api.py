@@ -6,7 +6,7 @@ A list of steps (`dstool.steps`), each with a correctness gate:
   sparsity   N:M magnitude masks                 gate: every group of M has >= M-N zeros
   recover    fine-tune with the training engine  gate: kept only if it lowers the calibration perplexity
   export     fp32 ONNX of the result: the logits graph and the key/value-cache decoder (parity-checked)
-  quantize   int8 dynamic / 4-bit weight-only, the same recipe on both graphs
+  quantize   int8 dynamic / 4-bit weight-only, the same weights recipe on both graphs
              gate: both hold integer ops, and the decoder's prefill agrees with the logits graph
   measure    held-out perplexity, ONNX Runtime latency   gate: quantized must not be slower (unless allowed)
   write      the manifest (dstool.json: graphs, recipe, figures, source) and report.md / report.png
@@ -124,7 +124,7 @@ class _Compression:
         steps.append(Step("export", "the result to ONNX: logits graph and key/value-cache decoder (parity-checked)",
                           self.export))
         if cfg.bits:
-            steps.append(Step("quantize", f"{cfg.bits}-bit ({cfg.engine}), the same recipe on both graphs",
+            steps.append(Step("quantize", f"{cfg.bits}-bit ({cfg.engine}), the same weights recipe on both graphs",
                               self.quantize))
         steps += [Step("measure", "held-out perplexity and ONNX Runtime latency, before against after", self.measure,
                        gate=self.speed),
@@ -272,14 +272,21 @@ class _Compression:
                      f"{choice.vnni}), activation MatMuls {'int8' if choice.activation_matmuls else 'fp32'}, kept in "
                      f"fp32: {', '.join(choice.fp32_layers) or 'nothing'}")
         else:
+            # the logits graph (scoring, long sequences) computes in fp32; the decoder (generation, a token per
+            # step) in whichever compute decodes faster on this CPU, measured
+            level, step_ms = quantize.choose_int4_accuracy(decoder, self.work, self.model.config.vocab_size)
             q_logits = quantize.quantize_int4(logits, logits.with_name("model.int4.onnx"))
-            q_decoder = quantize.quantize_int4(decoder, decoder.with_name("model.int4.onnx"))
+            q_decoder = quantize.quantize_int4(decoder, decoder.with_name("model.int4.onnx"), accuracy_level=level)
             self.recipe.quantization = Quantization(bits=4, engine="onnxruntime", format="int4-matmulnbits",
-                                                    weight_type="int4 symmetric", block_size=quantize.INT4_BLOCK)
+                                                    weight_type="int4 symmetric", block_size=quantize.INT4_BLOCK,
+                                                    accuracy_level=level, decoding_step_ms=step_ms)
+            log.info(f"4-bit: the decoder computes in {'int8' if level else 'fp32'}, measured faster per decoding "
+                     f"step here ({', '.join(f'{k} {v:.2f} ms' for k, v in step_ms.items())})")
         for path in (q_logits, q_decoder):
             _gate_integer_ops(path)
         diff = quantize.decoder_prefill_diff(q_logits, q_decoder, self.model.config.vocab_size)
-        if diff > quantize.PREFILL_TOLERANCE:
+        mixed = self.recipe.quantization.accuracy_level is not None  # the decoder computes in int8, logits in fp32
+        if diff > (quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE):
             raise StageFailed(f"the quantized decoder's prefill disagrees with the quantized logits graph (max |logit "
                               f"diff| {diff:.3g} > {quantize.PREFILL_TOLERANCE})")
         for path in (logits, decoder):  # the quantized files are the artefact

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import statistics
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,6 +22,9 @@ INT4_BLOCK = 32
 # The decoder graph quantized with the logits graph's recipe must give its logits on a prefill (an empty cache):
 # the same weights and the same per-call activation ranges. Measured on the tiny preset: 0.0 for int8.
 PREFILL_TOLERANCE = 1e-3
+# ... and with the same 4-bit weights computed in int8 (the decoder) and fp32 (the logits graph). Measured on the tiny
+# preset: 0.017 (4-bit's own error against fp32 there: 0.24).
+MIXED_COMPUTE_TOLERANCE = 0.05
 
 
 @dataclass
@@ -91,18 +96,50 @@ def strip_exporter_metadata(path: Path) -> None:
     onnx.save(model, str(path))
 
 
-def quantize_int4(fp32: Path, out: Path, block_size: int = INT4_BLOCK) -> Path:
-    """Weight-only 4-bit, block-wise symmetric (com.microsoft MatMulNBits); activations stay fp32."""
+def quantize_int4(fp32: Path, out: Path, block_size: int = INT4_BLOCK, accuracy_level: int | None = None) -> Path:
+    """Weight-only 4-bit, block-wise symmetric (com.microsoft MatMulNBits); `accuracy_level` 4 computes in int8
+    (activations quantized per block as they come), None dequantizes the weights to fp32 compute."""
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
-    # Measured on the tiny preset (2 cores, VNNI): accuracy_level 4 (int8 compute) was 1.4x slower than fp32
-    # compute at batch 8 x 128, so weights are dequantized to fp32 compute (accuracy_level unset).
+    extra = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
     quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=4, block_size=block_size, is_symmetric=True,
-                                     op_types_to_quantize=("MatMul", "Gather"))
+                                     op_types_to_quantize=("MatMul", "Gather"), **extra)
     quantizer.process()
     quantizer.model.save_model_to_file(str(out), use_external_data_format=_save_kwargs(fp32))
     strip_exporter_metadata(out)
     return out
+
+
+def decoding_step_ms(paths: list[Path], vocab: int, past_len: int = 32, repeats: int = 20) -> list[float]:
+    """Median time of one decoding step (batch 1, one new token after `past_len` cached ones) of each decoder
+    graph, timed in alternation."""
+    sessions = [ort_session(p) for p in paths]
+    ids = np.random.default_rng(0).integers(0, vocab, (1, past_len))
+    pasts = [run_decoder(s, ids, empty_cache(s, 1), 0)[1] for s in sessions]
+    token = ids[:, -1:]
+    times: list[list[float]] = [[] for _ in sessions]
+    for round_ in range(repeats + 3):
+        for i in range(len(sessions)):
+            k = (round_ + i) % len(sessions)
+            t0 = time.perf_counter()
+            run_decoder(sessions[k], token, pasts[k], past_len)
+            if round_ >= 3:  # warm-up rounds not counted
+                times[k].append(time.perf_counter() - t0)
+    return [1000 * statistics.median(t) for t in times]
+
+
+def choose_int4_accuracy(decoder: Path, work: Path, vocab: int) -> tuple[int | None, dict[str, float]]:
+    """The MatMulNBits compute that decodes faster on this CPU, measured on the decoder graph at batch 1 (fp32
+    compute or int8; CPUs differ: on one AMD EPYC int8 compute decoded 1.9x faster, on a VNNI one it was slower at
+    prefill shapes). Returns the level (None: fp32 compute, 4: int8) and each one's step time in ms."""
+    levels = {"fp32": None, "int8": 4}
+    paths = [quantize_int4(decoder, work / f"decoder.int4-{name}.onnx", accuracy_level=level)
+             for name, level in levels.items()]
+    ms = dict(zip(levels, decoding_step_ms(paths, vocab)))
+    for path in paths:
+        path.unlink()
+        Path(str(path) + ".data").unlink(missing_ok=True)
+    return levels[min(ms, key=ms.__getitem__)], ms
 
 
 def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl: float, budget: float,

@@ -59,7 +59,9 @@ def recipe_lines(r: Recipe) -> list[str]:
                                      for t in q.trials))
         elif q.format == "int4-matmulnbits":
             lines.append(f"4-bit: weight-only, MatMul -> MatMulNBits and embedding Gather -> GatherBlockQuantized, "
-                         f"block {q.block_size}, symmetric, fp32 compute")
+                         f"block {q.block_size}, symmetric; the logits graph computes in fp32, the decoder in "
+                         f"{'int8' if q.accuracy_level else 'fp32'} (a batch-1 decoding step: "
+                         + ", ".join(f"{k} {v:.2f} ms" for k, v in q.decoding_step_ms.items()) + ")")
         else:
             lines.append("torchao int8: Int8DynamicActivationInt8WeightConfig via TorchAoConfig in "
                          f"{q.torchao_folder}/ "

@@ -242,6 +242,11 @@ class Quantization(_Model):
     activation_matmuls: bool | None = Field(None, description="MatMuls of two activations (attention scores) "
                                             "quantized too; kept only if measured more accurate")
     block_size: int | None = Field(None, description="4-bit block size")
+    accuracy_level: int | None = Field(None, description="4-bit: the decoder graph's MatMulNBits compute (4 = int8, "
+                                       "None = fp32), the faster decoding step measured on this CPU; the logits "
+                                       "graph computes in fp32")
+    decoding_step_ms: dict[str, float] = Field(default_factory=dict, description="4-bit: one batch-1 decoding "
+                                               "step's time with each compute (fp32, int8)")
     fp32_layers: list[str] = Field(default_factory=list, description="layers kept fp32 by measured perplexity "
                                    "(lm_head, layer N)")
     fp32_nodes: dict[str, list[str]] = Field(default_factory=dict, description="graph role -> MatMul nodes kept fp32")
