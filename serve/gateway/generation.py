@@ -24,7 +24,7 @@ import orjson
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, served_version
 from dstool.serve.gateway.keys import PREFIX, is_draw, key_fingerprint
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.tensors import InferResult, Tensor
+from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
 
 ROUTES = ("generate", "generate_stream")
 SSE = "text/event-stream"
@@ -61,7 +61,10 @@ class GenerationCache:
             return None, ""  # Triton's own error answers it
         if not isinstance(request, dict) or is_draw(request):
             return None, ""
-        d = await self.core.deployments.get(model)
+        try:
+            d = await self.core.deployments.get(model)
+        except GatewayError:
+            return None, ""  # Triton does not serve it: its own answer says so
         served = served_version(d, version)
         fingerprint = d.fingerprint(served) if served else None
         if served is None or fingerprint is None or "sequence_batching" in d.config:

@@ -332,6 +332,8 @@ class OpenAIFrontend:
             await events.put(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
+        except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
+            await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
 
 
 def _upstream_error(status: int, body: bytes, model: str) -> OpenAIError:
