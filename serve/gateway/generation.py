@@ -26,9 +26,6 @@ from dstool.serve.gateway.keys import PREFIX, is_draw, key_fingerprint
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
 
-ROUTES = ("generate", "generate_stream")
-SSE = "text/event-stream"
-
 
 @dataclass(slots=True)
 class Generation:

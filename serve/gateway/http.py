@@ -455,29 +455,19 @@ class HttpFrontend:
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
         if req.path.startswith("/v1/"):
             return self.openai.handle(req)
-        parts = req.path.split("/")
-        # /v2/models/NAME/infer or /v2/models/NAME/versions/DIGITS/infer, matched as Triton matches them: on the
-        # path as sent (no percent-decoding), the name being its UTF-8 bytes
-        if req.method == "POST" and parts[-1] == "infer" and len(parts) in (5, 7) and parts[1:3] == ["v2", "models"] \
-                and parts[3] and (len(parts) == 5 or (parts[4] == "versions" and parts[5].isascii()
-                                                      and parts[5].isdigit())):
-            model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
-            return self.infer(req, model, parts[5] if len(parts) == 7 else "")
-        if req.method == "POST" and parts[-1] in ("generate", "generate_stream") and len(parts) in (5, 7) \
-                and parts[1:3] == ["v2", "models"] and parts[3] and "content-encoding" not in req.headers \
-                and (len(parts) == 5 or (parts[4] == "versions" and parts[5].isascii() and parts[5].isdigit())):
-            model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
-            return self.generate(req, model, parts[5] if len(parts) == 7 else "", parts[-1])
+        route = model_route(req.path) if req.method == "POST" else None
+        if route is not None and route[2] == "infer":
+            return self.infer(req, route[0], route[1])
+        if route is not None and route[2] in ("generate", "generate_stream") and "content-encoding" not in req.headers:
+            return self.generate(req, *route)
         return self.relay(req)
 
     async def generate(self, req: HttpRequest, model: str, version: str, route: str) -> Response:
         """Triton's generate extension through the generation cache (generation.py)."""
-        cache_control = req.headers.get("cache-control", "")
         headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
         keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
         try:
-            g = await self.generation.open(model, version, route, req.body, headers, keyed,
-                                           opt_out="no-store" in cache_control or "no-cache" in cache_control)
+            g = await self.generation.open(model, version, route, req.body, headers, keyed, opt_out=opts_out(req))
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
@@ -490,8 +480,7 @@ class HttpFrontend:
 
     def infer(self, req: HttpRequest, model: str, version: str):
         started = time.perf_counter()
-        cache_control = req.headers.get("cache-control", "")
-        opt_out = "no-store" in cache_control or "no-cache" in cache_control
+        opt_out = opts_out(req)
         try:
             request, output_format = decode_infer(model, version, req.headers, self._body(req), self.forward)
         except _Passthrough:
@@ -589,6 +578,22 @@ class HttpFrontend:
         if r.status >= 400 and not body:
             return error_response(r.status, error_message(r.status, body))
         return HttpResponse(r.status, [body], passed)
+
+
+def model_route(path: str) -> tuple[str, str, str] | None:
+    """(model, version or "", action) of /v2/models/NAME/ACTION or /v2/models/NAME/versions/DIGITS/ACTION, matched
+    as Triton matches them: on the path as sent (no percent-decoding), the name being its UTF-8 bytes."""
+    parts = path.split("/")
+    if len(parts) not in (5, 7) or parts[1:3] != ["v2", "models"] or not parts[3] or (
+            len(parts) == 7 and not (parts[4] == "versions" and parts[5].isascii() and parts[5].isdigit())):
+        return None
+    return parts[3].encode("latin-1").decode("utf-8", "surrogateescape"), parts[5] if len(parts) == 7 else "", parts[-1]
+
+
+def opts_out(req: HttpRequest) -> bool:
+    """Whether the client asked not to be answered from the cache (Cache-Control: no-cache or no-store)."""
+    cache_control = req.headers.get("cache-control", "")
+    return "no-store" in cache_control or "no-cache" in cache_control
 
 
 async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
-from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse
+from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
 PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -209,8 +209,7 @@ class OpenAIFrontend:
         model, fields, max_tokens, n, stops, stream, options = self._request(req, chat)
         choices = [Choice(i, stops) for i in range(n)]
         events: asyncio.Queue = asyncio.Queue()
-        cache_control = req.headers.get("cache-control", "")
-        opt_out = "no-store" in cache_control or "no-cache" in cache_control
+        opt_out = opts_out(req)
         tasks = [asyncio.ensure_future(self._run(model, fields, c, events, opt_out)) for c in choices]
         first = await events.get()  # the first event, or an error before anything was generated
         if isinstance(first, OpenAIError):

@@ -43,7 +43,7 @@ class Sequence:
     finished: bool = False
     started_step: int | None = None  # the engine's step that began its prefill
     prefilled: int = 0  # prompt tokens in its cache so far
-    partial: tuple[dict[str, np.ndarray], np.ndarray] | None = None  # its cache and mask while prefilling
+    partial: dict[str, np.ndarray] | None = None  # its cache while prefilling (every position its own)
 
     @property
     def reserved(self) -> int:
@@ -101,7 +101,7 @@ class Engine:
         ones' next tokens — so a server can send the first ones before the batch decodes."""
         self.steps_started += 1
         self.prefilling += self._admit()
-        joining: list[tuple[Sequence, dict[str, np.ndarray], np.ndarray]] = []
+        joining: list[tuple[Sequence, dict[str, np.ndarray]]] = []
         if self.prefilling:
             produced, joining = self._prefill()
             yield produced
@@ -141,7 +141,7 @@ class Engine:
                 break
             group.append((s, take))
             budget -= take
-        past_len = max(s.partial[1].shape[1] if s.partial else 0 for s, _ in group)
+        past_len = max(_positions(s.partial) for s, _ in group)
         width = max(take for _, take in group)
         rows = len(group)
         ids = np.zeros((rows, width), np.int64)
@@ -155,24 +155,23 @@ class Engine:
             positions[b] = s.prefilled + np.arange(width)
             mask[b, past_len:past_len + take] = 1
             if s.partial:
-                cache, held = s.partial
-                mask[b, :held.shape[1]] = held[0]
+                held = _positions(s.partial)
+                mask[b, :held] = 1
                 for name in past:
-                    past[name][b, :, :held.shape[1]] = cache[name][0]
+                    past[name][b, :, :held] = s.partial[name][0]
         logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past})
         produced, joining = [], []
         for b, (s, take) in enumerate(group):
             s.prefilled += take
             held = np.flatnonzero(mask[b])  # the row's own positions, the padding left out
-            row = ({name: value[b:b + 1, :, held] for name, value in present.items()},
-                   np.ones((1, held.size), np.int64))
+            row = {name: value[b:b + 1, :, held] for name, value in present.items()}
             if s.prefilled < len(s.prompt):
                 s.partial = row
                 continue
             s.partial = None
             produced.append(self._choose(s, logits[b, take - 1]))
-            joining.append((s, *row))
-        done = {id(s) for s, *_ in joining}
+            joining.append((s, row))
+        done = {id(s) for s, _ in joining}
         self.prefilling = [s for s in self.prefilling if id(s) not in done]
         return produced, joining
 
@@ -191,21 +190,22 @@ class Engine:
         s._take(token)
         return s, token
 
-    def _append(self, joining: list[tuple[Sequence, dict[str, np.ndarray], np.ndarray]]) -> None:
+    def _append(self, joining: list[tuple[Sequence, dict[str, np.ndarray]]]) -> None:
         """The joining sequences' rows after the running ones, all padded (masked) to the longest."""
         if not joining:
             return
-        width = max(self.mask.shape[1], *(mask.shape[1] for _, _, mask in joining))
+        width = max(self.mask.shape[1], *(_positions(c) for _, c in joining))
 
         def padded(a: np.ndarray, axis: int) -> np.ndarray:
             pad = [(0, 0)] * a.ndim
             pad[axis] = (0, width - a.shape[axis])
             return np.pad(a, pad) if pad[axis][1] else a
 
-        self.cache = {n: np.concatenate([padded(self.cache[n], 2), *(padded(c[n], 2) for _, c, _ in joining)])
+        self.cache = {n: np.concatenate([padded(self.cache[n], 2), *(padded(c[n], 2) for _, c in joining)])
                       for n in self.cache}
-        self.mask = np.concatenate([padded(self.mask, 1), *(padded(m, 1) for _, _, m in joining)])
-        self.running += [s for s, _, _ in joining]
+        self.mask = np.concatenate([padded(self.mask, 1),
+                                    *(padded(np.ones((1, _positions(c)), np.int64), 1) for _, c in joining)])
+        self.running += [s for s, _ in joining]
 
     def _keep(self, rows: list[int]) -> None:
         """Keep these rows of the batch (and only the positions they use)."""
@@ -220,3 +220,8 @@ class Engine:
         else:
             self.cache = {n: v[rows] for n, v in self.cache.items()}
         self.mask = mask
+
+
+def _positions(cache: dict[str, np.ndarray] | None) -> int:
+    """Positions a sequence's own cache holds (0 for none)."""
+    return next(iter(cache.values())).shape[2] if cache else 0
