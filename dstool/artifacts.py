@@ -6,6 +6,7 @@ stage reads — never a glob, a guess or prose.
                       RUN/checkpoints/step-N/...     Checkpoint       a DeepSpeed tag folder, hashed
     dstool compress   OUT/dstool.json                CompressedModel  both ONNX graphs, the recipe, the figures
     dstool export     REPOSITORY/dstool.json         Repository       what every deployed version is made of
+    dstool batch      OUT/dstool.json                BatchOutput      the partitions, the model version, figures
 
 Paths inside a manifest are relative to its folder, so an artefact can be moved or copied whole. Every
 manifest names its `kind` and `schema_version`; a reader refuses another kind, or a schema it does not
@@ -398,7 +399,64 @@ class Repository(Manifest):
     deployments: list[Deployment] = Field(default_factory=list, description="newest last")
 
 
-KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository)
+# ---- dstool batch --------------------------------------------------------------------------------------
+
+class BatchInput(_Model):
+    """The data set a batch job read."""
+
+    path: str = Field(description="file or folder, or the embedded prompts")
+    format: Literal["jsonl", "parquet", "csv", "embedded"]
+    fingerprint: str = Field(description="sha256 over its files' contents (the embedded prompts: over their text)")
+    rows: int = Field(description="rows used (after --max-rows)")
+
+
+class BatchPartition(_Model):
+    """One output partition, written atomically by the task that computed it."""
+
+    index: int
+    file: str = Field(description="its rows, relative to the output folder")
+    rows: int = Field(description="rows in the file")
+    failed: int = Field(description="rows recorded in failures.jsonl instead")
+    prompt_tokens: int
+    generated_tokens: int
+    seconds: float = Field(description="the task's computing time")
+
+
+class BatchFigures(_Model):
+    """What the run that finished the job measured (partitions done by an earlier run count their own time)."""
+
+    rows: int
+    failed: int
+    prompt_tokens: int
+    generated_tokens: int
+    seconds: float = Field(description="wall time of this run's Spark job")
+    rows_per_s: float
+    generated_tokens_per_s: float
+    partitions_skipped: int = Field(description="partitions an earlier run had finished")
+
+
+class BatchOutput(Manifest):
+    """A `dstool batch` output: each partition's rows, which model version made them, and the figures."""
+
+    PRODUCER: ClassVar[str] = "dstool batch"
+
+    kind: Literal["batch-output"] = "batch-output"
+    job: str = Field(description="sha256 of what decides the results (input, model version, task, options): a "
+                     "re-run with the same job resumes, another one is refused")
+    status: Literal["running", "done"]
+    input: BatchInput
+    task: Literal["generate", "score"]
+    engine: Literal["onnx", "triton"]
+    deployment: Deployment = Field(description="the repository's entry for the model version used")
+    settings: dict = Field(description="the BatchConfig it ran with")
+    partitions: list[BatchPartition] = Field(default_factory=list, description="finished partitions, by index")
+    planned_partitions: int
+    failures: str | None = Field(None, description="failures.jsonl: the rows that could not run, with the reason")
+    figures: BatchFigures | None = None
+
+
+KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository,
+                                      BatchOutput)
 
 
 def weights_sha256(folder: Path) -> str:

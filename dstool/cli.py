@@ -87,6 +87,13 @@ def _export(cfg) -> int:
 
 
 def _serve(cfg) -> int:
+    if cfg.emit == "k8s":
+        import yaml
+
+        from dstool.serve.k8s import serving_manifests
+
+        print(yaml.safe_dump_all(serving_manifests(cfg), sort_keys=False), end="")
+        return 0
     from dstool.serve.server import serve
 
     return serve(cfg)
@@ -117,6 +124,25 @@ def _infer(cfg) -> int:
         return 0
     logits = client.infer_ids(cfg.address, cfg.protocol, cfg.model, cfg.token_ids())
     print(f"logits {list(logits.shape)}; greedy next token per position: {logits.argmax(-1).tolist()}")
+    return 0
+
+
+def _batch(cfg) -> int:
+    from dstool.serve.batch import run_batch
+
+    m = run_batch(cfg)
+    f = m.figures
+    assert f is not None
+    made = f"{f.generated_tokens} tokens generated, {f.generated_tokens_per_s:g} tokens/s, " if m.task == "generate" \
+        else f"{f.prompt_tokens} tokens scored, "
+    failed = f"; {f.failed} rows failed: {Path(cfg.output) / m.failures}" if m.failures else ""
+    again = f" ({f.partitions_skipped} partitions done by an earlier run)" if f.partitions_skipped else ""
+    if f.partitions_skipped == m.planned_partitions:
+        dlog.log.info(f"dstool batch: nothing left to do: all {f.rows} rows were done by an earlier run of this job; "
+                      f"output: {Path(cfg.output) / 'rows'}")
+        return 0
+    dlog.log.info(f"dstool batch: {f.rows} rows in {f.seconds:.1f} s{again}, {f.rows_per_s:g} rows/s, {made}model "
+                  f"{m.deployment.name} version {m.deployment.version}{failed}; output: {Path(cfg.output) / 'rows'}")
     return 0
 
 
@@ -183,6 +209,12 @@ COMMANDS: dict[str, Command] = {
                        "cache in front of Triton", "Serve the KServe v2 protocol (HTTP JSON/binary and gRPC) on its "
                        "own ports, answering repeated inference requests from a Redis cache and sending the rest to "
                        "the --upstream Triton servers."),
+    "batch": Command(_serve_config("BatchConfig"), _batch, "offline generation or scoring of a data set on Apache "
+                     "Spark (ONNX Runtime in the executors, or a running Triton/gateway)", "Read INPUT (jsonl, "
+                     "parquet or csv; default: 1,000 held-out prompts of the embedded corpus) with Spark, run every "
+                     "row through the repository's model and write OUTPUT/rows/ (the input columns, the generated "
+                     "text or scores, token counts, latency, the model version), one file per partition, written "
+                     "atomically; a re-run of the same job resumes where it stopped."),
     "pipeline": Command(_pipeline_config, _pipeline, "the whole job on the embedded default: train -> compress -> "
                         "export -> serve (Triton + cache gateway) -> infer", "Train the tiny model, compress it (int8 "
                         "and a pruned variant), export the int8 model to a Triton repository, serve it behind the "

@@ -51,3 +51,28 @@ def read_documents(data: str | None) -> list[str]:
 def read_split(folder: Path, split: str, dtype: str) -> np.ndarray:
     """A run's tokenized split (train or val) as a read-only memory map."""
     return np.memmap(Path(folder) / f"{split}.bin", dtype=dtype, mode="r")
+
+
+EMBEDDED_PROMPTS = "embedded:heldout-prompts"
+
+
+def heldout_prompts(n: int = 1000, val_fraction: float = 0.05) -> list[str]:
+    """`n` prompts from the embedded corpus's held-out tail (the share `dstool train` keeps out of training): each a
+    speaker's name and the first words of one of their lines, in corpus order."""
+    docs = read_documents(None)
+    total, tail, kept = sum(len(d) for d in docs), 0, []
+    for doc in reversed(docs):  # the documents that hold the last val_fraction of the text
+        if tail >= total * val_fraction:
+            break
+        kept.append(doc)
+        tail += len(doc)
+    prompts = []
+    for doc in reversed(kept):
+        speaker, _, speech = doc.partition("\n")
+        for line in speech.splitlines():
+            words = line.split()
+            if speaker.endswith(":") and len(words) >= 3:
+                prompts.append(f"{speaker}\n{' '.join(words[:3])}")
+    if len(prompts) < n:
+        raise UsageError(f"the embedded corpus's held-out tail holds {len(prompts)} prompts, fewer than {n}")
+    return prompts[:n]

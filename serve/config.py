@@ -10,9 +10,13 @@ from urllib.parse import urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
+from dstool import __version__
 from dstool.config import CommandConfig, positional
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
+DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
+QUANTITY_RE = re.compile(r"^\d+(\.\d+)?([mkMGTPE]|[KMGTPE]i)?$")
 CACHE_SCHEMES = ("redis", "rediss", "unix", "memory")
 
 
@@ -197,6 +201,10 @@ class GatewayConfig(GatewayOptions):
         return [f"{a.rpartition(':')[0]}:{int(a.rpartition(':')[2]) + 1}" for a in self.upstreams]
 
 
+K8S_OPTIONS = {"image", "k8s_name", "replicas", "max_replicas", "target_requests_per_second", "repository_pvc",
+               "repository_image", "cpu", "memory", "gpus", "redis_maxmemory_mb"}
+
+
 class ServeConfig(GatewayOptions):
     """`dstool serve`: a real Triton on a repository; with `cache`, behind the cache gateway."""
 
@@ -216,11 +224,60 @@ class ServeConfig(GatewayOptions):
                               "internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, "
                               "or no value (auto): local Redis if it answers, else an in-process LRU",
                               json_schema_extra={"cli": {"const": "auto", "metavar": "URL"}})
+    emit: Literal["k8s"] | None = Field(None, description="print the Kubernetes objects (YAML) of this serving tier "
+                                        "instead of starting it: Deployment, Service, HorizontalPodAutoscaler and, "
+                                        "without --cache URL, a Redis StatefulSet")
+    image: str = Field(f"dstool-serve:{__version__}", description="the serve image (Dockerfile target serve) for "
+                       "--emit k8s")
+    k8s_name: str = Field("dstool-serve", description="name of the Kubernetes objects, Redis's NAME-redis "
+                          "(--emit k8s)", json_schema_extra={"cli": {"metavar": "NAME"}})
+    replicas: int = Field(1, ge=1, description="serving pods, the autoscaler's minimum (--emit k8s)")
+    max_replicas: int = Field(4, ge=1, description="the autoscaler's maximum; equal to --replicas: no autoscaler "
+                              "(--emit k8s)")
+    target_requests_per_second: float = Field(50.0, gt=0, description="inference requests per second per pod the "
+                                              "autoscaler aims at (--emit k8s)",
+                                              json_schema_extra={"cli": {"metavar": "RATE"}})
+    repository_pvc: str | None = Field(None, description="PersistentVolumeClaim holding the model repository, "
+                                       "mounted read-only at /models (--emit k8s; default: dstool-models unless "
+                                       "--repository-image)", json_schema_extra={"cli": {"metavar": "CLAIM"}})
+    repository_image: str | None = Field(None, description="image with the model repository at /models and a cp, "
+                                         "which an init container copies into the pod (--emit k8s)",
+                                         json_schema_extra={"cli": {"metavar": "IMAGE"}})
+    cpu: str = Field("2", description="CPU each serving pod requests and is limited to (--emit k8s)")
+    memory: str = Field("8Gi", description="memory each serving pod requests and is limited to (--emit k8s)")
+    gpus: int = Field(0, ge=0, description="nvidia.com/gpu per serving pod, for a repository exported with --device "
+                      "gpu (--emit k8s)")
+    redis_maxmemory_mb: int = Field(1024, ge=16, description="maxmemory (allkeys-lru) of the emitted Redis "
+                                    "(--emit k8s)", json_schema_extra={"cli": {"metavar": "MB"}})
 
     @field_validator("cache")
     @classmethod
     def _cache(cls, v: str | None) -> str | None:
         return v if v in (None, "auto") else check_cache_url(v)
+
+    @model_validator(mode="after")
+    def _k8s(self) -> ServeConfig:
+        if self.emit is None:
+            given = sorted(K8S_OPTIONS & self.model_fields_set)
+            if given:
+                raise ValueError(f"--{given[0].replace('_', '-')} applies to --emit k8s only")
+            return self
+        if self.repository_pvc and self.repository_image:
+            raise ValueError("give --repository-pvc or --repository-image, not both")
+        if self.max_replicas < self.replicas:
+            raise ValueError(f"--max-replicas {self.max_replicas} is below --replicas {self.replicas}")
+        if not DNS_LABEL_RE.match(self.k8s_name) or len(self.k8s_name) > 46:
+            raise ValueError(f"--k8s-name '{self.k8s_name}' is not a Kubernetes name: lowercase letters, digits and "
+                             "'-', starting with a letter, at most 46 characters")
+        if self.repository_pvc and (not DNS_SUBDOMAIN_RE.match(self.repository_pvc) or len(self.repository_pvc) > 253):
+            raise ValueError(f"--repository-pvc '{self.repository_pvc}' is not a Kubernetes name")
+        for flag, value in (("--cpu", self.cpu), ("--memory", self.memory)):
+            if not QUANTITY_RE.match(value):
+                raise ValueError(f"{flag} '{value}' is not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
+        if self.cache and self.cache.startswith("unix:"):
+            raise ValueError("--cache unix://... is a socket on this machine, which a pod cannot reach: give a "
+                             "redis:// URL or leave --cache out for an emitted Redis")
+        return self
 
     def gateway(self, upstream_http: str, upstream_grpc: str) -> GatewayConfig:
         """The gateway in front of a Triton listening on these internal addresses."""
@@ -230,7 +287,26 @@ class ServeConfig(GatewayOptions):
                              grpc_port=self.grpc_port, repository=str(Path(self.repository).resolve()))
 
 
-class InferConfig(CommandConfig):
+class SamplingOptions(CommandConfig):
+    """How generated tokens are chosen (greedy unless one of these asks to sample), as the models' request
+    parameters."""
+
+    temperature: float | None = Field(None, ge=0, le=100, description="sample at this temperature (0: greedy)")
+    top_k: int | None = Field(None, ge=0, description="sample from the k most likely tokens")
+    top_p: float | None = Field(None, gt=0, le=1, description="sample from the smallest set this likely")
+    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below this share of the most likely")
+    repetition_penalty: float | None = Field(None, gt=0, description="penalize tokens already in prompt or output")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's presence penalty")
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's frequency penalty")
+    seed: int | None = Field(None, ge=0, description="the same seed, the same sampled text")
+
+    def sampling(self) -> dict:
+        """The options given, as the models' request parameters."""
+        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                 "frequency_penalty", "seed")
+        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
+
+class InferConfig(SamplingOptions):
     """`dstool infer`: text through MODEL_generate, or token ids through the tensor model, with tritonclient."""
 
     prompt: str | None = positional("text to continue", default=None)
@@ -243,14 +319,6 @@ class InferConfig(CommandConfig):
     model: str = Field("dstool_lm", description="the model family's name in the repository")
     stream: bool = Field(False, description="print the text token by token as MODEL_llm generates it")
     openai: bool = Field(False, description="ask the gateway's OpenAI route (/v1/completions; HTTP port)")
-    temperature: float | None = Field(None, ge=0, le=100, description="sample at this temperature (0: greedy)")
-    top_k: int | None = Field(None, ge=0, description="sample from the k most likely tokens")
-    top_p: float | None = Field(None, gt=0, le=1, description="sample from the smallest set this likely")
-    min_p: float | None = Field(None, ge=0, le=1, description="drop tokens below this share of the most likely")
-    repetition_penalty: float | None = Field(None, gt=0, description="penalize tokens already in prompt or output")
-    presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's presence penalty")
-    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's frequency penalty")
-    seed: int | None = Field(None, ge=0, description="the same seed, the same sampled text")
 
     @field_validator("ids")
     @classmethod
@@ -269,15 +337,62 @@ class InferConfig(CommandConfig):
             raise ValueError("--openai speaks HTTP to the gateway: drop --protocol grpc")
         return self
 
-    def sampling(self) -> dict:
-        """The sampling options given, as the models' request parameters."""
-        names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
-                 "frequency_penalty", "seed")
-        return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
-
     def token_ids(self) -> list[int]:
         return [int(x) for x in (self.ids or "").split(",") if x.strip()]
 
     @property
     def address(self) -> str:
         return self.url or ("127.0.0.1:8001" if self.protocol == "grpc" else "127.0.0.1:8000")
+
+
+class BatchConfig(SamplingOptions):
+    """`dstool batch`: offline generation or scoring over a data set on Apache Spark."""
+
+    input: str = positional("jsonl, parquet or csv file (or a folder of them) of prompts; default: 1,000 prompts "
+                            "from the embedded corpus's held-out tail", default="embedded:heldout-prompts",
+                            metavar="INPUT")
+    output: str = Field("runs/batch", description="output folder: rows/ (one file per partition), failures.jsonl, "
+                        "dstool.json")
+    repository: str = Field("model_repository", description="the model repository (from dstool export): its "
+                            "manifest says which version made the results")
+    model: str = Field("dstool_lm", description="the model family's name in the repository")
+    version: int | None = Field(None, ge=1, description="the deployed version to use (default: the newest)")
+    task: Literal["generate", "score"] = Field("generate", description="generate: new text after each prompt; "
+                                               "score: each text's log-likelihood and perplexity")
+    engine: Literal["onnx", "triton"] = Field("onnx", description="onnx: ONNX Runtime inside each executor on the "
+                                              "repository's graphs; triton: a running Triton or dstool gateway "
+                                              "(--url), so online and offline traffic share its cache")
+    url: str = Field("127.0.0.1:8001", description="--engine triton: the gRPC HOST:PORT of Triton or the gateway")
+    column: str = Field("prompt", description="the input column of text")
+    ids_column: str | None = Field(None, description="an input column of token-id lists to use instead of text "
+                                   "(--engine onnx)")
+    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate per row (default: the model's)")
+    master: str | None = Field(None, description="Spark master: local[N], spark://HOST:7077, k8s://..., yarn "
+                               "(default: local[2], or spark-submit's)")
+    partitions: int | None = Field(None, ge=1, description="output partitions, each resumable on its own "
+                                   "(default: one per 128 rows, at least 2)")
+    max_batch: int = Field(16, ge=1, description="--engine onnx: rows decoded together per step in a task")
+    concurrency: int = Field(16, ge=1, description="--engine triton: requests in flight per task")
+    max_rows: int | None = Field(None, ge=1, description="use the first N rows of the input only")
+    format: Literal["parquet", "jsonl"] = Field("parquet", description="output file format")
+    on_error: Literal["fail", "record"] = Field("fail", description="a row that cannot run (a prompt too long for "
+                                                "the model, an empty one): fail the job with one line, or record "
+                                                "it in failures.jsonl and go on")
+    overwrite: bool = Field(False, description="discard an output folder that holds another job's results")
+    spark_conf: dict[str, str] = Field(default_factory=dict, description="extra Spark settings KEY=VALUE (repeat)",
+                                       json_schema_extra={"cli": {"flag": "--conf", "metavar": "KEY=VALUE"}})
+
+    @field_validator("url")
+    @classmethod
+    def _url(cls, v: str) -> str:
+        return _host_port(v)
+
+    @model_validator(mode="after")
+    def _choices(self) -> BatchConfig:
+        if self.ids_column is not None and self.engine == "triton":
+            raise ValueError("--ids-column needs --engine onnx (the served generation model takes text): give a text "
+                             "--column or --engine onnx")
+        if self.task == "score" and (self.sampling() or self.max_new_tokens is not None):
+            raise ValueError("--task score reads the texts as they are: drop the sampling and --max-new-tokens "
+                             "options")
+        return self
