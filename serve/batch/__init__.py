@@ -194,7 +194,7 @@ def _read(spark, cfg: BatchConfig):
     where = str(path.resolve()) if local else cfg.input
     reader = spark.read
     df = {"jsonl": lambda: reader.json(where), "parquet": lambda: reader.parquet(where),
-          "csv": lambda: reader.option("header", True).csv(where)}[fmt]()
+          "csv": lambda: reader.options(header=True, multiLine=True, escape="\"").csv(where)}[fmt]()
     wanted = cfg.ids_column or cfg.column
     if wanted not in df.columns:
         flag = "--ids-column" if cfg.ids_column else "--column"

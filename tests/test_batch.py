@@ -1,0 +1,161 @@
+"""`dstool batch` on a real local Spark (pyspark, Java 17): the embedded prompts, the ONNX Runtime engine against
+Triton and `dstool infer`, the Triton engine through the cache gateway, scoring against PyTorch, a job killed and
+resumed (by spark-submit), bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pandas as pd
+import pytest
+from conftest import DSTOOL, cli, dstool, one_line_usage_error
+
+from dstool.errors import UsageError
+
+
+def _batch(**options):
+    from dstool.serve.batch import run_batch
+    from dstool.serve.config import BatchConfig
+
+    return run_batch(BatchConfig(**options))
+
+
+def _rows(out: Path) -> pd.DataFrame:
+    return pd.read_parquet(out / "rows").sort_values("row").reset_index(drop=True)
+
+
+def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(repo, tmp_path):
+    out = tmp_path / "out"
+    args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "24", "--partitions", "10"]
+    proc = subprocess.Popen([*DSTOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    deadline = time.time() + 300
+    while len(list((out / "_parts").glob("*.json"))) < 2:
+        assert proc.poll() is None and time.time() < deadline, proc.stdout.read() if proc.stdout else ""
+        time.sleep(0.2)
+    os.killpg(proc.pid, signal.SIGKILL)  # the CLI, its Spark JVM and the Python workers
+    proc.wait()
+    finished = {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir() if not p.name.startswith(".")}
+    assert 2 <= len(finished) < 10
+    assert json.loads((out / "dstool.json").read_text())["status"] == "running"
+
+    import pyspark
+
+    submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
+    from dstool import cli as cli_module
+
+    rerun = subprocess.run([str(submit), "--master", "local[2]", cli_module.__file__, *args], capture_output=True,
+                           text=True, timeout=600, env=dict(os.environ, PYSPARK_PYTHON=sys.executable))
+    assert rerun.returncode == 0, rerun.stderr[-3000:]
+    assert f"({len(finished)} partitions done by an earlier run)" in rerun.stdout
+    rows = _rows(out)
+    assert rows["row"].tolist() == list(range(1000))  # each of the 1,000 embedded prompts once
+    assert {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir() if p.name in finished} == finished
+    assert not list(out.glob("*/.*.tmp"))
+    manifest = json.loads((out / "dstool.json").read_text())
+    assert manifest["status"] == "done" and manifest["figures"]["partitions_skipped"] == len(finished)
+    assert len(manifest["partitions"]) == 10 and sum(p["rows"] for p in manifest["partitions"]) == 1000
+    assert (rows["model"] == "dstool_lm").all() and (rows["model_version"] == manifest["deployment"]["version"]).all()
+    assert rows["prompt"].str.contains(":\n").all() and (rows["generated_tokens"] >= 1).all()
+
+    again = dstool(*args)  # the whole job done: nothing is recomputed
+    assert "nothing left to do" in again.stdout
+
+
+def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache(repo, server, redis_server,
+                                                                                 tmp_path):
+    from gatewaylib import GatewayProcess
+
+    from dstool.serve import client
+
+    _batch(repository=str(repo), output=str(tmp_path / "onnx"), max_rows=40, max_new_tokens=12, partitions=2)
+    offline = _rows(tmp_path / "onnx")
+    for i in (0, 17, 39):  # dstool infer through Triton itself: the same text
+        text, ids = client.generate_text(server.grpc_url, "grpc", "dstool_lm", offline.prompt[i], 12)
+        assert text == offline.text[i] and len(ids) == offline.generated_tokens[i]
+
+    gw = GatewayProcess(tmp_path / "gateway.log", argv=["--upstream", server.http_url, "--upstream-grpc",
+                                                        server.grpc_url, "--cache", redis_server.url])
+    try:
+        _batch(repository=str(repo), output=str(tmp_path / "triton"), max_rows=40, max_new_tokens=12, engine="triton",
+               url=gw.grpc_url, concurrency=4)
+        through_triton = _rows(tmp_path / "triton")
+        assert through_triton.text.tolist() == offline.text.tolist()
+        misses = gw.metric("dstool_gateway_cache_misses_total", model="dstool_lm_generate")
+        assert misses >= 1
+        hits = gw.metric("dstool_gateway_cache_hits_total", model="dstool_lm_generate")
+        text, _ = client.generate_text(gw.grpc_url, "grpc", "dstool_lm", offline.prompt[5], 12)  # online, after
+        assert text == offline.text[5]
+        assert gw.metric("dstool_gateway_cache_hits_total", model="dstool_lm_generate") == hits + 1
+        assert gw.metric("dstool_gateway_cache_misses_total", model="dstool_lm_generate") == misses
+    finally:
+        gw.stop()
+
+
+def test_scores_equal_pytorch_in_every_input_format_and_jsonl_output(trained, repo, tmp_path):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    texts = ["ROMEO:\nBut soft, what light through yonder window breaks?", "JULIET:\nO Romeo", "A"]
+    pd.DataFrame({"text": texts, "id": [10, 11, 12]}).to_parquet(tmp_path / "in.parquet")
+    pd.DataFrame({"text": texts, "id": [10, 11, 12]}).to_csv(tmp_path / "in.csv", index=False)
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)))
+    results = {}
+    for fmt in ("parquet", "csv", "jsonl"):
+        out = tmp_path / f"score-{fmt}"
+        _batch(input=str(tmp_path / f"in.{fmt}"), repository=str(repo), output=str(out), task="score",
+               column="text", format="jsonl" if fmt == "jsonl" else "parquet")
+        read = (lambda p: pd.read_json(p, lines=True)) if fmt == "jsonl" else pd.read_parquet
+        results[fmt] = pd.concat(read(p) for p in sorted((out / "rows").glob("part-*"))).sort_values("row")
+    model = AutoModelForCausalLM.from_pretrained(trained).eval()
+    tok = AutoTokenizer.from_pretrained(trained)
+    for i, text in enumerate(texts):
+        ids = torch.tensor([tok(text)["input_ids"]])
+        with torch.no_grad():
+            logp = torch.log_softmax(model(ids).logits[0, :-1].double(), -1)
+        want = float(logp[torch.arange(ids.shape[1] - 1), ids[0, 1:]].sum())
+        for fmt, got in results.items():
+            row = got.iloc[i]
+            assert row["tokens"] == ids.shape[1] and abs(row["logprob"] - want) < 1e-3 * max(1, abs(want)), fmt
+    one_token = results["parquet"].iloc[2]
+    assert one_token["tokens"] == 1 and one_token["logprob"] == 0 and pd.isna(one_token["perplexity"])
+    assert results["csv"]["id"].astype(int).tolist() == [10, 11, 12]  # the input columns come along
+
+
+def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
+    result = cli("batch", str(tmp_path / "missing.jsonl"), "--repository", str(repo), "--output", str(tmp_path / "o"))
+    one_line_usage_error(result, "does not exist")
+    one_line_usage_error(cli("batch", "--repository", str(tmp_path), "--output", str(tmp_path / "o")),
+                         "not a model repository")
+    (tmp_path / "empty.jsonl").write_text("")
+    with pytest.raises(UsageError, match="is empty"):
+        _batch(input=str(tmp_path / "empty.jsonl"), repository=str(repo), output=str(tmp_path / "o1"))
+    rows = [{"prompt": "ROMEO:\nHello"}, {"prompt": "word " * 1100}, {"prompt": ""}, {"other": 1},
+            {"prompt": "JULIET:\nGood night"}]
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    with pytest.raises(UsageError, match="no column 'text'.*--column"):
+        _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o2"), column="text")
+    with pytest.raises(UsageError, match=r"row 1: prompt \(\d+ tokens\) \+ max_new_tokens .*--on-error record"):
+        _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1)
+    m = _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1,
+               on_error="record")  # the same job, resumed: the failed run wrote nothing
+    assert m.figures.rows == 2 and m.figures.failed == 3
+    assert _rows(tmp_path / "o3")["row"].tolist() == [0, 4]
+    failures = [json.loads(line) for line in (tmp_path / "o3" / "failures.jsonl").read_text().splitlines()]
+    assert [f["row"] for f in failures] == [1, 2, 3]
+    assert "exceed the model's" in failures[0]["error"] and "empty" in failures[1]["error"]
+    assert "missing" in failures[2]["error"] and failures[2]["other"] == 1
+    with pytest.raises(UsageError, match="another batch job.*--overwrite"):
+        _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1,
+               max_new_tokens=3)
+    ids = [{"ids": [5, 6, 7]}, {"ids": [1, 10 ** 9]}]
+    (tmp_path / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
+    m = _batch(input=str(tmp_path / "ids.jsonl"), repository=str(repo), output=str(tmp_path / "o4"),
+               ids_column="ids", on_error="record", max_new_tokens=4)
+    assert m.figures.rows == 1 and "outside the vocabulary" in (tmp_path / "o4" / "failures.jsonl").read_text()
