@@ -6,6 +6,12 @@
 # `dstool export` the model first: the serve image copies model_repository/ as it is (exported with
 # `--backend onnxruntime` to use the ONNX Runtime backend of the NGC image). docker-compose.yml runs
 # the serving stack (Triton + gateway, Redis).
+#
+# Without NGC (no GPU, no registry): `serve` also builds on a plain Debian bookworm base, with
+#   --build-arg TRITON_IMAGE=dstool-base:bookworm --build-arg TRITONSERVER=
+# An empty TRITONSERVER says the base has no Triton: python3 comes from apt and `dstool serve` runs the
+# tritonserver of the nvidia-pytriton wheel (python backend only; export with the default `--backend python`).
+# scripts/images.sh builds that image here and runs it with docker-compose.cpu.yml (see docs/images.md).
 
 ARG PYTORCH_IMAGE=nvcr.io/nvidia/pytorch:25.10-py3
 ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3
@@ -35,21 +41,37 @@ CMD ["train", "--help"]
 
 # ---- serve: NGC Triton (ONNX Runtime + python backends) with the repository and the gateway in front
 FROM ${TRITON_IMAGE} AS serve
-ENV PIP_NO_CACHE_DIR=1 \
+# The base image's tritonserver; empty: the base has none (plain Debian bookworm, whose python3 is 3.11, a version
+# the wheel ships a python backend stub for): Python is installed with apt and dstool serve finds the wheel's server.
+ARG TRITONSERVER=/opt/tritonserver/bin/tritonserver
+ENV DSTOOL_TRITONSERVER=${TRITONSERVER} \
+    PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
     PIP_BREAK_SYSTEM_PACKAGES=1 \
     PYTHONUNBUFFERED=1
+# Debian's own python3 (bookworm: 3.11) and the libpython3.11 the python backend stub links against;
+# the versions are those of the base's Debian point release.
+# hadolint ignore=DL3008
+RUN if [ -z "${TRITONSERVER}" ]; then \
+        apt-get update \
+        && apt-get install -y --no-install-recommends python3 python3-pip libpython3.11 \
+        && rm -rf /var/lib/apt/lists/*; \
+    fi
 WORKDIR /opt/dstool
 COPY --from=source /src/ ./
 # Only what serving needs (the `serve` extra: no torch, no DeepSpeed). Triton's python backend runs the
 # tokenizer, detokenizer and generation models with this Python, so onnxruntime, the tokenizer and numpy<2
 # go into the system interpreter.
+# (-I: the check imports the installed package, not the source folder ./dstool beside it)
 RUN python3 -m pip install --no-cache-dir "./[serve]" \
-    && python3 -c "import dstool.serve.server, dstool.serve.gateway, tritonclient.grpc, redis"
+    && python3 -I -c "import dstool.serve.server, dstool.serve.gateway, tritonclient.grpc, redis"
 COPY model_repository/ /models/
+# out of the source folder, whose ./dstool would shadow the installed package for `python3 -c` and the like
+WORKDIR /
 # the gateway's KServe v2 HTTP (+ /metrics) and gRPC ports; Triton listens on internal ports only
 EXPOSE 8000 8001
 HEALTHCHECK --interval=10s --timeout=3s --start-period=120s \
     CMD ["python3", "-c", "import urllib.request; urllib.request.urlopen('http://127.0.0.1:8000/v2/health/ready')"]
-ENTRYPOINT ["dstool", "serve", "--repository", "/models", "--tritonserver", "/opt/tritonserver/bin/tritonserver", "--host", "0.0.0.0", "--log-file", "/tmp/tritonserver.log"]
+# --tritonserver: $DSTOOL_TRITONSERVER (the NGC image's), else the nvidia-pytriton wheel's
+ENTRYPOINT ["dstool", "serve", "--repository", "/models", "--host", "0.0.0.0", "--log-file", "/tmp/tritonserver.log"]
 CMD ["--cache", "redis://redis:6379/0"]

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-from conftest import DSTOOL, cli, dstool, one_line_usage_error
 
 from dstool.errors import UsageError
+
+from conftest import DSTOOL, cli, dstool, one_line_usage_error
 
 
 def _batch(**options):
@@ -70,9 +71,9 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
 
 def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache(repo, server, redis_server,
                                                                                  tmp_path):
-    from gatewaylib import GatewayProcess
-
     from dstool.serve import client
+
+    from gatewaylib import GatewayProcess
 
     _batch(repository=str(repo), output=str(tmp_path / "onnx"), max_rows=40, max_new_tokens=12, partitions=2)
     offline = _rows(tmp_path / "onnx")
