@@ -6,7 +6,7 @@ import os
 import re
 from pathlib import Path
 from typing import Literal
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
@@ -17,7 +17,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 QUANTITY_RE = re.compile(r"^\d+(\.\d+)?([mkMGTPE]|[KMGTPE]i)?$")
-CACHE_SCHEMES = ("redis", "rediss", "unix", "memory")
+CACHE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix", "memory")
 
 
 def model_names(name: str) -> dict[str, str]:
@@ -67,13 +67,34 @@ class ExportConfig(RepositorySettings):
         return RepositorySettings(**self.model_dump(exclude={"model", "repository"}))
 
 
+def cluster_nodes(url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
+    """A redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT... URL's (user, password, startup nodes); ValueError
+    naming what is wrong."""
+    parts = urlsplit(url)
+    auth, _, hosts = parts.netloc.rpartition("@")
+    user, _, password = auth.partition(":")
+    nodes = []
+    for node in hosts.split(","):
+        host, _, port = node.strip().rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise ValueError(f"'{url}': '{node}' is not HOST:PORT (a cluster URL lists nodes as HOST:PORT,HOST:PORT)")
+        nodes.append((host.strip("[]"), int(port)))
+    if parts.path.strip("/") not in ("", "0"):
+        raise ValueError(f"'{url}': a Redis Cluster has database 0 only: drop '{parts.path}'")
+    return unquote(user) or None, unquote(password) or None, nodes
+
+
 def check_cache_url(url: str) -> str:
     """`url` if the gateway can use it as a cache, else ValueError naming what is wrong."""
     if url == "memory":
         return url
     parts = urlsplit(url)
     if parts.scheme not in CACHE_SCHEMES:
-        raise ValueError(f"'{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, unix:// or memory)")
+        raise ValueError(f"'{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, redis+cluster://, "
+                         "unix:// or memory)")
+    if parts.scheme.endswith("+cluster"):
+        cluster_nodes(url)
+        return url
     if parts.scheme == "unix":
         if not parts.path:
             raise ValueError(f"'{url}' names no socket path")
@@ -169,7 +190,9 @@ class GatewayConfig(GatewayOptions):
     upstreams_grpc: list[str] = Field(default_factory=list, description="the matching Triton gRPC endpoints "
                                       "(default: each HTTP port + 1)",
                                       json_schema_extra={"cli": {"flag": "--upstream-grpc", "metavar": "HOST:PORT"}})
-    cache: str | None = Field(None, description="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH or "
+    cache: str | None = Field(None, description="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., a Redis Cluster "
+                              "redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT (a redis:// URL of a cluster node works "
+                              "too), unix://PATH or "
                               "memory (default: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0 if it answers, else an "
                               "in-process LRU)", json_schema_extra={"cli": {"metavar": "URL"}})
     http_port: int = Field(8000, ge=0, le=65535)
@@ -221,8 +244,9 @@ class ServeConfig(GatewayOptions):
                                      "--cache-config, e.g. local,size=268435456 (for models exported with "
                                      "--response-cache)", json_schema_extra={"cli": {"metavar": "SPEC"}})
     cache: str | None = Field(None, description="put the caching gateway on --http-port/--grpc-port and Triton on "
-                              "internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., unix://PATH, memory, "
-                              "or no value (auto): local Redis if it answers, else an in-process LRU",
+                              "internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., "
+                              "redis+cluster://HOST:PORT,HOST:PORT, unix://PATH, memory, or no value (auto): local "
+                              "Redis if it answers, else an in-process LRU",
                               json_schema_extra={"cli": {"const": "auto", "metavar": "URL"}})
     emit: Literal["k8s"] | None = Field(None, description="print the Kubernetes objects (YAML) of this serving tier "
                                         "instead of starting it: Deployment, Service, HorizontalPodAutoscaler and, "

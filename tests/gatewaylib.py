@@ -127,6 +127,86 @@ class RedisServer:
             self.proc.wait(10)
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free and valid too."""
+    import random
+    import socket
+
+    while True:
+        port = random.randrange(20000, 30000)
+        try:
+            for p in (port, port + 10000):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            continue
+
+
+class RedisClusterServers:
+    """A real Redis Cluster on loopback: `masters` masters, each with one replica (redis-server
+    --cluster-enabled yes, joined by redis-cli --cluster create), failing over within about a second."""
+
+    def __init__(self, workdir: Path, masters: int = 3):
+        if REDIS_SERVER is None or shutil.which("redis-cli") is None:
+            pytest.fail("redis-server/redis-cli are not installed: run `bash scripts/setup.sh` (or apt-get install "
+                        "redis-server)")
+        self.workdir = workdir
+        self.ports = [_cluster_port() for _ in range(2 * masters)]
+        self.procs: dict[int, subprocess.Popen] = {}
+        for port in self.ports:
+            folder = workdir / str(port)
+            folder.mkdir(parents=True, exist_ok=True)
+            self.procs[port] = subprocess.Popen(
+                [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", "nodes.conf", "--cluster-node-timeout", "1000", "--save", "",
+                 "--repl-diskless-sync-delay", "0",
+                 "--appendonly", "no", "--dir", str(folder), "--logfile", str(folder / "redis.log")],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        for port in self.ports:
+            wait_for(lambda port=port: self.cli(port, "ping") == "PONG", f"redis-server on port {port}")
+        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+        wait_for(self.healthy, "the cluster to agree on its slots", 30)
+        wait_for(self.replicated, "every replica to copy its master", 30)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in self.ports[:2])
+
+    @staticmethod
+    def cli(port: int, *args: str) -> str:
+        done = subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True, timeout=10)
+        return done.stdout.strip()
+
+    def alive(self) -> list[int]:
+        return [p for p, proc in self.procs.items() if proc.poll() is None]
+
+    def healthy(self) -> bool:
+        return all("cluster_state:ok" in self.cli(p, "cluster", "info") for p in self.alive())
+
+    def replicated(self) -> bool:
+        roles = [self.cli(p, "info", "replication") for p in self.alive()]
+        return all("master_link_status:up" in r for r in roles if "role:slave" in r) and \
+            sum("role:slave" in r for r in roles) == len(self.ports) // 2
+
+    def masters(self) -> list[int]:
+        return [p for p in self.alive() if "role:master" in self.cli(p, "info", "replication")]
+
+    def keys_per_master(self) -> dict[int, int]:
+        return {p: int(self.cli(p, "dbsize")) for p in self.masters()}
+
+    def kill(self, port: int) -> None:
+        self.procs[port].kill()
+        self.procs[port].wait()
+
+    def stop(self) -> None:
+        for proc in self.procs.values():
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait(10)
+
+
 class GatewayProcess:
     """`dstool gateway` (argv) or the Python API (config dict) in its own process."""
 

@@ -40,7 +40,7 @@ class Gateway:
         self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
-        from dstool.serve.gateway.cache import RedisStore, ResultCache
+        from dstool.serve.gateway.cache import RedisStore, ResultCache, as_cluster_url
 
         c = self.config
         url, explicit = c.cache, c.cache is not None
@@ -49,8 +49,13 @@ class Gateway:
         store = None
         if url != "memory":
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
+            if await store.ping() and await store.cluster_node():
+                await store.close()
+                url = as_cluster_url(url)
+                store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping():
-                log.info(f"dstool gateway: cache: Redis {_safe(url)} (front: in-process LRU)")
+                kind = "Redis Cluster" if url.split("://", 1)[0].endswith("+cluster") else "Redis"
+                log.info(f"dstool gateway: cache: {kind} {_safe(url)} (front: in-process LRU)")
             elif explicit:
                 log.warning(f"gateway: Redis {_safe(url)} does not answer; requests go to Triton until it does")
             else:

@@ -23,6 +23,7 @@ from dstool.serve.gateway.tensors import InferResult, Tensor
 
 log = logging.getLogger("dstool.gateway")
 MAGIC = b"DSG1"
+WARN_EVERY = 10.0  # seconds between warnings that Redis failed
 
 
 class CorruptEntry(Exception):
@@ -136,34 +137,33 @@ class RedisStore:
     up to `max_backoff` while it keeps failing."""
 
     def __init__(self, url: str, timeout: float, on_error=lambda kind: None, max_backoff: float = 5.0):
-        import redis.asyncio as redis
-        from redis.asyncio.retry import Retry
-        from redis.backoff import NoBackoff
-
-        # No redis-py retries: a request must not wait for several timeouts before going to Triton.
-        self.client = redis.from_url(url, socket_timeout=timeout, socket_connect_timeout=timeout,
-                                     retry=Retry(NoBackoff(), 0))
+        self.client = _client(url, timeout)
         self.url = url
         self.on_error = on_error
         self.max_backoff = max_backoff
         self.down_until = 0.0
         self.backoff = 0.0
+        self.warned, self.warned_at = False, -WARN_EVERY
 
     @property
     def available(self) -> bool:
         return time.monotonic() >= self.down_until
 
     def _failed(self, e: BaseException) -> None:
-        if self.backoff == 0.0:
+        now = time.monotonic()
+        # one warning per outage, and at most one a WARN_EVERY seconds (a cluster's failover fails some calls, not all)
+        if self.backoff == 0.0 and not self.warned and now - self.warned_at > WARN_EVERY:
             log.warning("redis %s failed (%s: %s): serving from Triton until it answers again",
                         _redacted(self.url), type(e).__name__, e)
+            self.warned, self.warned_at = True, now
         self.backoff = min(self.max_backoff, max(0.1, self.backoff * 2))
-        self.down_until = time.monotonic() + self.backoff
+        self.down_until = now + self.backoff
         self.on_error("redis")
 
     def _succeeded(self) -> None:
-        if self.backoff:
+        if self.warned:
             log.warning("redis %s answers again", _redacted(self.url))
+            self.warned = False
         self.backoff = 0.0
 
     async def call(self, method: str, *args):
@@ -181,8 +181,48 @@ class RedisStore:
     async def ping(self) -> bool:
         return bool(await self.call("ping"))
 
+    async def cluster_node(self) -> bool:
+        """Whether a redis:// URL names a node of a Redis Cluster (then keys must go by the cluster's slot map)."""
+        if self.url.split("://", 1)[0].endswith("+cluster"):
+            return False
+        info = await self.call("info", "cluster")
+        return bool(info and info.get("cluster_enabled"))
+
     async def close(self) -> None:
         await self.client.aclose()
+
+
+def _client(url: str, timeout: float):
+    """A redis-py asyncio client of `url`: a RedisCluster for redis+cluster:// (keys go to their slot's master; after
+    a failover the slot map is read again), else a plain client."""
+    import redis.asyncio as redis
+    from redis.asyncio.retry import Retry
+    from redis.backoff import NoBackoff
+
+    # No redis-py retries: a request must not wait for several timeouts before going to Triton.
+    common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
+    scheme = url.split("://", 1)[0]
+    if not scheme.endswith("+cluster"):
+        return redis.from_url(url, **common)
+    from urllib.parse import parse_qs, urlsplit
+
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
+
+    from dstool.serve.config import cluster_nodes
+
+    user, password, nodes = cluster_nodes(url)
+    ca = parse_qs(urlsplit(url).query).get("ssl_ca_certs")
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], username=user, password=password,
+                        ssl=scheme == "rediss+cluster", ssl_ca_certs=ca[0] if ca else None,
+                        cluster_error_retry_attempts=0, **common)
+
+
+def as_cluster_url(url: str) -> str:
+    """redis://[AUTH@]HOST:PORT[/0] of a cluster node as the cluster's URL, with that node to start from."""
+    scheme, rest = url.split("://", 1)
+    netloc, _, query = rest.partition("?")
+    netloc = netloc.split("/", 1)[0]
+    return f"{scheme}+cluster://{netloc}" + (f"?{query}" if query else "")
 
 
 def _redacted(url: str) -> str:
