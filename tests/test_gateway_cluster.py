@@ -100,7 +100,8 @@ def test_cluster_urls_are_checked():
     assert cluster_nodes("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001") == (None, "pw", [("10.0.0.1", 7000),
                                                                                           ("10.0.0.2", 7001)])
     assert check_cache_url("rediss+cluster://h:7000/0") == "rediss+cluster://h:7000/0"
-    for bad, needle in (("redis+cluster://h:7000,h", "'h' is not HOST:PORT"), ("redis+cluster://h:7000/2", "database 0"),
-                        ("redis+cluster://h:99999", "not HOST:PORT"), ("cluster://h:1", "unknown scheme")):
+    for bad, needle in (("redis+cluster://h:7000,h", "'h' is not HOST:PORT"),
+                        ("redis+cluster://h:7000/2", "database 0"), ("redis+cluster://h:99999", "not HOST:PORT"),
+                        ("cluster://h:1", "unknown scheme")):
         with pytest.raises(ValueError, match=needle):
             check_cache_url(bad)
