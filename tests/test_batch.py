@@ -17,7 +17,7 @@ import pytest
 
 from dstool.errors import UsageError
 
-from conftest import DSTOOL, cli, dstool, one_line_usage_error
+from conftest import DSTOOL, cli, one_line_usage_error
 
 
 def _batch(**options):
@@ -33,7 +33,7 @@ def _rows(out: Path) -> pd.DataFrame:
 
 def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(repo, tmp_path):
     out = tmp_path / "out"
-    args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "24", "--partitions", "10"]
+    args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "8", "--partitions", "10"]
     proc = subprocess.Popen([*DSTOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -65,8 +65,8 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
     assert (rows["model"] == "dstool_lm").all() and (rows["model_version"] == manifest["deployment"]["version"]).all()
     assert rows["prompt"].str.contains(":\n").all() and (rows["generated_tokens"] >= 1).all()
 
-    again = dstool(*args)  # the whole job done: nothing is recomputed
-    assert "nothing left to do" in again.stdout
+    again = cli(*args)  # the whole job done: nothing is recomputed
+    assert again.returncode == 0 and "nothing left to do: all 1000 rows" in again.stdout
 
 
 def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache(repo, server, redis_server,

@@ -54,7 +54,7 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
     spark = _session(cfg, out)
     try:
         df, source = _read(spark, cfg)
-        rows = df.count()
+        numbered, rows = _numbered(spark, df)
         if rows == 0:
             raise UsageError(f"{cfg.input} holds no rows: give a file with at least one")
         partitions = cfg.partitions or max(2, math.ceil(rows / ROWS_PER_PARTITION))
@@ -65,7 +65,6 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
                                deployment=deployment, settings=cfg.model_dump(mode="json"),
                                planned_partitions=partitions)
         manifest.write(out, hash_files=False)
-        per = math.ceil(rows / partitions)
         log.info(f"dstool batch: {rows} rows of {cfg.input} in {partitions} partitions"
                  + (f" ({len(done)} done by an earlier run)" if done else "")
                  + f"; {cfg.task} with {deployment.name} version {deployment.version} on {cfg.engine}; master "
@@ -73,22 +72,56 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
         from pyspark.sql.pandas.types import to_arrow_schema
 
         plan = work.Plan(**plan_args, output=str(out), input_schema=to_arrow_schema(df.schema).serialize()
-                         .to_pybytes(), done=frozenset(done))
-        skip = frozenset(done)
-        keyed = (df.rdd.zipWithIndex()
-                 .map(lambda pair: (pair[1] // per, (pair[1], pair[0].asDict(recursive=True))))
-                 .filter(lambda kv: kv[0] not in skip)
-                 .partitionBy(partitions, lambda key: key))
+                         .to_pybytes(), rows_per_partition=math.ceil(rows / partitions), done=frozenset(done))
+        tasks = _ranges(spark, numbered, rows, partitions, done)
         job_began = time.monotonic()
         with _Progress(spark, partitions):
             try:
-                keyed.mapPartitionsWithIndex(lambda i, items: work.run_partition(plan, i, items)).collect()
+                tasks.rdd.mapPartitionsWithIndex(lambda i, rows: work.run_partition(plan, i, rows)).collect()
             except Exception as e:  # a task's error, wrapped by Spark and py4j: ours are one line
                 raise _task_error(e) from None
         seconds = time.monotonic() - job_began
         return _finish(out, manifest, partitions, done, seconds)
     finally:
         spark.stop()
+
+
+def _numbered(spark, df):
+    """`df` with `_row`, each row's number in input order (0, 1, ...), and the row count — computed in the JVM
+    from each input partition's size (one Spark job, no Python worker): the same input gives the same numbers."""
+    from pyspark.sql import functions as F
+
+    tagged = df.withColumn("_in", F.spark_partition_id()).withColumn("_mid", F.monotonically_increasing_id())
+    sizes = sorted((r["_in"], r["count"]) for r in tagged.groupBy("_in").count().collect())
+    offsets, total = {}, 0
+    for part, size in sizes:
+        offsets[part] = total
+        total += size
+    if not offsets:
+        return tagged.withColumn("_row", F.lit(0).cast("long")), 0
+    start = F.create_map(*[F.lit(x) for kv in offsets.items() for x in kv])
+    # monotonically_increasing_id = input partition << 33 | the row's index inside it
+    row = start[F.col("_in")] + F.col("_mid").bitwiseAND(F.lit((1 << 33) - 1))
+    return tagged.withColumn("_row", row.cast("long")).drop("_in", "_mid"), total
+
+
+def _ranges(spark, numbered, rows: int, partitions: int, done: set[int]):
+    """The rows of output partition k (rows k*per ... (k+1)*per - 1, in order) in Spark partition k, the done ones
+    left out — shuffled by the JVM on a key whose hash lands on k (Spark's hash partitioning: pmod(murmur3(key),
+    partitions)), so the one Python stage is the one that generates."""
+    from pyspark.sql import functions as F
+
+    per = math.ceil(rows / partitions)
+    landing = spark.range(0, 64 * partitions).select(
+        F.col("id"), F.expr(f"pmod(hash(id), {partitions})").alias("k")).groupBy("k").agg(F.min("id").alias("key"))
+    keys = {r["k"]: r["key"] for r in landing.collect()}
+    if len(keys) < partitions:
+        raise RuntimeError(f"no hash key lands on {partitions - len(keys)} of {partitions} partitions")
+    to_key = F.create_map(*[F.lit(x) for kv in keys.items() for x in kv])
+    part = F.floor(F.col("_row") / per).cast("int")
+    kept = numbered.where(~part.isin(list(done))) if done else numbered
+    return (kept.withColumn("_key", to_key[part].cast("long")).repartition(partitions, "_key").drop("_key")
+            .sortWithinPartitions("_row"))
 
 
 def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:

@@ -48,6 +48,7 @@ class Plan:
     max_batch: int
     concurrency: int
     url: str
+    rows_per_partition: int = 1  # output partition k holds rows k*N ... (k+1)*N - 1
     done: frozenset[int] = field(default_factory=frozenset)  # partitions an earlier run finished
 
 
@@ -60,10 +61,19 @@ def part_name(index: int) -> str:
 
 
 def run_partition(plan: Plan, index: int, items):
-    """Spark's mapPartitionsWithIndex function: (row number, row dict) pairs in, this partition's summary out."""
+    """Spark's mapPartitionsWithIndex function: this partition's rows (Row objects with their number in `_row`) in,
+    its summary out."""
     if index in plan.done:
         return
-    rows = sorted((row for _, row in items), key=lambda r: r[0])
+    rows = []
+    for item in items:
+        row = item.asDict(recursive=True)
+        rows.append((row.pop("_row"), row))
+    rows.sort(key=lambda r: r[0])
+    strays = [n for n, _ in rows if n // plan.rows_per_partition != index]
+    if strays:  # the driver's shuffle put rows elsewhere: writing them here would mix partitions
+        raise RuntimeError(f"partition {index} was given row {strays[0]}, which belongs to partition "
+                           f"{strays[0] // plan.rows_per_partition}")
     began = time.monotonic()
     results, failures = (_score if plan.task == "score" else _generate)(plan, rows)
     if failures and plan.on_error == "fail":
