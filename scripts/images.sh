@@ -2,8 +2,10 @@
 # Build the serving image and run the serving stack on this machine, without NGC images or an image registry
 # (only Debian's mirrors and PyPI are reachable): see docs/images.md.
 #
-#   scripts/images.sh [MODEL_REPOSITORY]     default: $DSTOOL_MODEL_REPOSITORY, else a 20-step model trained
-#                                            and exported here (needs .venv, scripts/setup.sh)
+#   scripts/images.sh [--cluster] [MODEL_REPOSITORY]
+#                     MODEL_REPOSITORY default: $DSTOOL_MODEL_REPOSITORY, else a 20-step model trained and
+#                     exported here (needs .venv, scripts/setup.sh)
+#                     --cluster (or DSTOOL_IMAGES_CLUSTER=1): step 5 runs the compose profile "cluster" instead
 #
 # 1. installs docker.io, debootstrap and docker-compose (apt) if missing
 # 2. starts its own dockerd (overlay2, no bridge, no iptables) unless one answers on its socket; it is left
@@ -13,6 +15,10 @@
 # 4. builds dstool-serve:cpu (Dockerfile target serve on that base) and dstool-redis:bookworm
 # 5. docker-compose -f docker-compose.cpu.yml up, waits for the gateway, sends a text request twice through the
 #    gateway and checks the second one was a cache hit (its /metrics), then docker-compose down
+#    With --cluster: the profile's six Redis Cluster nodes, redis-cluster-init and serve-cluster (gateway on 18010)
+#    come up; after the same two requests it checks the entry landed in the cluster, docker-kills the master that
+#    holds it, sends 10 new prompts (all must succeed), waits for a replica to take over and checks the entry
+#    survived and a new one is stored
 #
 # Exits nonzero with a one-line reason on any failure.
 set -uo pipefail
@@ -39,7 +45,24 @@ fail() { echo "images.sh: FAILED: $*" >&2; exit 1; }
 step() { echo "== $*"; }
 now() { date +%s.%N; }
 since() { awk -v a="$1" -v b="$(now)" 'BEGIN { printf "%.1f", b - a }'; }
-compose() { docker-compose -p "$PROJECT" -f "$COMPOSE_FILE" "$@"; }
+compose() { docker-compose -p "$PROJECT" -f "$COMPOSE_FILE" "${PROFILE[@]}" "$@"; }
+
+CLUSTER=${DSTOOL_IMAGES_CLUSTER:-}
+[ "$CLUSTER" = 0 ] && CLUSTER=
+positional=()
+for arg in "$@"; do
+    case $arg in
+        --cluster) CLUSTER=1 ;;
+        -*) fail "unknown option $arg (usage: scripts/images.sh [--cluster] [MODEL_REPOSITORY])" ;;
+        *) positional+=("$arg") ;;
+    esac
+done
+set -- "${positional[@]}"
+PROFILE=() SERVE_SERVICE=serve
+if [ -n "$CLUSTER" ]; then
+    PROFILE=(--profile cluster) SERVE_SERVICE=serve-cluster
+    HTTP_PORT=18010 GRPC_PORT=18011 METRICS_PORT=18012   # serve-cluster's, as in docker-compose.cpu.yml
+fi
 
 [ "$(id -u)" = 0 ] || fail "run as root (apt-get, dockerd, debootstrap)"
 mkdir -p "$WORK" || fail "cannot create $WORK"
@@ -156,39 +179,61 @@ EOF
 TIMES[redis]=$(since "$t")
 
 # ---- 5. the stack
-for port in $HTTP_PORT $GRPC_PORT $METRICS_PORT $REDIS_PORT; do
+if [ -n "$CLUSTER" ]; then
+    NODE_PORTS=(6391 6392 6393 6394 6395 6396)   # as in docker-compose.cpu.yml's profile cluster
+    CLUSTER_SERVICES=(redis-node-1 redis-node-2 redis-node-3 redis-node-4 redis-node-5 redis-node-6
+                      redis-cluster-init serve-cluster)
+    PORTS=($HTTP_PORT $GRPC_PORT $METRICS_PORT "${NODE_PORTS[@]}")
+    for port in "${NODE_PORTS[@]}"; do PORTS+=($((port + 10000))); done   # the cluster bus
+else
+    PORTS=($HTTP_PORT $GRPC_PORT $METRICS_PORT $REDIS_PORT)
+fi
+for port in "${PORTS[@]}"; do
     ss -Hltn "sport = :$port" | grep -q . && fail "port $port is in use (ss -ltnp 'sport = :$port')"
 done
 trap 'compose down --timeout 30 >/dev/null 2>&1' EXIT
-step "docker-compose -f docker-compose.cpu.yml up -d"
 t=$(now)
-compose up -d --no-build >"$WORK/compose-up.log" 2>&1 || fail "docker-compose up failed (see $WORK/compose-up.log)"
-cid=$(compose ps -q serve) && [ -n "$cid" ] || fail "docker-compose started no serve container"
+if [ -n "$CLUSTER" ]; then
+    step "docker-compose -f docker-compose.cpu.yml --profile cluster up -d ${CLUSTER_SERVICES[*]}"
+    compose up -d --no-build "${CLUSTER_SERVICES[@]}" >"$WORK/compose-up.log" 2>&1 \
+        || { compose logs --tail 30 redis-cluster-init >&2; fail "docker-compose up failed (see $WORK/compose-up.log)"; }
+    compose logs --no-color redis-cluster-init 2>&1 | grep -E 'redis-cluster-init:|\[OK\]|ERR' | sed 's/^/  /'
+    [ "$("$DOCKER" inspect -f '{{.State.ExitCode}}' "$(compose ps -q redis-cluster-init)" 2>/dev/null)" = 0 ] \
+        || fail "redis-cluster-init did not exit 0"
+    TIMES[cluster]=$(since "$t")
+    echo "cluster created and cluster_state:ok on all 6 nodes after ${TIMES[cluster]} s"
+else
+    step "docker-compose -f docker-compose.cpu.yml up -d"
+    compose up -d --no-build >"$WORK/compose-up.log" 2>&1 || fail "docker-compose up failed (see $WORK/compose-up.log)"
+fi
+cid=$(compose ps -q "$SERVE_SERVICE") && [ -n "$cid" ] || fail "docker-compose started no $SERVE_SERVICE container"
 ready=
 for _ in $(seq 240); do
     if curl -fsS -o /dev/null "http://127.0.0.1:$HTTP_PORT/v2/health/ready" 2>/dev/null; then ready=1; break; fi
     [ "$("$DOCKER" inspect -f '{{.State.Running}}' "$cid" 2>/dev/null)" = true ] \
-        || { compose logs --tail 20 serve >&2; fail "the serve container stopped before it was ready"; }
+        || { compose logs --tail 20 "$SERVE_SERVICE" >&2; fail "the $SERVE_SERVICE container stopped before it was ready"; }
     sleep 0.5
 done
-[ -n "$ready" ] || { compose logs --tail 20 serve >&2; fail "the gateway was not ready after 120 s"; }
+[ -n "$ready" ] || { compose logs --tail 20 "$SERVE_SERVICE" >&2; fail "the gateway was not ready after 120 s"; }
 TIMES[ready]=$(since "$t")
 echo "gateway ready on 127.0.0.1:$HTTP_PORT after ${TIMES[ready]} s"
+compose logs --no-color "$SERVE_SERVICE" 2>&1 | grep -m1 'cache:' | sed 's/^[^|]*| */  /'
 
-hits() {
-    curl -fsS "http://127.0.0.1:$HTTP_PORT/metrics" | awk '/^dstool_gateway_cache_hits_total/ { s += $NF } END { print s + 0 }'
+metric() {   # the sum of a gateway metric's samples whose line matches $1
+    curl -fsS "http://127.0.0.1:$HTTP_PORT/metrics" | awk -v re="$1" '$0 ~ re { s += $NF } END { print s + 0 }'
 }
-infer() {
+hits() { metric '^dstool_gateway_cache_hits_total'; }
+infer() {   # infer PROMPT
     if [ -x "$ROOT/.venv/bin/dstool" ]; then
-        "$ROOT/.venv/bin/dstool" infer "$PROMPT" --url "127.0.0.1:$HTTP_PORT" "${INFER_ARGS[@]}"
+        "$ROOT/.venv/bin/dstool" infer "$1" --url "127.0.0.1:$HTTP_PORT" "${INFER_ARGS[@]}"
     else  # no host venv: the image's own client, through the same gateway port
-        compose exec -T serve dstool infer "$PROMPT" --url "127.0.0.1:$HTTP_PORT" "${INFER_ARGS[@]}"
+        compose exec -T "$SERVE_SERVICE" dstool infer "$1" --url "127.0.0.1:$HTTP_PORT" "${INFER_ARGS[@]}"
     fi
 }
 before=$(hits) || fail "the gateway's /metrics did not answer"
 for n in 1 2; do
     t=$(now)
-    out=$(infer 2>&1) || fail "dstool infer through the gateway failed: $(echo "$out" | tail -1)"
+    out=$(infer "$PROMPT" 2>&1) || fail "dstool infer through the gateway failed: $(echo "$out" | tail -1)"
     echo "request $n (dstool infer '$PROMPT' ${INFER_ARGS[*]}) in $(since "$t") s: ${out//$'\n'/\\n}"
     [ "$n" = 1 ] && first=$out
 done
@@ -196,9 +241,80 @@ done
 after=$(hits)
 echo "dstool_gateway_cache_hits_total: $before -> $after"
 [ "$after" -gt "$before" ] || fail "the gateway reported no cache hit for the repeated request"
-keys=$(compose exec -T redis redis-cli -p "$REDIS_PORT" dbsize | tr -d '\r')
-echo "redis keys (dbsize): $keys"
-[ "${keys:-0}" -gt 0 ] || fail "the gateway stored nothing in Redis"
+
+if [ -z "$CLUSTER" ]; then
+    keys=$(compose exec -T redis redis-cli -p "$REDIS_PORT" dbsize | tr -d '\r')
+    echo "redis keys (dbsize): $keys"
+    [ "${keys:-0}" -gt 0 ] || fail "the gateway stored nothing in Redis"
+else
+    VIA=redis-node-1   # the node container whose redis-cli reaches the others (host networking)
+    rcli() { compose exec -T "$VIA" redis-cli "$@" | tr -d '\r'; }
+    masters() {   # HOST:PORT of each master not marked failed, as node port $1 sees them
+        rcli -p "$1" cluster nodes | awk '$3 ~ /master/ && $3 !~ /fail/ { split($2, a, "[@,]"); print a[1] }' | sort
+    }
+    cluster_keys() {   # dbsize summed over the masters
+        local s=0 k m
+        for m in $(masters "$1"); do k=$(rcli -h "${m%:*}" -p "${m##*:}" dbsize); s=$((s + ${k:-0})); done
+        echo "$s"
+    }
+    echo "masters: $(masters 6391 | tr '\n' ' ')"
+    keys=$(cluster_keys 6391)
+    echo "cluster keys (dbsize summed over the masters): $keys"
+    [ "$keys" -gt 0 ] || fail "the gateway stored nothing in the Redis Cluster"
+    holder= key=
+    for m in $(masters 6391); do
+        key=$(rcli -h "${m%:*}" -p "${m##*:}" --scan | head -1)
+        [ -n "$key" ] && { holder=$m; break; }
+    done
+    [ -n "$holder" ] || fail "no master holds the gateway's key"
+    echo "the entry: key ${key:0:40}... (slot $(rcli -p 6391 cluster keyslot "$key")) on master $holder;" \
+         "redis-cli -c -p 6391 exists: $(rcli -c -p 6391 exists "$key")"
+
+    # ---- a master killed: requests go on (Triton answers while the slot has no master), a replica takes over
+    port=${holder##*:}
+    victim=redis-node-$((port - 6390))
+    [ "$victim" = "$VIA" ] && VIA=redis-node-$(( (port - 6390) % 6 + 1 ))
+    alive=$(( ${VIA##*-} + 6390 ))   # a node port that stays up
+    errors_before=$(metric '^dstool_gateway_errors_total[{]kind="redis"')
+    step "docker kill $victim (master $holder), then 10 new prompts through the gateway"
+    "$DOCKER" kill "$(compose ps -q "$victim")" >/dev/null || fail "docker kill $victim failed"
+    killed=$(now)
+    t=$(now)
+    for i in $(seq 10); do
+        p="JULIET $i:"
+        t1=$(now)
+        out=$(infer "$p" 2>&1) || fail "request '$p' after the kill failed: $(echo "$out" | tail -1)"
+        echo "  +$(since "$killed") s: '$p' in $(since "$t1") s: ${out//$'\n'/\\n}"
+    done
+    TIMES[after_kill]=$(since "$t")
+    echo "10/10 requests after the kill succeeded in ${TIMES[after_kill]} s;" \
+         "dstool_gateway_errors_total{kind=\"redis\"}: $errors_before -> $(metric '^dstool_gateway_errors_total[{]kind="redis"')"
+    promoted=
+    for _ in $(seq 60); do
+        if rcli -p "$alive" cluster info | grep -q '^cluster_state:ok' \
+            && [ "$(masters "$alive" | grep -vc ":$port\$")" = 3 ] && ! masters "$alive" | grep -q ":$port\$"; then
+            promoted=1; break
+        fi
+        sleep 0.5
+    done
+    [ -n "$promoted" ] || fail "no replica took over from $holder within 30 s"
+    TIMES[failover]=$(since "$killed")
+    echo "failover: cluster_state:ok with 3 masters ($(masters "$alive" | tr '\n' ' ')) ${TIMES[failover]} s after the kill"
+    [ "$(rcli -c -p "$alive" exists "$key")" = 1 ] || fail "the first entry was lost with its master"
+    keys_failover=$(cluster_keys "$alive")
+    echo "the first entry survived on the promoted replica; cluster keys: $keys_failover"
+    # the gateway's client may still hold the old map (it read it again during the outage): its first call to the
+    # dead master's slots fails once (Triton answers), then it reads the new map
+    for p in "ROMEO and JULIET:" "TYBALT:" "MERCUTIO:"; do
+        out=$(infer "$p" 2>&1) || fail "request '$p' after the failover failed: $(echo "$out" | tail -1)"
+        echo "  after the failover: '$p': ${out//$'\n'/\\n}"
+    done
+    sleep 0.5   # the gateway stores in the background
+    keys_after=$(cluster_keys "$alive")
+    echo "cluster keys: $keys_failover -> $keys_after (3 new prompts after the failover);" \
+         "dstool_gateway_errors_total{kind=\"redis\"}: $(metric '^dstool_gateway_errors_total[{]kind="redis"')"
+    [ "$keys_after" -gt "$keys_failover" ] || fail "the gateway stored nothing in the cluster after the failover"
+fi
 
 step "docker-compose down"
 compose down --timeout 30 >"$WORK/compose-down.log" 2>&1 || fail "docker-compose down failed (see $WORK/compose-down.log)"
@@ -207,6 +323,6 @@ trap - EXIT
 step "images"
 "$DOCKER" image ls --format '{{.Repository}}:{{.Tag}}  {{.Size}}' | grep -E "^($BASE|$SERVE|$REDIS) " | sort
 step "times (s)"
-for k in apt base model serve redis ready; do [ -n "${TIMES[$k]:-}" ] && echo "$k: ${TIMES[$k]}"; done
+for k in apt base model serve redis cluster ready after_kill failover; do [ -n "${TIMES[$k]:-}" ] && echo "$k: ${TIMES[$k]}"; done
 echo "dockerd left running on $SOCK (pid $(cat "$WORK/dockerd.pid" 2>/dev/null || echo '?'))"
 echo "images.sh: OK"

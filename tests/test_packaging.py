@@ -42,15 +42,46 @@ def test_dockerfile_targets_and_pinned_bases():
         assert re.search(r":\d", arg), f"base image {arg} is not pinned to a version tag"
 
 
+CLUSTER_NODES = [f"redis-node-{i}" for i in range(1, 7)]
+
+
 def test_compose_runs_the_serving_stack():
+    """A plain `up` runs redis + serve; the profile "cluster" adds six Redis Cluster nodes, the one-shot init that
+    creates the cluster once they are healthy, and serve-cluster over it."""
     compose = yaml.safe_load((ROOT / "docker-compose.yml").read_text())
-    services = compose["services"]
+    all_services = compose["services"]
+    services = {name: s for name, s in all_services.items() if "profiles" not in s}
     assert set(services) == {"redis", "serve"}
     assert services["serve"]["build"]["target"] == "serve"
     assert "redis://redis:6379/0" in services["serve"]["command"]
     assert services["serve"]["depends_on"]["redis"]["condition"] == "service_healthy"
     assert re.search(r":\d", services["redis"]["image"])
     assert {p.split(":")[-1] for p in services["serve"]["ports"]} == {"8000", "8001"}
+
+    cluster = {name: s for name, s in all_services.items() if "profiles" in s}
+    assert set(cluster) == {*CLUSTER_NODES, "redis-cluster-init", "serve-cluster"}
+    assert all(s["profiles"] == ["cluster"] for s in cluster.values())
+    for name in CLUSTER_NODES:
+        command = cluster[name]["command"]
+        assert command[0] == "redis-server" and re.search(r":\d", cluster[name]["image"])
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+        assert "--maxmemory-policy" in command and cluster[name]["healthcheck"]
+    init = cluster["redis-cluster-init"]
+    assert init["depends_on"] == {name: {"condition": "service_healthy"} for name in CLUSTER_NODES}
+    script = " ".join(init["command"])
+    assert "--cluster create" in script and "--cluster-replicas 1" in script and "--cluster-yes" in script
+    # the nodes' static addresses on the cluster's network are the ones the init joins
+    addresses = {cluster[n]["networks"]["redis-cluster"]["ipv4_address"] for n in CLUSTER_NODES}
+    assert set(re.findall(r"([\d.]+):6379", init["environment"]["NODES"])) == addresses and len(addresses) == 6
+    serve_cluster = cluster["serve-cluster"]
+    assert serve_cluster["build"] == services["serve"]["build"]
+    url = next(a for a in serve_cluster["command"] if a.startswith("redis+cluster://"))
+    assert {n.rpartition(":")[0] for n in url.removeprefix("redis+cluster://").split(",")} <= set(CLUSTER_NODES)
+    assert serve_cluster["depends_on"] == {"redis-cluster-init": {"condition": "service_completed_successfully"}}
+    # beside serve: other host ports
+    assert {p.split(":")[-1] for p in serve_cluster["ports"]} == {"8000", "8001"}
+    assert not {p.rsplit(":", 1)[0] for p in serve_cluster["ports"]} & {p.rsplit(":", 1)[0]
+                                                                       for p in services["serve"]["ports"]}
 
 
 def test_docs_option_lists_match_the_cli():
