@@ -176,9 +176,9 @@ def main() -> int:
     from dstool.serve.config import model_names
 
     d = deployment(repo, a.model)
-    prompts = heldout_prompts(a.rows)
-    if len(prompts) != a.rows:
-        raise SystemExit(f"the embedded corpus holds {len(prompts)} held-out prompts, not {a.rows}: pass fewer --rows")
+    # more rows than the 1,000 embedded prompts: those again, in turn (a jsonl file for dstool batch)
+    embedded = heldout_prompts()
+    prompts = [embedded[i % len(embedded)] for i in range(a.rows)]
     cores = os.cpu_count() or 1
     skip = set(a.skip) | ({"static"} if a.static_batch <= 0 else set())
     with tempfile.TemporaryDirectory(prefix="dstool-bench-batch-") as tmp:

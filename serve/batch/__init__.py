@@ -54,7 +54,7 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
     spark = _session(cfg, out)
     try:
         df, source = _read(spark, cfg)
-        numbered, rows = _numbered(spark, df)
+        numbered, rows = _numbered(df)
         if rows == 0:
             raise UsageError(f"{cfg.input} holds no rows: give a file with at least one")
         partitions = cfg.partitions or max(2, math.ceil(rows / ROWS_PER_PARTITION))
@@ -86,7 +86,7 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
         spark.stop()
 
 
-def _numbered(spark, df):
+def _numbered(df):
     """`df` with `_row`, each row's number in input order (0, 1, ...), and the row count — computed in the JVM
     from each input partition's size (one Spark job, no Python worker): the same input gives the same numbers."""
     from pyspark.sql import functions as F
