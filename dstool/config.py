@@ -87,7 +87,8 @@ def overrides(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:
             pairs = {}
             for item in values[name]:
                 if "=" not in item:
-                    raise UsageError(f"--{name.replace('_', '-')} takes KEY=VALUE, got '{item}'")
+                    flag = cli_extra(field).get("flag") or "--" + name.replace("_", "-")
+                    raise UsageError(f"{flag} takes KEY=VALUE, got '{item}'")
                 k, v = item.split("=", 1)
                 pairs[k] = v
             values[name] = pairs

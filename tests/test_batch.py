@@ -134,6 +134,11 @@ def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
     one_line_usage_error(result, "does not exist")
     one_line_usage_error(cli("batch", "--repository", str(tmp_path), "--output", str(tmp_path / "o")),
                          "not a model repository")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--engine", "triton", "--url", "127.0.0.1:1",
+                             "--output", str(tmp_path / "o")), "no Triton or dstool gateway answers gRPC")
+    (tmp_path / "a-file").write_text("")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--output", str(tmp_path / "a-file")), "is a file")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--conf", "spark.x"), "--conf takes KEY=VALUE")
     (tmp_path / "empty.jsonl").write_text("")
     with pytest.raises(UsageError, match="is empty"):
         _batch(input=str(tmp_path / "empty.jsonl"), repository=str(repo), output=str(tmp_path / "o1"))

@@ -51,6 +51,11 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
     """Run the job (or the rest of it); returns the finished output's manifest."""
     deployment, plan_args = _model(cfg)
     out = Path(cfg.output).resolve()
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--output {cfg.output} is a file: pass a folder")
+    if cfg.engine == "triton":
+        role = "logits" if cfg.task == "score" else "generate"
+        _check_server(cfg.url, plan_args["models"][role], deployment.version)
     spark = _session(cfg, out)
     try:
         df, source = _read(spark, cfg)
@@ -164,6 +169,22 @@ def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
         "default_new_tokens": int(params["default_max_new_tokens"]), "sampling": json.dumps(cfg.sampling()),
         "max_new_tokens": cfg.max_new_tokens, "max_batch": cfg.max_batch, "concurrency": cfg.concurrency,
         "url": cfg.url}
+
+
+def _check_server(url: str, model: str, version: int) -> None:
+    """--engine triton: the server answers and serves the version the output will name, else one line."""
+    import tritonclient.grpc as grpcclient
+    from tritonclient.utils import InferenceServerException
+
+    try:
+        with grpcclient.InferenceServerClient(url) as client:
+            ready = client.is_model_ready(model, str(version), client_timeout=10)
+    except InferenceServerException as e:
+        raise UsageError(f"no Triton or dstool gateway answers gRPC at {url} ({e.message()}): start `dstool serve` "
+                         "or pass --url HOST:PORT") from None
+    if not ready:
+        raise UsageError(f"{url} does not serve {model} version {version}: serve the repository it comes from, or "
+                         "pass --version")
 
 
 def _session(cfg: BatchConfig, out: Path):
