@@ -303,41 +303,45 @@ def test_without_redis_an_in_process_cache_with_a_warning(server, session_tmp):
         gw.stop()
 
 
-def test_redis_killed_or_frozen_under_load_fails_no_request(server, session_tmp):
+async def load(gw, sequences: list, n: int, on_progress, concurrency: int = 12) -> list[tuple[int, np.ndarray]]:
+    """`n` requests for the sequences in turn, alternating HTTP and gRPC, `concurrency` at a time; (sequence
+    index, logits) for each; `on_progress(done)` after each answer."""
     import tritonclient.grpc.aio as grpc_aio
     import tritonclient.http.aio as http_aio
 
+    grpc_client = grpc_aio.InferenceServerClient(gw.grpc_url)
+    http_client = http_aio.InferenceServerClient(gw.http_url)
+    done, results = 0, []
+    gate = asyncio.Semaphore(concurrency)
+
+    async def one(k: int):
+        nonlocal done
+        i = k % len(sequences)
+        client, module = (grpc_client, grpc_aio) if k % 2 else (http_client, http_aio)
+        async with gate:
+            result = await client.infer(MODEL, make_inputs(module, sequences[i]))
+        results.append((i, result.as_numpy("logits")))
+        done += 1
+        on_progress(done)
+
+    try:
+        await asyncio.gather(*(one(k) for k in range(n)))
+    finally:
+        await grpc_client.close()
+        await http_client.close()
+    return results
+
+
+def test_redis_killed_or_frozen_under_load_fails_no_request(server, session_tmp):
     rds = RedisServer(session_tmp / "redis-failing", password="s3cret")  # a password URL, too
     gw = api_gateway(server, session_tmp / "gateway-failing.log", cache=rds.url, redis_timeout=0.05)
     sequences = [ids_for(100 + i, 4 + i % 5) for i in range(120)]  # 120 misses (Redis killed after 40), 120 hits
     reference = {i: infer("grpc", server.grpc_url, s)[0] for i, s in enumerate(sequences)}
 
-    async def load(n: int, on_progress) -> list[tuple[int, np.ndarray]]:
-        grpc_client = grpc_aio.InferenceServerClient(gw.grpc_url)
-        http_client = http_aio.InferenceServerClient(gw.http_url)
-        done, results = 0, []
-        gate = asyncio.Semaphore(12)
-
-        async def one(k: int):
-            nonlocal done
-            i = k % len(sequences)
-            client, module = (grpc_client, grpc_aio) if k % 2 else (http_client, http_aio)
-            async with gate:
-                result = await client.infer(MODEL, make_inputs(module, sequences[i]))
-            results.append((i, result.as_numpy("logits")))
-            done += 1
-            on_progress(done)
-
-        try:
-            await asyncio.gather(*(one(k) for k in range(n)))
-        finally:
-            await grpc_client.close()
-            await http_client.close()
-        return results
-
     try:
         killed = []
-        results = asyncio.run(load(240, lambda done: done == 40 and not killed and (rds.kill(), killed.append(1))))
+        results = asyncio.run(load(gw, sequences, 240,
+                                   lambda done: done == 40 and not killed and (rds.kill(), killed.append(1))))
         assert killed and len(results) == 240
         assert all(np.array_equal(logits, reference[i]) for i, logits in results)
         assert gw.metric("dstool_gateway_errors_total", kind="redis") >= 1

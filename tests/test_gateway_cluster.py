@@ -8,15 +8,12 @@ from __future__ import annotations
 import asyncio
 
 import numpy as np
-from test_gateway import MODEL, api_gateway, ids_for, infer, make_inputs
+from test_gateway import api_gateway, ids_for, infer, load
 
 from gatewaylib import RedisClusterServers, wait_for
 
 
 def test_keys_spread_over_the_cluster_and_a_master_failover_under_load_fails_no_request(server, session_tmp):
-    import tritonclient.grpc.aio as grpc_aio
-    import tritonclient.http.aio as http_aio
-
     cluster = RedisClusterServers(session_tmp / "redis-cluster")
     log = session_tmp / "gateway-cluster.log"
     # no in-process front cache: every hit is read from the cluster
@@ -33,33 +30,10 @@ def test_keys_spread_over_the_cluster_and_a_master_failover_under_load_fails_no_
         assert len(spread) == 3 and all(n >= 10 for n in spread.values()), spread
         hits = gw.metric("dstool_gateway_cache_hits_total")
 
-        async def load(n: int, on_progress) -> list[tuple[int, np.ndarray]]:
-            grpc_client = grpc_aio.InferenceServerClient(gw.grpc_url)
-            http_client = http_aio.InferenceServerClient(gw.http_url)
-            done, results = 0, []
-            gate = asyncio.Semaphore(8)
-
-            async def one(k: int):
-                nonlocal done
-                i = k % len(sequences)
-                client, module = (grpc_client, grpc_aio) if k % 2 else (http_client, http_aio)
-                async with gate:
-                    result = await client.infer(MODEL, make_inputs(module, sequences[i]))
-                results.append((i, result.as_numpy("logits")))
-                done += 1
-                on_progress(done)
-
-            try:
-                await asyncio.gather(*(one(k) for k in range(n)))
-            finally:
-                await grpc_client.close()
-                await http_client.close()
-            return results
-
         victim = max(spread, key=spread.get)
         killed: list[int] = []
-        results = asyncio.run(load(360, lambda done: done == 60 and not killed and (cluster.kill(victim),
-                                                                                   killed.append(victim))))
+        results = asyncio.run(load(gw, sequences, 360, lambda done: done == 60 and not killed and (
+            cluster.kill(victim), killed.append(victim)), concurrency=8))
         assert killed and len(results) == 360
         assert all(np.array_equal(logits, reference[i]) for i, logits in results)  # none lost, none wrong
         assert gw.metric("dstool_gateway_cache_hits_total") >= hits + 60  # hits before the kill came from Redis
