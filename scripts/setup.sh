@@ -16,4 +16,9 @@ if ! command -v redis-server >/dev/null && command -v apt-get >/dev/null && [ "$
   { apt-get install -y -qq redis-server || { apt-get update -qq && apt-get install -y -qq redis-server; }; } >/dev/null \
     || echo "warning: apt-get could not install redis-server; the gateway tests need it" >&2
 fi
+# dstool batch runs Apache Spark, which needs a Java runtime (17 or newer).
+if ! command -v java >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  { apt-get install -y -qq openjdk-17-jre-headless || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }; } \
+    >/dev/null || echo "warning: apt-get could not install Java 17; dstool batch and its tests need it" >&2
+fi
 echo "dstool installed in .venv (torch $torch_version)"
