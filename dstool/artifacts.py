@@ -138,6 +138,8 @@ class DataSplit(_Model):
     train_tokens: int
     val_tokens: int
     fingerprint: str = Field(description="sha256 over the corpus documents (a run refuses other data)")
+    sha256: dict[str, str] = Field(default_factory=dict, description="the packed token files (train.bin, val.bin) "
+                                   "-> sha256 when packed: checked at every start and at the end of a run")
 
 
 class TrainRun(Manifest):

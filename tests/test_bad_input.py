@@ -122,3 +122,20 @@ def test_max_restarts_needs_torchrun(tmp_path):
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     _expect_usage_error(["train", "--hostfile", str(tmp_path / "hostfile"), "--max-restarts", "1",
                          "--output", str(tmp_path / "run")], "--launcher torchrun", tmp_path)
+
+
+def test_packed_data_changed_since_the_run_began(trained, tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(trained.parent, run, ignore=shutil.ignore_patterns("checkpoints", "model", "logs"))
+    recorded = json.loads((run / "dstool.json").read_text())["data"]["sha256"]
+    assert set(recorded) == {"train.bin", "val.bin"}
+    packed = bytearray((run / "data" / "train.bin").read_bytes())
+    packed[100] ^= 1
+    (run / "data" / "train.bin").write_bytes(bytes(packed))
+    before = _snapshot(run)
+    _expect_usage_error(["train", "--output", str(run), "--max-steps", "41", "--seq-len", "64"],
+                        "train.bin changed since the run packed it", tmp_path)
+    after = _snapshot(run)
+    assert {k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}

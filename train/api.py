@@ -21,7 +21,7 @@ from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import DataSplit, HFModel, ManifestError, TrainRun, kind_of
 from dstool.config import changed, dump_yaml
-from dstool.errors import TrainingFailed, UsageError
+from dstool.errors import StageFailed, TrainingFailed, UsageError
 from dstool.files import write_json_atomic
 from dstool.proc import die_with_parent
 from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline_parallel
@@ -60,13 +60,18 @@ def train(cfg: TrainConfig) -> TrainResult:
             raise UsageError(f"output {out} was prepared from other data: use a new --output for this data")
         dlog.to_file(out / "train.log")
         tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
+        packed_before = TrainRun.read(out).data if kind_of(out) == "train-run" else None
         if not (out / "data" / "meta.json").is_file():
             data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
+            packed_before = None  # packed now: nothing to compare with
         meta = json.loads((out / "data" / "meta.json").read_text())
+        packed = data.packed_sha256(out / "data")
+        if packed_before is not None and packed_before.sha256:
+            _check_packed(out / "data", packed_before.sha256, packed, "since the run packed it")
         resume = _resume_point(cfg, out, topo.world, len(tokenizer))
         TrainRun(data_fingerprint=fingerprint, data=DataSplit(
             folder="data", dtype=meta["dtype"], train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
-            fingerprint=fingerprint)).write(out, hash_files=False)
+            fingerprint=fingerprint, sha256=packed)).write(out, hash_files=False)
 
     replicas = deepspeed_config.data_parallel_size(cfg, topo.world)
     if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * replicas:
@@ -101,7 +106,20 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     (out / "failure.json").unlink(missing_ok=True)
     _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)
+    try:
+        _check_packed(out / "data", packed, data.packed_sha256(out / "data"), "while the run read it")
+    except UsageError as e:
+        raise StageFailed(str(e)) from None
     return _result(out, cfg)
+
+
+def _check_packed(folder: Path, recorded: dict[str, str], now: dict[str, str], when: str) -> None:
+    """The packed token files are those `recorded`, else one line naming the first that differs."""
+    for name, digest in recorded.items():
+        if now.get(name) != digest:
+            raise UsageError(f"{folder / name} changed {when} (its sha256 differs from the one recorded in "
+                             f"{folder.parent / 'dstool.json'}): restore it, or delete {folder} to pack the corpus "
+                             "again (the checkpoints then continue on the new packing)")
 
 
 def _precision(cfg: TrainConfig, on_gpu: bool) -> str:

@@ -13,9 +13,10 @@ import torch
 
 from dstool.corpus import read_documents
 from dstool.errors import UsageError
+from dstool.files import sha256_file
 
 __all__ = ["read_documents", "train_tokenizer", "load_or_train_tokenizer", "prepare_dataset", "open_split",
-           "corpus_fingerprint", "GlobalOrder", "TokenSplit"]
+           "corpus_fingerprint", "packed_sha256", "GlobalOrder", "TokenSplit"]
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 
@@ -91,6 +92,11 @@ def open_split(data_dir: Path, split: str, seq_len: int) -> TokenSplit:
     meta = json.loads((data_dir / "meta.json").read_text())
     tokens = np.memmap(data_dir / f"{split}.bin", dtype=meta["dtype"], mode="r")
     return TokenSplit(tokens, seq_len)
+
+
+def packed_sha256(data_dir: Path) -> dict[str, str]:
+    """sha256 of the packed token files, by name."""
+    return {name: sha256_file(data_dir / name) for name in ("train.bin", "val.bin") if (data_dir / name).is_file()}
 
 
 def corpus_fingerprint(docs: list[str]) -> str:
