@@ -163,12 +163,16 @@ class RedisClusterServers:
                  "--repl-diskless-sync-delay", "0",
                  "--appendonly", "no", "--dir", str(folder), "--logfile", str(folder / "redis.log")],
                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        for port in self.ports:
-            wait_for(lambda port=port: self.cli(port, "ping") == "PONG", f"redis-server on port {port}")
-        subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
-                        "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
-        wait_for(self.healthy, "the cluster to agree on its slots", 30)
-        wait_for(self.replicated, "every replica to copy its master", 30)
+        try:
+            for port in self.ports:
+                wait_for(lambda port=port: self.cli(port, "ping") == "PONG", f"redis-server on port {port}")
+            subprocess.run(["redis-cli", "--cluster", "create", *(f"127.0.0.1:{p}" for p in self.ports),
+                            "--cluster-replicas", "1", "--cluster-yes"], check=True, capture_output=True, timeout=60)
+            wait_for(self.healthy, "the cluster to agree on its slots", 30)
+            wait_for(self.replicated, "every replica to copy its master", 30)
+        except BaseException:
+            self.stop()  # no server left behind by a cluster that did not form
+            raise
 
     @property
     def url(self) -> str:
