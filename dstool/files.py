@@ -5,6 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,15 +18,22 @@ def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    """Write to a temp file beside `path`, fsync, then rename over it."""
+def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
+    """`write(temp file)` beside `path`, fsync, then rename over it: a reader sees the old file or the whole new
+    one, never a part (the temp file is removed if writing fails)."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+    try:
+        write(tmp)
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    write_atomic(path, lambda tmp: tmp.write_text(text))
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

@@ -67,6 +67,11 @@ class ExportConfig(RepositorySettings):
         return RepositorySettings(**self.model_dump(exclude={"model", "repository"}))
 
 
+def is_cluster_url(url: str) -> bool:
+    """Whether `url` names a Redis Cluster (redis+cluster:// or rediss+cluster://)."""
+    return url.split("://", 1)[0].endswith("+cluster")
+
+
 def cluster_nodes(url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
     """A redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT... URL's (user, password, startup nodes); ValueError
     naming what is wrong."""
@@ -92,7 +97,7 @@ def check_cache_url(url: str) -> str:
     if parts.scheme not in CACHE_SCHEMES:
         raise ValueError(f"'{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, redis+cluster://, "
                          "unix:// or memory)")
-    if parts.scheme.endswith("+cluster"):
+    if is_cluster_url(url):
         cluster_nodes(url)
         return url
     if parts.scheme == "unix":

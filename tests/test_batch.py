@@ -58,7 +58,7 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
     rows = _rows(out)
     assert rows["row"].tolist() == list(range(1000))  # each of the 1,000 embedded prompts once
     assert {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir() if p.name in finished} == finished
-    assert not list(out.glob("*/.*.tmp"))
+    assert not list(out.glob("*/.*.tmp*"))
     manifest = json.loads((out / "dstool.json").read_text())
     assert manifest["status"] == "done" and manifest["figures"]["partitions_skipped"] == len(finished)
     assert len(manifest["partitions"]) == 10 and sum(p["rows"] for p in manifest["partitions"]) == 1000

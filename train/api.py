@@ -56,18 +56,19 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     with _lock(out):  # nodes sharing the output folder claim it and prepare data one at a time
         fingerprint = data.corpus_fingerprint(docs)
-        if kind_of(out) == "train-run" and TrainRun.read(out).data_fingerprint != fingerprint:
+        earlier = TrainRun.read(out) if kind_of(out) == "train-run" else None
+        if earlier is not None and earlier.data_fingerprint != fingerprint:
             raise UsageError(f"output {out} was prepared from other data: use a new --output for this data")
         dlog.to_file(out / "train.log")
         tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
-        packed_before = TrainRun.read(out).data if kind_of(out) == "train-run" else None
+        recorded = earlier.data.sha256 if earlier is not None and earlier.data is not None else {}
         if not (out / "data" / "meta.json").is_file():
             data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
-            packed_before = None  # packed now: nothing to compare with
+            recorded = {}  # packed now: nothing to compare with
         meta = json.loads((out / "data" / "meta.json").read_text())
         packed = data.packed_sha256(out / "data")
-        if packed_before is not None and packed_before.sha256:
-            _check_packed(out / "data", packed_before.sha256, packed, "since the run packed it")
+        if changed_file := _packed_change(out / "data", recorded, packed, "since the run packed it"):
+            raise UsageError(changed_file)
         resume = _resume_point(cfg, out, topo.world, len(tokenizer))
         TrainRun(data_fingerprint=fingerprint, data=DataSplit(
             folder="data", dtype=meta["dtype"], train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
@@ -106,20 +107,19 @@ def train(cfg: TrainConfig) -> TrainResult:
 
     (out / "failure.json").unlink(missing_ok=True)
     _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)
-    try:
-        _check_packed(out / "data", packed, data.packed_sha256(out / "data"), "while the run read it")
-    except UsageError as e:
-        raise StageFailed(str(e)) from None
+    if changed_file := _packed_change(out / "data", packed, data.packed_sha256(out / "data"), "while the run read it"):
+        raise StageFailed(changed_file)
     return _result(out, cfg)
 
 
-def _check_packed(folder: Path, recorded: dict[str, str], now: dict[str, str], when: str) -> None:
-    """The packed token files are those `recorded`, else one line naming the first that differs."""
+def _packed_change(folder: Path, recorded: dict[str, str], now: dict[str, str], when: str) -> str | None:
+    """None when the packed token files are those `recorded`, else one line naming the first that differs."""
     for name, digest in recorded.items():
         if now.get(name) != digest:
-            raise UsageError(f"{folder / name} changed {when} (its sha256 differs from the one recorded in "
-                             f"{folder.parent / 'dstool.json'}): restore it, or delete {folder} to pack the corpus "
-                             "again (the checkpoints then continue on the new packing)")
+            return (f"{folder / name} changed {when} (its sha256 differs from the one recorded in "
+                    f"{folder.parent / 'dstool.json'}): restore it, or delete {folder} to pack the corpus again (the "
+                    "checkpoints then continue on the new packing)")
+    return None
 
 
 def _precision(cfg: TrainConfig, on_gpu: bool) -> str:

@@ -39,6 +39,7 @@ from dstool.artifacts import (
 )
 from dstool.corpus import EMBEDDED_PROMPTS, heldout_prompts
 from dstool.errors import UsageError
+from dstool.files import sha256_file
 from dstool.serve.batch import work
 from dstool.serve.config import BatchConfig
 
@@ -256,10 +257,7 @@ def _read(spark, cfg: BatchConfig):
                          f"pass {flag} NAME")
     digest = hashlib.sha256()
     for p in files if local else []:
-        digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:".encode())
-        with open(p, "rb") as f:
-            for block in iter(lambda: f.read(1 << 20), b""):
-                digest.update(block)
+        digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{sha256_file(p)}\n".encode())
     if not local:
         digest.update(cfg.input.encode())
     source = BatchInput.model_validate({"path": where, "format": fmt, "fingerprint": digest.hexdigest(), "rows": 0})
@@ -282,7 +280,7 @@ def _prepare_output(cfg: BatchConfig, out: Path, job: str) -> set[int]:
     if kind == "batch-output":
         earlier = BatchOutput.read(out)
         if earlier.job == job and not cfg.overwrite:
-            for stale in out.glob("*/.part-*.tmp"):  # a killed task's unfinished file
+            for stale in out.glob("*/.part-*.tmp*"):  # a killed task's unfinished file
                 stale.unlink()
             return {int(p.stem.removeprefix("part-")) for p in (out / "_parts").glob("part-*.json")}
         if not cfg.overwrite:

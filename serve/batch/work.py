@@ -7,14 +7,14 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import threading
 import time
-import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+
+from dstool.files import write_atomic
 
 ROW_ERROR = "dstool-batch-row-error"  # a task failing on a row (--on-error fail) says this; the driver reports it
 PREFILL_TOKENS = 256  # prompt tokens prefilled per engine step: offline, throughput matters more than first tokens
@@ -110,6 +110,17 @@ def _prompt_ids(plan: Plan, tokenizer, row: dict) -> list[int]:
     return ids
 
 
+def _prepare(rows: list[tuple[int, dict]], make) -> tuple[dict, list[tuple[int, str]]]:
+    """`make(row)` for every row, by row number; a row it refuses (RowFailed) is a failure with the reason."""
+    made, failures = {}, []
+    for number, row in rows:
+        try:
+            made[number] = make(row)
+        except RowFailed as e:
+            failures.append((number, str(e)))
+    return made, failures
+
+
 def _choices(plan: Plan, prompt_tokens: int):
     from dstool.serve.triton_models.sampling import SamplingError, request_choices
 
@@ -157,13 +168,12 @@ def _load(kind: str, path: str):
 
 def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict], list[tuple[int, str]]]:
     tokenizer = _load("tokenizer", plan.tokenizer)
-    jobs, failures = {}, []
-    for number, row in rows:
-        try:
-            ids = _prompt_ids(plan, tokenizer, row)
-            jobs[number] = (ids, *_choices(plan, len(ids)), row.get(plan.column))
-        except RowFailed as e:
-            failures.append((number, str(e)))
+
+    def job(row: dict) -> tuple:
+        ids = _prompt_ids(plan, tokenizer, row)
+        return (ids, *_choices(plan, len(ids)), row.get(plan.column))
+
+    jobs, failures = _prepare(rows, job)
     made = _generate_onnx(plan, jobs) if plan.engine == "onnx" else _generate_triton(plan, jobs, failures)
     results = {}
     for number, (output, seconds) in made.items():
@@ -270,16 +280,14 @@ def _generate_triton(plan: Plan, jobs: dict, failures: list) -> dict[int, tuple[
 def _score(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict], list[tuple[int, str]]]:
     """Each text's log-likelihood under the model: the sum of log p(token | the tokens before), its perplexity."""
     tokenizer = _load("tokenizer", plan.tokenizer)
-    texts, failures = {}, []
-    for number, row in rows:
-        try:
-            ids = _prompt_ids(plan, tokenizer, row)
-            if len(ids) > plan.max_positions:
-                raise RowFailed(f"the text has {len(ids)} tokens, more than the model's {plan.max_positions} "
-                                "positions")
-            texts[number] = ids
-        except RowFailed as e:
-            failures.append((number, str(e)))
+
+    def text(row: dict) -> list[int]:
+        ids = _prompt_ids(plan, tokenizer, row)
+        if len(ids) > plan.max_positions:
+            raise RowFailed(f"the text has {len(ids)} tokens, more than the model's {plan.max_positions} positions")
+        return ids
+
+    texts, failures = _prepare(rows, text)
     scored = _score_onnx(plan, texts) if plan.engine == "onnx" else _score_triton(plan, texts, failures)
     results = {}
     for number, (logprob, seconds) in scored.items():
@@ -344,17 +352,6 @@ RESULT_TYPES = {"generate": {"text": "string", "prompt_tokens": "int64", "genera
                 "score": {"tokens": "int64", "logprob": "float64", "perplexity": "float64", "latency_s": "float64"}}
 
 
-def _atomic(path: Path, write) -> None:
-    """`write(temporary path)`, then rename it to `path` (a reader never sees part of a file)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}.tmp")
-    try:
-        write(tmp)
-        os.replace(tmp, path)
-    finally:
-        tmp.unlink(missing_ok=True)
-
-
 def _write(plan: Plan, index: int, rows: list, results: dict, failed: dict, seconds: float) -> dict:
     import pyarrow as pa
 
@@ -366,21 +363,23 @@ def _write(plan: Plan, index: int, rows: list, results: dict, failed: dict, seco
     records = [{**r, "row": n, **results[n], "model": plan.family, "model_version": plan.version} for n, r in kept]
     table = pa.Table.from_pylist(records, schema=full)
     out, name = Path(plan.output), part_name(index)
+    for folder in ("failures", "rows", "_parts"):
+        (out / folder).mkdir(parents=True, exist_ok=True)
     if failed:
         lines = "".join(json.dumps({"row": n, "error": failed[n], **r}, default=str) + "\n"
                         for n, r in rows if n in failed)
-        _atomic(out / "failures" / f"{name}.jsonl", lambda p: p.write_text(lines))
+        write_atomic(out / "failures" / f"{name}.jsonl", lambda p: p.write_text(lines))
     rows_file = f"rows/{name}.{plan.format}"
     if plan.format == "parquet":
         import pyarrow.parquet as pq
 
-        _atomic(out / rows_file, lambda p: pq.write_table(table, p))
+        write_atomic(out / rows_file, lambda p: pq.write_table(table, p))
     else:
         text = "".join(json.dumps(r, default=str) + "\n" for r in table.to_pylist())
-        _atomic(out / rows_file, lambda p: p.write_text(text))
+        write_atomic(out / rows_file, lambda p: p.write_text(text))
     summary = {"index": index, "file": rows_file, "rows": len(kept), "failed": len(failed),
                "prompt_tokens": sum(results[n].get("prompt_tokens", results[n].get("tokens", 0)) for n, _ in kept),
                "generated_tokens": sum(results[n].get("generated_tokens", 0) for n, _ in kept),
                "seconds": round(seconds, 4)}
-    _atomic(out / "_parts" / f"{name}.json", lambda p: p.write_text(json.dumps(summary)))  # last: the partition is done
+    write_atomic(out / "_parts" / f"{name}.json", lambda p: p.write_text(json.dumps(summary)))  # last: it marks done
     return summary

@@ -40,6 +40,7 @@ class Gateway:
         self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
+        from dstool.serve.config import is_cluster_url
         from dstool.serve.gateway.cache import RedisStore, ResultCache, as_cluster_url
 
         c = self.config
@@ -54,7 +55,7 @@ class Gateway:
                 url = as_cluster_url(url)
                 store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping():
-                kind = "Redis Cluster" if url.split("://", 1)[0].endswith("+cluster") else "Redis"
+                kind = "Redis Cluster" if is_cluster_url(url) else "Redis"
                 log.info(f"dstool gateway: cache: {kind} {_safe(url)} (front: in-process LRU)")
             elif explicit:
                 log.warning(f"gateway: Redis {_safe(url)} does not answer; requests go to Triton until it does")

@@ -183,7 +183,9 @@ class RedisStore:
 
     async def cluster_node(self) -> bool:
         """Whether a redis:// URL names a node of a Redis Cluster (then keys must go by the cluster's slot map)."""
-        if self.url.split("://", 1)[0].endswith("+cluster"):
+        from dstool.serve.config import is_cluster_url
+
+        if is_cluster_url(self.url):
             return False
         info = await self.call("info", "cluster")
         return bool(info and info.get("cluster_enabled"))
@@ -201,14 +203,15 @@ def _client(url: str, timeout: float):
 
     # No redis-py retries: a request must not wait for several timeouts before going to Triton.
     common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
-    scheme = url.split("://", 1)[0]
-    if not scheme.endswith("+cluster"):
+    from dstool.serve.config import cluster_nodes, is_cluster_url
+
+    if not is_cluster_url(url):
         return redis.from_url(url, **common)
     from urllib.parse import parse_qs, urlsplit
 
     from redis.asyncio.cluster import ClusterNode, RedisCluster
 
-    from dstool.serve.config import cluster_nodes
+    scheme = url.split("://", 1)[0]
 
     user, password, nodes = cluster_nodes(url)
     ca = parse_qs(urlsplit(url).query).get("ssl_ca_certs")
