@@ -546,7 +546,10 @@ def test_llm_model_reports_its_queue_and_tokens_on_tritons_metrics(server):
     for _ in range(3):
         urllib.request.urlopen(urllib.request.Request(
             f"http://{server.http_url}/v2/models/dstool_lm_llm/generate", body), timeout=120).read()
-    after = metrics()
+    running = 'dstool_llm_sequences{model="dstool_lm_llm",state="running",version="1"}'
+    deadline = time.monotonic() + 10  # the step's figures are set after its last response went out
+    while (after := metrics())[running] != 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
 
     def grew(name: str) -> float:
         return after[name] - before.get(name, 0.0)
@@ -556,4 +559,4 @@ def test_llm_model_reports_its_queue_and_tokens_on_tritons_metrics(server):
     assert grew(f"dstool_llm_time_to_first_token_seconds_count{labels}") == 3
     # one request at a time: each joined the next step
     assert grew('dstool_llm_queue_steps_bucket{model="dstool_lm_llm",version="1",le="0"}') == 3
-    assert after['dstool_llm_sequences{model="dstool_lm_llm",state="running",version="1"}'] == 0
+    assert after[running] == 0
