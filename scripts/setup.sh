@@ -21,4 +21,17 @@ if ! command -v java >/dev/null && command -v apt-get >/dev/null && [ "$(id -u)"
   { apt-get install -y -qq openjdk-17-jre-headless || { apt-get update -qq && apt-get install -y -qq openjdk-17-jre-headless; }; } \
     >/dev/null || echo "warning: apt-get could not install Java 17; dstool batch and its tests need it" >&2
 fi
+# The multi-host tests (tests/test_multihost.py, scripts/netns-cluster.sh) make hosts of network namespaces, each
+# with its own sshd; the DeepSpeed launcher reaches them with pdsh (the script's `fault drop` uses iptables). A real
+# Prometheus scrapes a training run in tests/test_train_observe.py.
+missing=""
+for tool in ip sshd ssh pdsh iptables prometheus; do
+  PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null || missing=yes
+done
+if [ -n "$missing" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+  pkgs="iproute2 openssh-server openssh-client pdsh iptables prometheus"
+  # shellcheck disable=SC2086
+  { apt-get install -y -qq $pkgs || { apt-get update -qq && apt-get install -y -qq $pkgs; }; } >/dev/null \
+    || echo "warning: apt-get could not install $pkgs; the multi-host and observability tests need them" >&2
+fi
 echo "dstool installed in .venv (torch $torch_version)"

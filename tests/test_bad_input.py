@@ -37,6 +37,8 @@ def _expect_usage_error(args: list[str], needle: str, tmp_path: Path) -> None:
     (["--env", "NCCL_SOCKET_IFNAME"], "KEY=VALUE"),
     (["--no-such-flag"], "unrecognized arguments"),
     (["--lr", "-1"], "lr"),
+    (["--save-every-minutes", "0"], "save_every_minutes"),
+    (["--preempt-grace-s", "-5"], "preempt_grace_s"),
 ])
 def test_bad_flags(args, needle, tmp_path):
     _expect_usage_error(["train", "--output", str(tmp_path / "run"), *args], needle, tmp_path)

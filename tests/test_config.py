@@ -51,6 +51,7 @@ def test_generated_deepspeed_config_and_merge(tmp_path):
 
 # One YAML file per command: the keys are the config model's fields, positional arguments included.
 YAML = {"train": "max_steps: 7\n", "doctor": "nproc: 3\n", "compress": "model: m\noutput: o\nbits: 4\n",
+        "plan": "tokens: '5000'\ngpu: H100\n",
         "export": "model: m\nname: lm\n", "serve": "http_port: 9000\ncache: memory\n",
         "gateway": "upstreams: [127.0.0.1:9000]\ncache_ttl: 5\n", "pipeline": "train_steps: 9\nprompts: [hi]\n",
         "infer": "prompt: hello\nprotocol: grpc\n",

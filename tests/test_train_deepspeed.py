@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -97,6 +98,58 @@ def test_resume_sees_no_sample_twice(bf16_runs):
     assert len(seen) == len(set(seen)) == 16 * 8
 
 
+def _popen_train(out: Path, *args: str) -> subprocess.Popen:
+    return subprocess.Popen([*DSTOOL, "train", "--output", str(out), *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
+    deadline, beat = time.time() + 300, out / "heartbeat.json"
+    while not beat.exists() or json.loads(beat.read_text())["step"] < step:
+        assert proc.poll() is None and time.time() < deadline, proc.communicate()
+        time.sleep(0.05)
+
+
+def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(bf16_runs, tmp_path):
+    """Preemption: SIGTERM to `dstool train` -> every rank finishes its step, that step is checkpointed, exit 143
+    (retry); the same command again continues the uninterrupted run's loss curve exactly."""
+    ref, out = bf16_runs[0], tmp_path / "preempted"
+    proc = _popen_train(out, *BF16)
+    _wait_for_step(out, proc, 5)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    record = json.loads((out / "preempted.json").read_text())
+    step = record["step"]
+    assert 5 <= step < 16 and record["reason"].startswith("stop-requested"), record
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{step:08d}"
+    assert Checkpoint.read(out / "checkpoints" / f"step-{step:08d}", verify=True).step == step
+    assert "preempted" in stderr and f"after step {step}" in stderr and not (out / "model").exists()
+    resumed = dstool("train", "--output", str(out), *BF16)
+    assert f"resumed at step {step}" in resumed.stdout
+    ref_curve, curve = losses(ref), losses(out)
+    assert sorted(curve) == list(range(1, 17))
+    for s in range(1, 17):
+        assert curve[s] == pytest.approx(ref_curve[s], abs=1e-6), (s, curve, ref_curve)
+
+
+def test_save_every_minutes_and_sigusr1_to_every_process(tmp_path):
+    """--save-every-minutes checkpoints by the clock between --save-every steps; SIGUSR1 to every process of the
+    run (as SLURM sends it) stops it with a checkpoint too, under torchrun's agent."""
+    out = tmp_path / "run"
+    proc = _popen_train(out, "--nproc", "2", "--zero", "0", "--max-steps", "400", "--save-every", "1000",
+                        "--save-every-minutes", "0.002", "--keep-checkpoints", "10", *FAST)
+    _wait_for_step(out, proc, 6)
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        p.send_signal(signal.SIGUSR1)
+    _, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 143, stderr
+    step = json.loads((out / "preempted.json").read_text())["step"]
+    tags = sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step-"))
+    assert len(tags) >= 3 and tags[-1] == f"step-{step:08d}", tags  # every ~0.12 s, none of them at step 1000
+    assert "SIGUSR1" in stderr
+
+
 def test_model_folder_loads_and_matches_engine_logits(bf16_runs):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -124,11 +177,19 @@ def test_damaged_checkpoint_is_refused(bf16_runs, tmp_path):
     assert proc.returncode == 2 and "damaged checkpoint" in proc.stderr and "sha256" in proc.stderr
 
 
-def test_tiny_moe_zero3_with_accumulation(session_tmp):
+MOE_Z3 = ["--model", "tiny-moe", "--nproc", "2", "--zero", "3", "--gradient-accumulation-steps", "2",
+          "--micro-batch-size", "2", "--max-steps", "6", "--save-every", "3", "--seq-len", "64", "--log-every", "1"]
+
+
+@pytest.fixture(scope="module")
+def moe_z3(session_tmp) -> Path:
     out = session_tmp / "moe_z3"
-    dstool("train", "--output", str(out), "--model", "tiny-moe", "--nproc", "2", "--zero", "3",
-           "--gradient-accumulation-steps", "2", "--micro-batch-size", "2", "--max-steps", "6", "--save-every", "3",
-           "--seq-len", "64", "--log-every", "1")
+    dstool("train", "--output", str(out), *MOE_Z3)
+    return out
+
+
+def test_tiny_moe_zero3_with_accumulation(moe_z3):
+    out = moe_z3
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(out / "model")
@@ -141,6 +202,18 @@ def test_tiny_moe_zero3_with_accumulation(session_tmp):
     curve = losses(out)
     assert curve[6] < curve[1]
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
+
+
+def test_activation_checkpointing_keeps_the_losses(moe_z3, tmp_path):
+    """--activation-checkpointing on the DeepSeek-V3 MoE preset under ZeRO-3: every decoder layer is recomputed in
+    the backward pass (transformers' mechanism), and the losses are the run's without it."""
+    out = tmp_path / "ac"
+    proc = dstool("train", "--output", str(out), *MOE_Z3, "--activation-checkpointing", "--no-tensorboard")
+    assert "activation checkpointing: 3 decoder layers recomputed" in proc.stdout
+    a, b = losses(out), losses(moe_z3)
+    assert sorted(a) == list(range(1, 7))
+    for step in a:
+        assert a[step] == pytest.approx(b[step], abs=1e-5), (step, a, b)
 
 
 @pytest.fixture(scope="module")

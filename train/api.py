@@ -23,8 +23,8 @@ from dstool.artifacts import DataSplit, HFModel, ManifestError, TrainRun, kind_o
 from dstool.config import changed, dump_yaml
 from dstool.errors import StageFailed, TrainingFailed, UsageError
 from dstool.files import write_json_atomic
-from dstool.proc import die_with_parent
-from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline_parallel
+from dstool.proc import check_port_free, die_with_parent
+from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline_parallel, preempt
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import read_metrics
 
@@ -50,6 +50,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
+    _check_metrics_port(cfg, topo)
     ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
     out = Path(cfg.output)
     docs = data.read_documents(cfg.data)
@@ -106,7 +107,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     log.debug("effective config:\n" + dump_yaml(cfg))
 
     (out / "failure.json").unlink(missing_ok=True)
-    _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out)
+    preempt.clear(out)
+    _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out,
+               cfg.preempt_grace_s)
     if changed_file := _packed_change(out / "data", packed, data.packed_sha256(out / "data"), "while the run read it"):
         raise StageFailed(changed_file)
     return _result(out, cfg)
@@ -120,6 +123,18 @@ def _packed_change(folder: Path, recorded: dict[str, str], now: dict[str, str], 
                     f"{folder.parent / 'dstool.json'}): restore it, or delete {folder} to pack the corpus again (the "
                     "checkpoints then continue on the new packing)")
     return None
+
+
+def _check_metrics_port(cfg: TrainConfig, topo: launch.Topology) -> None:
+    """Refuse a --metrics-port in use on this node when rank 0 runs here, before any rank starts (elsewhere, rank 0
+    reports it in failure.json)."""
+    ssh_launched = topo.launcher == "deepspeed" and topo.hosts is not None and cfg.node_rank is None
+    if not cfg.metrics_port or (cfg.node_rank or 0) != 0 or ssh_launched:
+        return
+    try:
+        check_port_free("0.0.0.0", cfg.metrics_port)
+    except UsageError as e:
+        raise UsageError(f"--metrics-port: {e}: choose another port, or 0 for a free one") from None
 
 
 def _precision(cfg: TrainConfig, on_gpu: bool) -> str:
@@ -202,22 +217,31 @@ def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
                          "or use a new --output")
 
 
-def _run_ranks(cmd: list[str], env: dict[str, str], out: Path) -> None:
-    """Start the launcher in this process group (Ctrl-C reaches every rank); forward SIGTERM; wait. The ranks
-    print dstool's lines on stdout; what the launcher and the libraries write on stderr (tracebacks, C++
-    warnings) goes to logs/launcher.log, unless -v."""
+def _run_ranks(cmd: list[str], env: dict[str, str], out: Path, grace_s: float) -> None:
+    """Start the launcher in this process group (Ctrl-C reaches every rank); on SIGTERM/SIGUSR1 the ranks checkpoint
+    and stop (train/preempt.py); wait. The ranks print dstool's lines on stdout; what the launcher and the libraries
+    write on stderr (tracebacks, C++ warnings) goes to logs/launcher.log, unless -v."""
     (out / "logs").mkdir(exist_ok=True)
     with open(out / "logs" / "launcher.log", "ab") as launcher_log:
         proc = subprocess.Popen(cmd, env=env, stderr=None if dlog.verbose() else launcher_log,
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    previous = signal.signal(signal.SIGTERM, lambda signum, _frame: proc.send_signal(signum))
+    watch = preempt.Watch(out, proc, grace_s)
     try:
         rc = proc.wait()
     except KeyboardInterrupt:  # the launcher got the same SIGINT and stops the ranks; wait for it
         rc = proc.wait()
         raise
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        watch.restore()
+    if (out / preempt.PREEMPTED).is_file():
+        done = json.loads((out / preempt.PREEMPTED).read_text())
+        raise preempt.Preempted(f"preempted ({done['reason']}): the ranks stopped after step {done['step']} with "
+                                f"checkpoint {done['checkpoint']}; run the same command again (--resume auto) to "
+                                "continue from it", log=out / "logs")
+    if watch.signal is not None:
+        raise preempt.Preempted(f"preempted ({watch.signal}): the ranks stopped before they could checkpoint; the "
+                                f"last checkpoint is {_latest_tag(out) or 'none'} (run the same command again to "
+                                "continue from it)", log=out / "logs")
     if rc != 0:
         failure = out / "failure.json"
         if failure.is_file():
@@ -239,3 +263,8 @@ def _result(out: Path, cfg: TrainConfig) -> TrainResult:
     return TrainResult(out, model_dir, train_rows[-1]["step"] if train_rows else 0,
                        train_rows[-1]["loss"] if train_rows else None,
                        last_val if last_val is None or math.isfinite(last_val) else None)
+
+
+def _latest_tag(out: Path) -> str | None:
+    tag = checkpoint.find_resume(out / "checkpoints", warn=lambda _msg: None)
+    return str(tag) if tag else None

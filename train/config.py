@@ -1,12 +1,15 @@
-"""The options of `dstool train` and `dstool doctor` (importing this loads no torch: option errors come fast)."""
+"""The options of `dstool train`, `dstool doctor` and `dstool plan` (importing this loads no torch: option errors come
+fast)."""
 
 from __future__ import annotations
 
+import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from dstool.config import CommandConfig
+from dstool.train.metrics import GPU_MEMORY_GIB, GPU_PEAK_TFLOPS
 
 
 class TrainConfig(CommandConfig):
@@ -26,12 +29,15 @@ class TrainConfig(CommandConfig):
     hostfile: str | None = Field(None, description="DeepSpeed hostfile ('host slots=N' per line)")
     num_nodes: int = Field(1, ge=1, description="nodes in the job (from the hostfile when one is given)")
     node_rank: int | None = Field(None, ge=0, description="this node's rank when each node is started by hand")
-    master_addr: str = Field("127.0.0.1", description="address of node 0")
+    master_addr: str | None = Field(None, description="address of node 0 (default: the hostfile's first host, else "
+                                    "127.0.0.1)")
     master_port: int | None = Field(None, ge=1, le=65535, description="rendezvous port (free port when single-node)")
     launcher: Literal["auto", "torchrun", "deepspeed"] = "auto"
     env: dict[str, str] = Field(default_factory=dict, description="environment for every rank, e.g. NCCL_SOCKET_IFNAME")
     max_restarts: int = Field(0, ge=0, description="torchrun elastic restarts when a rank dies; each resumes from "
                               "the last valid checkpoint")
+    comm_timeout_s: float = Field(120.0, ge=5, description="seconds a node may go silent (host down, network cut "
+                                  "for good) before every node stops, with a message naming it")
 
     # Optimisation
     zero: Literal[0, 1, 2, 3] = Field(2, description="ZeRO stage")
@@ -56,6 +62,10 @@ class TrainConfig(CommandConfig):
 
     # Checkpoints, metrics
     save_every: int = Field(100, ge=1, description="checkpoint every N steps (and at the end)")
+    save_every_minutes: float | None = Field(None, gt=0, description="also checkpoint when this many minutes have "
+                                             "passed since the last checkpoint (rank 0's clock decides for all)")
+    preempt_grace_s: float = Field(30.0, gt=0, description="on SIGTERM/SIGUSR1 (preemption): seconds the ranks get "
+                                   "to finish their step and write a checkpoint before they are stopped")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
     resume: str = Field("auto", description="auto (latest valid checkpoint), none, or a checkpoint folder")
     log_every: int = Field(10, ge=1)
@@ -63,9 +73,17 @@ class TrainConfig(CommandConfig):
     eval_batches: int = Field(8, ge=1, description="micro-batches per rank per evaluation")
     peak_tflops: float | None = Field(None, gt=0, description="declared per-rank peak for MFU (default by device)")
     tensorboard: bool = True
+    metrics_port: int | None = Field(None, ge=0, le=65535, description="rank 0 serves Prometheus metrics at "
+                                     "http://HOST:PORT/metrics while the run lives (0: a free port); the URL is "
+                                     "logged and written to metrics_endpoint.json")
+    profile_steps: str | None = Field(None, description="torch profiler trace of optimizer steps A to B on every rank, "
+                                      "in tensorboard/profile/ (TensorBoard's PyTorch Profiler tab, Perfetto)",
+                                      json_schema_extra={"cli": {"metavar": "A:B"}})
     trace_samples: bool = Field(False, description="write each rank's sample ids per step (data audit)")
     deepspeed_config: str | None = Field(None, description="DeepSpeed JSON merged over the generated config")
     keep_zero_weights: bool = Field(False, description="hold weights that start at exactly zero at zero (N:M sparsity)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
+                                           "backward pass instead of keeping them: less memory, ~1/3 more compute")
     distill_from: str | None = Field(None, description="teacher model folder: loss = cross-entropy + KL(teacher || "
                                      "student) on the logits (knowledge distillation)")
 
@@ -85,7 +103,21 @@ class TrainConfig(CommandConfig):
             raise ValueError("offload_params needs zero: 3")
         if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:
             raise ValueError(f"node_rank {self.node_rank} is not below num_nodes {self.num_nodes}")
+        if self.profile_steps is not None:
+            self.profile_range()
         return self
+
+    def profile_range(self) -> tuple[int, int]:
+        """--profile-steps as (first, last) optimizer step, both within 1..max_steps."""
+        m = re.fullmatch(r"\s*(\d+)\s*:\s*(\d+)\s*", self.profile_steps or "")
+        if not m:
+            raise ValueError(f"profile_steps {self.profile_steps!r} is not A:B (first and last step to profile, "
+                             "e.g. 10:12)")
+        first, last = int(m.group(1)), int(m.group(2))
+        if not 1 <= first <= last <= self.max_steps:
+            raise ValueError(f"profile_steps {first}:{last} is outside the run: need 1 <= A <= B <= max_steps "
+                             f"({self.max_steps})")
+        return first, last
 
 
 class TrainCommand(TrainConfig):
@@ -105,8 +137,105 @@ class DoctorConfig(CommandConfig):
     """`dstool doctor`: preflight checks of a hostfile's nodes (or this machine) before a launch."""
 
     hostfile: str | None = Field(None, description="DeepSpeed hostfile to check every node of (default: this machine)")
-    master_addr: str = Field("127.0.0.1", description="address of node 0")
+    master_addr: str | None = Field(None, description="address of node 0 (default: the hostfile's first host, else "
+                                    "127.0.0.1)")
     master_port: int = Field(29500, ge=1, le=65535, description="rendezvous port to check")
     output: str = Field("runs/train", description="the run folder to check")
     nproc: int = Field(2, ge=1, description="local processes for the all-reduce test")
     env: dict[str, str] = Field(default_factory=dict, description="as for train, e.g. NCCL_SOCKET_IFNAME=eth0")
+
+
+_TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
+
+
+class PlanConfig(CommandConfig):
+    """`dstool plan`: memory per device, step time, total time and cost of a training run, for several cluster
+    sizes side by side."""
+
+    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder "
+                       "(its config.json: no weights are read)")
+    vocab_size: int | None = Field(None, ge=256, le=1 << 20, description="vocabulary of a preset (default: 102400 for "
+                                   "deepseek-7b, as its own tokenizer, else 4096 as dstool train)")
+    tokens: str = Field(description="token budget: training tokens in all, e.g. 2e9, 500M, 1.5B",
+                        json_schema_extra={"cli": {"metavar": "N"}})
+    gpu: str = Field("A100", description=f"device type ({', '.join(GPU_PEAK_TFLOPS)}), cpu (this machine's cores, "
+                     "one rank per device) or this (this machine's GPU, else its CPU)")
+    gpus: str | None = Field(None, description="device counts side by side, e.g. 1,8,64 (default: 1,8,64,512 GPUs; "
+                             "1,2,4,... up to the cores for cpu)", json_schema_extra={"cli": {"metavar": "N,N,..."}})
+    gpus_per_node: int = Field(8, ge=1, description="GPUs per node (cpu: every rank is on this machine)")
+    gpu_memory: float | None = Field(None, gt=0, description="memory per device in GiB (default: the device's; for "
+                                     "cpu this machine's, shared by its ranks)")
+    peak_tflops: float | None = Field(None, gt=0, description="declared dense bf16 peak per device (default: the "
+                                      "device's datasheet figure; for cpu the whole machine's, FLOP/cycle x clock x "
+                                      "cores)")
+    zero: Literal[0, 1, 2, 3] | None = Field(None, description="ZeRO stage planned (default: at each cluster size the "
+                                             "lowest stage that fits)")
+    offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU (ZeRO 1-3)")
+    offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU (with --offload-optimizer)")
+    activation_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
+                                           "pass: activations shrink, the forward pass is done twice")
+    seq_len: int = Field(128, ge=8, description="sequence length in tokens")
+    micro_batch_size: int = Field(8, ge=1, description="sequences per device per micro-step")
+    gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-steps per optimizer step")
+    global_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step across all devices")
+    mfu: float | None = Field(None, gt=0, le=1, description="achievable model FLOPs utilisation (default: 0.40, or "
+                              "0.30 with offload, from published figures; no default for cpu: measure it, "
+                              "--from-run)")
+    from_run: str | None = Field(None, description="a dstool train run folder: plan with the MFU it measured (median "
+                                 "of its metrics.jsonl windows after the first)", json_schema_extra={"cli": {
+                                     "metavar": "RUN"}})
+    node_scaling: float = Field(0.95, gt=0, le=1, description="scaling efficiency per doubling of nodes (1.0 within a "
+                                "node)")
+    price: float | None = Field(None, ge=0, description="price per GPU-hour (cpu: per rank-hour); adds a cost column")
+    format: Literal["table", "json"] = Field("table", description="table (for people) or json (the Plan object)")
+
+    @field_validator("tokens", mode="before")
+    @classmethod
+    def _token_count(cls, v: object) -> str:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d*)?(?:e\+?\d+)?)\s*([kmbgt]?)\s*", str(v), re.I)
+        count = round(float(m.group(1)) * _TOKEN_SUFFIX[m.group(2).lower()]) if m else 0
+        if count < 1:
+            raise ValueError("the token budget must be a positive number of tokens such as 2e9, 500M or 1.5B")
+        return str(count)
+
+    @field_validator("gpu")
+    @classmethod
+    def _device_name(cls, v: str) -> str:
+        return v.lower() if v.lower() in ("cpu", "this") else next((k for k in GPU_PEAK_TFLOPS if k == v.upper()), v)
+
+    @field_validator("gpus", mode="before")
+    @classmethod
+    def _device_counts(cls, v: object) -> str | None:
+        if v is None:
+            return None
+        items = v if isinstance(v, list) else str(v).split(",")
+        try:
+            counts = sorted({int(str(x).strip()) for x in items})
+        except ValueError:
+            counts = []
+        if not counts or counts[0] < 1:
+            raise ValueError("device counts must be positive integers separated by commas, e.g. 1,8,64")
+        return ",".join(map(str, counts))
+
+    @model_validator(mode="after")
+    def _consistent(self) -> PlanConfig:
+        if self.gpu not in ("cpu", "this") and self.gpu not in GPU_PEAK_TFLOPS and (
+                self.peak_tflops is None or self.gpu_memory is None):
+            raise ValueError(f"unknown GPU type '{self.gpu}': use one of {', '.join(GPU_MEMORY_GIB)}, cpu or this, or "
+                             "give its --peak-tflops and --gpu-memory")
+        if self.mfu is not None and self.from_run:
+            raise ValueError("mfu and from_run both set the MFU: give one of them")
+        if self.offload_params and not self.offload_optimizer:
+            raise ValueError("offload_params is planned with offload_optimizer (DeepSpeed's estimator models "
+                             "parameter offload only with it): add --offload-optimizer")
+        if self.offload_params and self.zero not in (None, 3):
+            raise ValueError("offload_params needs zero: 3")
+        if self.offload_optimizer and self.zero == 0:
+            raise ValueError("offload_optimizer needs zero 1, 2 or 3")
+        return self
+
+    def token_budget(self) -> int:
+        return int(self.tokens)
+
+    def device_counts(self) -> list[int] | None:
+        return [int(n) for n in self.gpus.split(",")] if self.gpus else None

@@ -1,15 +1,17 @@
 """`dstool doctor`: preflight checks for a training launch, one line each with pass/fail and the fix.
 
 Versions equal on every node, passwordless ssh to remote hosts, the master port free, the network
-interfaces named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME present, GPUs matching the hostfile
+interfaces named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME present on every node, no node whose own name
+resolves to a loopback address (gloo would hand that address to the others), GPUs matching the hostfile
 slots, the output folder writable from every node, and a gloo all-reduce across local processes with
 its measured bandwidth.
 """
 
 from __future__ import annotations
 
+import ipaddress
+import json
 import os
-import platform
 import shlex
 import socket
 import subprocess
@@ -24,8 +26,30 @@ import psutil
 from dstool.errors import UsageError
 from dstool.train import launch
 
-VERSION_PROBE = ("import sys, torch, deepspeed; "
-                 "print(sys.version.split()[0], torch.__version__, deepspeed.__version__)")
+# Run on every node (here too): one marker line of JSON. Versions come from the installed packages' metadata, so
+# nothing is imported that could print into the output (DeepSpeed's accelerator warning goes to stdout).
+PROBE = r"""
+import json, socket, sys
+from importlib.metadata import version
+def v(name):
+    try:
+        return version(name)
+    except Exception:
+        return "missing"
+name = socket.gethostname()
+try:
+    address = socket.gethostbyname(name)
+except OSError:
+    address = None
+try:
+    import psutil
+    ifs = {n: [a.address for a in al if a.family == socket.AF_INET] for n, al in psutil.net_if_addrs().items()}
+except ImportError:
+    ifs = {n: [] for _, n in socket.if_nameindex()}
+print("DSTOOL-PROBE " + json.dumps({"versions": f"{sys.version.split()[0]} {v('torch')} {v('deepspeed')}",
+                                    "hostname": name, "address": address, "interfaces": ifs}))
+"""
+PROBE_MARKER = "DSTOOL-PROBE "
 ALLREDUCE_MB = 16
 
 
@@ -72,31 +96,56 @@ def check_ssh(host: str) -> Check:
     return Check(name, True, "passwordless ssh works")
 
 
-def check_versions(hosts: list[str], reachable: set[str]) -> Check:
-    local = f"{platform.python_version()} {_torch_version()} {_deepspeed_version()}"
-    found = {h: local for h in hosts if is_local(h)}
-    for h in hosts:
-        if h in found or h not in reachable:
-            continue
-        proc = _ssh(h, f"{shlex.quote(sys.executable)} -c {shlex.quote(VERSION_PROBE)}")
-        found[h] = proc.stdout.strip() if proc.returncode == 0 else f"(no {sys.executable} there)"
-    detail = "; ".join(f"{h}: python/torch/deepspeed {v}" for h, v in found.items()) or f"local: {local}"
+def probe(host: str) -> dict | str:
+    """What PROBE finds on `host` (here without ssh), or why it gave nothing."""
+    argv = [sys.executable, "-c", PROBE]
+    try:
+        proc = (subprocess.run(argv, capture_output=True, text=True, timeout=60) if is_local(host)
+                else _ssh(host, shlex.join(argv), timeout=60))
+    except subprocess.TimeoutExpired:
+        return "no answer within 60 s"
+    for line in proc.stdout.splitlines():
+        if line.startswith(PROBE_MARKER):
+            return json.loads(line[len(PROBE_MARKER):])
+    return f"no {sys.executable} there" if proc.returncode == 127 else \
+        (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
+
+
+def check_versions(probes: dict[str, dict | str]) -> Check:
+    found = {h: p["versions"] if isinstance(p, dict) else f"({p})" for h, p in probes.items()}
+    detail = "; ".join(f"{h}: python/torch/deepspeed {v}" for h, v in found.items())
     if len(set(found.values())) > 1:
-        return Check("versions", False, detail, f"install the same versions on every node (this node: {local}), "
-                     "e.g. one venv on a shared path")
-    return Check("versions", True, detail or local)
+        local = next((v for h, v in found.items() if is_local(h)), None)
+        here = f" (this node: {local})" if local else ""
+        return Check("versions", False, detail, f"install the same versions on every node{here}, e.g. one venv on a "
+                     "shared path")
+    return Check("versions", True, detail)
 
 
-def _torch_version() -> str:
-    import torch
+def check_hostnames(probes: dict[str, dict | str], nodes: int, env: dict[str, str], on_gpu: bool) -> Check:
+    """Several nodes: none whose own name resolves to a loopback address, unless the ranks' socket interface is
+    named (gloo takes its address from the host name; NCCL picks an interface itself)."""
+    var = "NCCL_SOCKET_IFNAME" if on_gpu else "GLOO_SOCKET_IFNAME"
+    if nodes < 2:
+        return Check("host names", True, "one node: loopback addresses are fine")
+    if env.get("GLOO_SOCKET_IFNAME") or (on_gpu and env.get("NCCL_SOCKET_IFNAME")):
+        return Check("host names", True, "the socket interface is named: the ranks use it whatever the host names "
+                     "resolve to")
+    bad = {h: p for h, p in probes.items() if isinstance(p, dict) and _is_loopback(p["address"])}
+    if not bad:
+        return Check("host names", True, "every node's name resolves to a non-loopback address")
+    named = "; ".join(f"{h}: {p['hostname']} -> {p['address']}" for h, p in bad.items())
+    cluster_ifs = sorted({n for p in bad.values() for n, addrs in p["interfaces"].items()
+                          if any(not _is_loopback(a) for a in addrs)})
+    example = cluster_ifs[0] if cluster_ifs else "eth0"
+    return Check("host names", False, f"{named} (a loopback address, e.g. Debian's '127.0.1.1 <hostname>' line in "
+                 "/etc/hosts: gloo would hand it to the other nodes, whose connections then fail or hang)",
+                 f"set {var} to the cluster interface on every node, e.g. --env {var}={example} (interfaces with an "
+                 f"address there: {', '.join(cluster_ifs) or 'none'}), or map the name to the host's cluster address")
 
-    return torch.__version__
 
-
-def _deepspeed_version() -> str:
-    from importlib.metadata import version
-
-    return version("deepspeed")
+def _is_loopback(address: str | None) -> bool:
+    return address is not None and ipaddress.ip_address(address).is_loopback
 
 
 def check_port(addr: str, port: int) -> Check:
@@ -112,20 +161,27 @@ def check_port(addr: str, port: int) -> Check:
     return Check(name, True, "free")
 
 
-def check_interfaces(env: dict[str, str]) -> list[Check]:
-    present = sorted(psutil.net_if_addrs())
+def check_interfaces(env: dict[str, str], probes: dict[str, dict | str]) -> list[Check]:
+    """The interfaces NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name, on every node that answered the probe."""
+    interfaces = {h: sorted(p["interfaces"]) for h, p in probes.items() if isinstance(p, dict)}
     checks = []
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
         value = env.get(var)
         if not value:
             checks.append(Check(var, True, "not set (the library picks an interface)"))
             continue
-        missing = [w for w in _interface_patterns(value) if not any(_if_matches(w, i) for i in present)]
+        missing = {h: [w for w in _interface_patterns(value) if not any(_if_matches(w, i) for i in present)]
+                   for h, present in interfaces.items()}
+        missing = {h: m for h, m in missing.items() if m}
         if missing:
-            checks.append(Check(var, False, f"{var}={value}: no interface matches {', '.join(missing)} "
-                                f"(here: {', '.join(present)})", f"set {var} to one of: {', '.join(present)}"))
+            where = "; ".join(f"on {h} no interface matches {', '.join(m)} (there: {', '.join(interfaces[h])})"
+                              for h, m in missing.items())
+            choices = sorted(set.intersection(*(set(i) for i in interfaces.values())))
+            checks.append(Check(var, False, f"{var}={value}: {where}",
+                                f"set {var} to an interface every node has: {', '.join(choices) or 'none is common'}"))
         else:
-            checks.append(Check(var, True, f"{var}={value} matches an interface here"))
+            checks.append(Check(var, True, f"{var}={value} matches an interface on "
+                                f"{'every node' if len(interfaces) > 1 else 'this node'}"))
     return checks
 
 
@@ -218,15 +274,20 @@ def _allreduce_worker(rank: int) -> None:
     dist.destroy_process_group()
 
 
-def run(hostfile: str | None, master_addr: str, master_port: int, output: str, nproc: int, env: dict[str, str],
-        echo=print) -> int:
+def run(hostfile: str | None, master_addr: str | None, master_port: int, output: str, nproc: int,
+        env: dict[str, str], echo=print) -> int:
     """Run every check, print one line each; 0 when all pass, 1 otherwise."""
+    import torch
+
     hosts = launch.parse_hostfile(hostfile) if hostfile else {"localhost": nproc}
     checks = [check_ssh(h) for h in hosts]
     reachable = {c.name.split(" ", 1)[1] for c in checks if c.ok}
-    checks.append(check_versions(list(hosts), reachable))
-    checks.append(check_port(master_addr, master_port))
-    checks += check_interfaces({**os.environ, **env})
+    probes = {h: probe(h) for h in hosts if h in reachable}
+    environment = {**os.environ, **env}
+    checks.append(check_versions(probes))
+    checks.append(check_port(master_addr or (next(iter(hosts)) if hostfile else "127.0.0.1"), master_port))
+    checks += check_interfaces(environment, probes)
+    checks.append(check_hostnames(probes, len(hosts), environment, torch.cuda.is_available()))
     local_slots = next((s for h, s in hosts.items() if is_local(h)), None)
     checks.append(check_gpus(local_slots if hostfile else None))
     checks += check_output(output, list(hosts), reachable)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 import re
 from pathlib import Path
 
@@ -42,18 +43,21 @@ def pytorchjob(cfg: TrainConfig, nodes: int, gpus_per_node: int, image: str, pvc
         "resources": {"limits": {"nvidia.com/gpu": gpus_per_node}},
         "volumeMounts": [{"name": "checkpoints", "mountPath": MOUNT}, {"name": "dshm", "mountPath": "/dev/shm"}],
     }
-    pod = {"spec": {"containers": [container], "volumes": [
+    # the grace period dstool gives the ranks to checkpoint on SIGTERM, and time for the launcher to exit after it
+    pod = {"spec": {"terminationGracePeriodSeconds": math.ceil(cfg.preempt_grace_s) + 30,
+                    "containers": [container], "volumes": [
         {"name": "checkpoints", "persistentVolumeClaim": {"claimName": pvc}},
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},  # NCCL needs more shared memory than the default
     ]}}
-    replicas = {"Master": {"replicas": 1, "restartPolicy": "OnFailure", "template": pod}}
+    # ExitCode: 128-255 (a preempted run's 143, a kill) restart the pod, 1-127 (a bug, a diverged loss) do not
+    replicas = {"Master": {"replicas": 1, "restartPolicy": "ExitCode", "template": pod}}
     if nodes > 1:
-        replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "OnFailure", "template": copy.deepcopy(pod)}
+        replicas["Worker"] = {"replicas": nodes - 1, "restartPolicy": "ExitCode", "template": copy.deepcopy(pod)}
     return {
         "apiVersion": "kubeflow.org/v1",
         "kind": "PyTorchJob",
         "metadata": {"name": name, "labels": {"app.kubernetes.io/created-by": "dstool"}},
-        # A failed pod is restarted (OnFailure) and `dstool train --resume auto` continues from the last
+        # A preempted or killed pod is restarted (ExitCode) and `dstool train --resume auto` continues from the last
         # valid checkpoint on the shared volume; backoffLimit bounds the restarts.
         "spec": {"runPolicy": {"backoffLimit": max(cfg.max_restarts, 3), "cleanPodPolicy": "None"},
                  "pytorchReplicaSpecs": replicas},

@@ -9,6 +9,12 @@ from pathlib import Path
 # Declared dense bf16/fp16 peak per device in TFLOP/s (vendor datasheets, without sparsity).
 GPU_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "L4": 121.0,
                    "V100": 125.0, "MI300X": 1307.0}
+# Memory per device in GiB as the driver reports it, for the same devices (the largest variant: A100 and H100 80 GB,
+# V100 32 GB); `dstool plan --gpu-memory` gives another.
+GPU_MEMORY_GIB = {"H200": 140.0, "H100": 80.0, "A100": 80.0, "L40S": 45.0, "A10": 22.5, "L4": 22.5, "V100": 32.0,
+                  "MI300X": 192.0}
+
+
 def _cpuinfo(key: str) -> str:
     try:
         for line in open("/proc/cpuinfo"):
@@ -57,6 +63,10 @@ class MetricsLog:
 
     def write(self, step: int, **values) -> None:
         self._file.write(json.dumps({"step": step, **values}) + "\n")
+        self.scalars(step, values)
+
+    def scalars(self, step: int, values: dict) -> None:
+        """The numbers among `values` to TensorBoard only (when enabled)."""
         if self._tb is not None:
             for k, v in values.items():
                 if isinstance(v, (int, float)):

@@ -81,8 +81,9 @@ def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def build(hf_model, stages: int):
-    """`hf_model` (LlamaForCausalLM) as a PipelineModule over `stages` stages, balanced by parameters."""
+def build(hf_model, stages: int, activation_checkpointing: bool = False):
+    """`hf_model` (LlamaForCausalLM) as a PipelineModule over `stages` stages, balanced by parameters; with
+    `activation_checkpointing` DeepSpeed's mechanism recomputes every layer in the backward pass."""
     from deepspeed.pipe import PipelineModule
 
     inner = hf_model.model
@@ -94,7 +95,9 @@ def build(hf_model, stages: int):
                          f"(embedding, {len(inner.layers)} decoder layers, head): use fewer stages")
     # dynamic_shape: evaluation and the parity probe use other batch shapes than training
     return PipelineModule(layers=layers, num_stages=stages, loss_fn=next_token_loss,
-                          partition_method="parameters", dynamic_shape=True)
+                          partition_method="parameters", dynamic_shape=True,
+                          activation_checkpoint_interval=1 if activation_checkpointing else 0,
+                          checkpointable_layers=["_Decoder"])
 
 
 def hf_state_dict(engine, hf_model) -> dict[str, torch.Tensor] | None:

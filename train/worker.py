@@ -12,6 +12,7 @@ import math
 import os
 import shutil
 import signal
+import socket
 import sys
 import time
 from pathlib import Path
@@ -24,9 +25,10 @@ from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
 from dstool.files import write_json_atomic
 from dstool.proc import die_with_parent
-from dstool.train import checkpoint, data, pipeline_parallel
+from dstool.train import checkpoint, data, pipeline_parallel, preempt, watchdog
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
+from dstool.train.observe import Observer
 
 log = dlog.log
 
@@ -56,10 +58,10 @@ def main(run_file: str) -> None:
         # Measured on this CPU: the first init_distributed() JIT-builds deepspeed_shm_comm (~65 s); that op
         # serves only inference all-reduce, training all-reduces go through gloo.
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    _init_process_group(accelerator.communication_backend_name(), restarts)
+    restarts = _init_process_group(accelerator.communication_backend_name(), cfg)  # elastic restarts so far
     deepspeed.init_distributed(dist_backend=accelerator.communication_backend_name())  # adopts the group above
     rank, world = dist.get_rank(), dist.get_world_size()
+    gate = preempt.StepGate(out, cfg.save_every_minutes, clock_rank=rank == 0)  # a signal from here on is kept
     if rank != 0 or not run.get("console", True):
         dlog.quiet_console()  # one rank speaks; inside `dstool pipeline` even it keeps to its log file
     torch.manual_seed(cfg.seed)
@@ -78,10 +80,24 @@ def main(run_file: str) -> None:
     else:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
     model.config.use_cache = False
+    model.train()  # from_pretrained leaves a model in eval mode
+    if cfg.activation_checkpointing and cfg.pipeline_stages == 1:
+        # transformers' mechanism: each decoder layer runs again in the backward pass (torch.utils.checkpoint,
+        # non-reentrant, which ZeRO-3's gather-on-use weights need)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        from transformers.modeling_layers import GradientCheckpointingLayer
+
+        recomputed = sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules())
+        log.info(f"dstool: activation checkpointing: {recomputed} decoder layers recomputed in the backward pass")
     total_params, active_params = models.count_parameters(model)
     shapes = checkpoint.model_shapes(model)  # whole shapes: AutoTP and pipeline stages hold parts
 
-    module = pipeline_parallel.build(model, cfg.pipeline_stages) if cfg.pipeline_stages > 1 else model
+    module = (pipeline_parallel.build(model, cfg.pipeline_stages, cfg.activation_checkpointing)
+              if cfg.pipeline_stages > 1 else model)
+    if cfg.activation_checkpointing and cfg.pipeline_stages > 1:
+        recomputed = sum(type(m).__name__ == "_Decoder" for m in module.modules())
+        log.info(f"dstool: activation checkpointing (DeepSpeed's, per pipeline stage): {recomputed} decoder layers of "
+                 "this stage recomputed in the backward pass")
     engine, _, _, scheduler = deepspeed.initialize(model=module, model_parameters=module.parameters(), config=ds_config)
     del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
     micro, accum = engine.train_micro_batch_size_per_gpu(), engine.gradient_accumulation_steps()
@@ -104,6 +120,7 @@ def main(run_file: str) -> None:
         data_offset = client["samples_consumed"] - start_step * micro * accum * dp_world
     failed_at = _last_heartbeat(out) if restarts and rank == 0 else None
     metrics = MetricsLog(out, cfg.tensorboard) if rank == 0 else None
+    observer = Observer(cfg, out, rank, start_step, restarts, metrics)  # Prometheus, memory, profiler
     trace = open(out / f"samples.rank{rank}.jsonl", "a", buffering=1) if cfg.trace_samples else None
 
     cores = int(os.environ.get("OMP_NUM_THREADS", "1"))
@@ -123,12 +140,15 @@ def main(run_file: str) -> None:
     window_loss = torch.zeros((), device=engine.device)  # summed locally, all-reduced once per log window
     window_kl = torch.zeros((), device=engine.device)
     last_saved = start_step if resume else -1
-    step = start_step
+    step, stopping = start_step, False
 
-    def save(at: int) -> None:  # the data position is one number: samples consumed globally
-        checkpoint.save(engine, out / "checkpoints", at,
-                        {"step": at, "samples_consumed": data_offset + at * micro * accum * dp_world},
-                        cfg.keep_checkpoints, shapes)
+    def save(at: int) -> Path:  # the data position is one number: samples consumed globally
+        tag = checkpoint.save(engine, out / "checkpoints", at,
+                              {"step": at, "samples_consumed": data_offset + at * micro * accum * dp_world},
+                              cfg.keep_checkpoints, shapes)
+        gate.saved()
+        observer.checkpointed(at)
+        return tag
 
     def micro_batch(m: int) -> torch.Tensor:
         ids = order.micro_batch(step, m, dp_rank, dp_world, micro, accum, data_offset)
@@ -163,6 +183,7 @@ def main(run_file: str) -> None:
                         _apply_masks(masks)
                     window_loss += loss.detach().float() / accum
             step += 1
+            observer.stepped()
             # DeepSpeed's global grad norm is already agreed by all ranks: checking it every step costs no
             # collective, and a NaN/inf loss on any rank makes it non-finite. fp16 overflows are routine
             # (the loss scaler skips the step), so there only the loss check below applies.
@@ -177,7 +198,8 @@ def main(run_file: str) -> None:
                     _log_recovery(metrics, failed_at, restarts, start_step, step)
                     failed_at = None
 
-            saving = step % cfg.save_every == 0 or step == cfg.max_steps
+            due, stopping = gate.check(engine.device)
+            saving = step % cfg.save_every == 0 or step == cfg.max_steps or due or stopping
             if step % cfg.log_every == 0 or saving:
                 dist.all_reduce(window_loss)
                 mean_loss = window_loss.item() / (world * window_steps)
@@ -193,14 +215,20 @@ def main(run_file: str) -> None:
                     window_kl.zero_()
                 if metrics:
                     metrics.write(step, **row)
+                    observer.window(step, row)
                     progress.line(step, row)
                 window_t, window_steps = 0.0, 0
                 window_loss.zero_()
             if cfg.eval_every and step % cfg.eval_every == 0:
                 _log_eval(engine, val_split, cfg, step, metrics)
             if saving:
-                save(step)
+                tag = save(step)
                 last_saved = step
+            if stopping:
+                if int(os.environ.get("LOCAL_RANK", "0")) == 0:  # one record per node (the run folder may be local)
+                    preempt.record(out, step, tag, gate.reason())
+                log.info(f"dstool: stopping at step {step} ({gate.reason()}): checkpoint {tag.name} written")
+                break
     except NonFiniteLoss as e:
         if rank == 0:
             write_json_atomic(out / "failure.json", {"step": step, "message": str(e)})
@@ -208,9 +236,16 @@ def main(run_file: str) -> None:
         sys.exit(3)
     finally:
         progress.close()
+        observer.close()
         if trace:
             trace.close()
 
+    if stopping:
+        if metrics:
+            metrics.close()
+        dist.barrier()
+        dist.destroy_process_group()
+        return
     if last_saved != step:  # resumed at max_steps: nothing trained, the checkpoint is the final one
         save(step)
     _log_eval(engine, val_split, cfg, step, metrics)
@@ -222,9 +257,10 @@ def main(run_file: str) -> None:
 
 
 def _zero_masks(module) -> dict:
-    """Masks of the 2-D weights inside the decoder layers that hold exact zeros (N:M sparsity)."""
+    """Masks of the weights inside the decoder layers (matrices, and MoE experts' stacked matrices) that hold exact
+    zeros (N:M sparsity)."""
     return {p: p.detach() != 0 for name, p in module.named_parameters()
-            if p.dim() == 2 and ".layers." in name and bool((p == 0).any())}
+            if p.dim() >= 2 and ".layers." in name and bool((p == 0).any())}
 
 
 @torch.no_grad()
@@ -256,23 +292,51 @@ def distill_kl(student_logits: torch.Tensor, teacher, ids: torch.Tensor) -> torc
                                       reduction="batchmean")
 
 
-def _init_process_group(backend: str, restarts: int) -> None:
-    """Under torchrun the ranks share the agent's store, which outlives a restart: a restarted rank
-    could read a dead rank's gloo address from it and hang, so each attempt gets its own key prefix."""
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != "True":
-        return
-    world = int(os.environ["WORLD_SIZE"])
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False)
-    dist.init_process_group(backend, store=dist.PrefixStore(f"dstool/attempt-{restarts}", store),
-                            rank=int(os.environ["RANK"]), world_size=world)
+def _init_process_group(backend: str, cfg: TrainConfig) -> int:
+    """The process group, its nodes watched for silence (train/watchdog.py); returns the elastic restarts so far,
+    the same number on every rank. Under torchrun the ranks of a node share its agent's store, which outlives a
+    restart (a restarted rank could read a dead rank's gloo address from it and hang), so each attempt gets its own
+    key prefix. Agents on several nodes count restarts each their own way (a node restarted only because another
+    one's rank died counts none), so dstool's multi-node elastic runs take a fresh store from every rendezvous round
+    instead (launch.py), and the ranks agree on the highest count."""
+    env = os.environ
+    rank, world, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", "0"))
+    restarts = int(env.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    agent_store = env.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    prefix = f"dstool/attempt-{restarts}" if agent_store else "dstool"
+    watch = watchdog.Watch(Path(cfg.output), cfg.comm_timeout_s, prefix,
+                           elastic=int(env.get("TORCHELASTIC_MAX_RESTARTS", "0")) > 0)
+    try:
+        if agent_store:
+            store = dist.TCPStore(env["MASTER_ADDR"], int(env["MASTER_PORT"]), world, is_master=False)
+            dist.init_process_group(backend, store=dist.PrefixStore(prefix, store), rank=rank, world_size=world)
+        else:
+            dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world)
+    except RuntimeError as e:
+        if "[127." in str(e) and not env.get("GLOO_SOCKET_IFNAME"):  # gloo took a rank's address from its hostname
+            raise RuntimeError(f"a rank advertised a loopback address to host {socket.gethostname()} (a host name "
+                               "resolves to 127.0.1.1 in /etc/hosts, Debian's default): set GLOO_SOCKET_IFNAME to "
+                               "the cluster interface, e.g. --env GLOO_SOCKET_IFNAME=eth0 ('dstool doctor --hostfile' "
+                               f"names it); gloo said: {e}") from e
+        raise
+    watch.initialized = True
+    device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    count = torch.tensor(restarts, device=device)
+    dist.all_reduce(count, op=dist.ReduceOp.MAX)
+    return int(count.item())
 
 
 def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Path | None, bool]:
-    """(checkpoint folder to load, whether universal): the run plan's choice, or after an elastic
-    restart (torchrun --max-restarts) the newest checkpoint that passes its manifest check."""
+    """(checkpoint folder to load, whether universal), the same on every rank: the run plan's choice, or after an
+    elastic restart the newest checkpoint that passes its manifest check, which rank 0 picks and broadcasts (nodes
+    that look at the shared folder moments apart, mid-save, would pick different ones)."""
     tag = Path(run["resume"]) if run["resume"] else None
     if restarts:
-        tag = checkpoint.find_resume(out / "checkpoints") or tag
+        chosen = [str(checkpoint.find_resume(out / "checkpoints") or tag or "") if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(chosen, src=0)
+        tag = Path(chosen[0]) if chosen[0] else None
     return checkpoint.load_source(tag, world) if tag else (None, False)
 
 
@@ -408,16 +472,24 @@ class _progress:
 
 def _run(run_file: str) -> None:
     """`main`, and any failure it meets becomes failure.json (the launching `dstool train` reports it in one line)
-    plus the traceback in this rank's log."""
+    plus the traceback in this rank's log. Then the process ends without the interpreter's teardown: its final
+    garbage collection over the engine's objects measured 15-20 s per rank here, after everything was written."""
+    code = 0
     try:
         main(run_file)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
     except Exception as e:  # noqa: BLE001
         logging.getLogger("traceback").error("rank failed", exc_info=True)
         out = Path(json.loads(Path(run_file).read_text())["config"]["output"])
         rank = os.environ.get("RANK", "?")
         if not (out / "failure.json").exists():
             write_json_atomic(out / "failure.json", {"message": f"rank {rank}: {type(e).__name__}: {e}"})
-        sys.exit(1)
+        code = 1
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

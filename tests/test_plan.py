@@ -1,0 +1,136 @@
+"""`dstool plan`: memory per ZeRO stage is DeepSpeed's own estimate, throughput follows the MFU, --from-run reads a
+real run's, the doesn't-fit error names what would fit. Pure computation (no rank is started), in this process."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import statistics
+
+import pytest
+
+from conftest import cli, one_line_usage_error
+
+GIB = float(1 << 30)
+
+
+def _plan(**kw):
+    from dstool.train.config import PlanConfig
+    from dstool.train.plan import plan
+
+    return plan(PlanConfig(**{"tokens": "1B", **kw}))
+
+
+def test_memory_per_stage_is_deepspeeds_estimate_and_counts_come_from_the_config():
+    import torch
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs, model_to_params
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+    from transformers import AutoModelForCausalLM
+
+    from dstool import models
+
+    torch.manual_seed(0)
+    real = AutoModelForCausalLM.from_config(models.preset_config("tiny", 4096, {}))  # 3 M weights, allocated
+    total, largest = model_to_params(real)
+    for offload in (False, True):
+        p = _plan(model="tiny", gpu="A100", gpus="1,8,16", offload_optimizer=offload, offload_params=offload)
+        assert (p.parameters, p.largest_layer_parameters) == (total, largest)
+        for c in p.clusters:  # 16 GPUs: 2 nodes of 8
+            per_node, nodes = min(c.gpus, 8), math.ceil(c.gpus / 8)
+            states = {z: m.device_gib - p.activations_gib for z, m in enumerate(c.memory)}
+            cpu3, gpu3, _ = estimate_zero3_model_states_mem_needs(total, largest, per_node, nodes, cpu_offload=offload,
+                                                                  cpu_offload_params=offload, zero_init=True)
+            cpu2, gpu2 = estimate_zero2_model_states_mem_needs(total, per_node, nodes, cpu_offload=offload)
+            _, gpu0 = estimate_zero2_model_states_mem_needs(total, 1, 1, cpu_offload=False)
+            assert states[3] == pytest.approx(gpu3 / GIB) and c.memory[3].cpu_gib_per_node == pytest.approx(cpu3 / GIB)
+            assert states[2] == pytest.approx(gpu2 / GIB) and c.memory[2].cpu_gib_per_node == pytest.approx(cpu2 / GIB)
+            assert states[0] == pytest.approx(gpu0 / GIB) == pytest.approx(20 * total / GIB)
+            assert states[1] == pytest.approx((gpu2 + 2 * total * (1 if offload else 1 - 1 / c.gpus)) / GIB)
+
+
+def test_zero3_memory_per_device_falls_with_the_gpu_count_and_zero0_does_not():
+    p = _plan(model="tiny-moe", gpu="H100", gpus="1,2,4,8,16,64,512")
+    zero3 = [c.memory[3].device_gib for c in p.clusters]
+    zero0 = {c.memory[0].device_gib for c in p.clusters}
+    assert all(a > b for a, b in zip(zero3, zero3[1:])) and len(zero0) == 1
+    assert p.parameters > p.active_parameters  # routed experts: only the top-k share is active per token
+
+
+def test_throughput_time_and_cost_follow_the_mfu_and_the_scaling_assumed():
+    p = _plan(model="tiny", gpu="A100", gpus="1,8,64", mfu=0.5, node_scaling=0.9, price=2.5, seq_len=256,
+              micro_batch_size=4, global_batch_size=256)
+    one, node, nodes8 = p.clusters
+    assert one.tokens_per_s == pytest.approx(0.5 * 312e12 / p.flops_per_token)
+    assert (node.scaling_efficiency, nodes8.scaling_efficiency) == (1.0, pytest.approx(0.9 ** 3))
+    assert nodes8.tokens_per_s == pytest.approx(64 * one.tokens_per_s * 0.9 ** 3)
+    assert [c.gradient_accumulation_steps for c in p.clusters] == [64, 8, 1]  # the global batch stays 256
+    for c in p.clusters:
+        assert c.step_time_s == pytest.approx(256 * 256 / c.tokens_per_s)
+        assert c.steps == math.ceil(1e9 / (256 * 256)) and c.hours == pytest.approx(c.steps * c.step_time_s / 3600)
+        assert c.gpu_hours == pytest.approx(c.hours * c.gpus) and c.cost == pytest.approx(c.gpu_hours * 2.5)
+    plain = _plan(model="tiny", gpu="A100", gpus="1")
+    recomputed = _plan(model="tiny", gpu="A100", gpus="1", activation_checkpointing=True)
+    assert (plain.mfu, recomputed.mfu) == (0.40, pytest.approx(0.40 * 6 / 8))  # the forward pass is done twice
+    assert recomputed.clusters[0].tokens_per_s == pytest.approx(plain.clusters[0].tokens_per_s * 6 / 8)
+    assert recomputed.activations_gib == plain.activations_other_gib < plain.activations_gib
+
+
+def test_from_run_reads_the_measured_mfu_of_a_real_run(trained):
+    run = trained.parent  # 40 steps, 1 rank, seq 64, micro-batch 4, a window per step
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    windows = [r for r in rows if "mfu" in r][1:]  # the first window is the warm-up
+    p = _plan(model="tiny", gpu="cpu", gpus="1", from_run=str(run), seq_len=64, micro_batch_size=4)
+    assert p.mfu == pytest.approx(statistics.median(r["mfu"] for r in windows))
+    assert f"median of {len(windows)} windows" in p.mfu_source
+    # the same model on the same machine: the plan gives back the run's own median throughput
+    measured = statistics.median(r["tokens_per_s"] for r in windows)
+    assert p.clusters[0].tokens_per_s == pytest.approx(measured, rel=0.02)
+
+
+def test_the_cli_prints_the_table_and_the_json():
+    result = cli("plan", "--model", "tiny", "--tokens", "2B", "--gpu", "h100", "--gpus", "64,1,8", "--price", "3")
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["GPUs", "nodes"])
+    assert lines[header].split()[2:6] == ["ZeRO-0", "ZeRO-1", "ZeRO-2", "ZeRO-3"] and "cost" in lines[header]
+    assert [line.split()[0] for line in lines[header + 1:header + 4]] == ["1", "8", "64"]
+    assert "2,000,000,000 tokens" in lines[0] and "H100" in result.stdout
+    result = cli("plan", "--model", "tiny", "--tokens", "2B", "--gpu", "H100", "--format", "json")
+    from dstool.train.plan import Plan
+
+    p = Plan.model_validate_json(result.stdout)
+    assert [c.gpus for c in p.clusters] == [1, 8, 64, 512] and p.tokens == 2_000_000_000 and p.mfu == 0.40
+
+
+def test_a_model_that_fits_nowhere_is_one_line_naming_what_would_fit():
+    result = cli("plan", "--model", "tiny", "--tokens", "1M", "--gpu", "A100", "--gpu-memory", "0.05", "--gpus", "1")
+    one_line_usage_error(result, "fits no A100 at any ZeRO stage on 1 device(s)")
+    fix = result.stderr.split("would fit:")[1]
+    assert "GPUs (--gpus " in fix and "--offload-optimizer --offload-params" in fix and "--gpu A10" in fix
+    with_zero = cli("plan", "--model", "tiny", "--tokens", "1M", "--gpu-memory", "0.09", "--gpus", "8", "--zero", "0")
+    one_line_usage_error(with_zero, "at ZeRO-0")
+    assert "(--zero 1)" in with_zero.stderr
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--gpu", "B200"], "unknown GPU type 'B200'"),
+    (["--tokens", "lots"], "token budget must be a positive number"),
+    (["--tokens", "0"], "token budget must be a positive number"),
+    (["--gpus", "1,x"], "device counts must be positive integers"),
+    (["--gpu", "cpu"], "no published MFU for training on CPUs"),
+    (["--gpu", "cpu", "--mfu", "0.1", "--gpus", "1,4096"], "plan at most"),
+    (["--mfu", "0.3", "--from-run", "."], "give one of them"),
+    (["--offload-params"], "add --offload-optimizer"),
+])
+def test_bad_input(args, needle):
+    one_line_usage_error(cli("plan", "--tokens", "1M", *args), needle)
+
+
+def test_from_run_on_a_folder_that_is_not_a_run_or_has_no_step_rows(tmp_path, trained):
+    one_line_usage_error(cli("plan", "--tokens", "1M", "--from-run", str(tmp_path)), "is not a dstool train run")
+    run = tmp_path / "run"
+    run.mkdir()
+    shutil.copy(trained.parent / "dstool.json", run / "dstool.json")
+    (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "mfu": 0.1, "tokens_per_s": 9.0}) + "\n")
+    one_line_usage_error(cli("plan", "--tokens", "1M", "--from-run", str(run)), "no step rows after the first")

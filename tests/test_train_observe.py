@@ -1,0 +1,359 @@
+"""Training observability: rank 0's Prometheus endpoint scraped while a real 2-rank run trains (and, where a
+`prometheus` binary is installed, by Prometheus itself with the shipped config), the profiler trace, TensorBoard's
+memory scalars, the Grafana dashboards' queries against what the real endpoints export, the compose profile."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.parse
+import urllib.request
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import yaml
+
+from dstool.proc import free_port
+from dstool.train.observe import CUDA_GAUGES, ENDPOINT_FILE, PROFILE_FOLDER
+
+from conftest import DSTOOL, cli, one_line_usage_error
+
+ROOT = Path(__file__).resolve().parent.parent
+DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
+PROMETHEUS = shutil.which("prometheus")
+STEPS, PROFILED = 12, (3, 5)
+# micro-batch 4 x 2 ranks x 64 tokens per optimizer step
+TRAIN = ["--nproc", "2", "--zero", "2", "--max-steps", str(STEPS), "--save-every", "6", "--seq-len", "64",
+         "--micro-batch-size", "4", "--log-every", "2", "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}"]
+TOKENS_PER_STEP = 4 * 2 * 64
+GPU_ONLY = {name for name, _, _ in CUDA_GAUGES} | {"dstool_train_gpu_utilization_percent"}
+# the training row's key behind each gauge
+GAUGE_ROW = {"dstool_train_loss": "loss", "dstool_train_learning_rate": "lr", "dstool_train_grad_norm": "grad_norm",
+             "dstool_train_tokens_per_second": "tokens_per_s", "dstool_train_mfu_ratio": "mfu",
+             "dstool_train_step_time_seconds": "step_time_s"}
+
+
+# ---- helpers ----------------------------------------------------------------------------------------------------
+
+def _scrape(url: str) -> str:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        return r.read().decode()
+
+
+def _samples(text: str) -> dict[str, float]:
+    """name -> value of each sample (the training endpoint has one series per name, or one per device)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {s.name: s.value for family in text_string_to_metric_families(text) for s in family.samples}
+
+
+def _exported_names(text: str) -> set[str]:
+    """The series names of an exposition as Prometheus stores them (prometheus_client's parser would rename Triton's
+    counters to NAME_total); for a family without samples yet (a labelled counter nothing has counted), the names
+    prometheus_client gives its samples."""
+    samples = {line.split("{")[0].split(" ")[0] for line in text.splitlines() if line and not line.startswith("#")}
+    names = set(samples)
+    for _, _, family, kind in (line.split() for line in text.splitlines() if line.startswith("# TYPE ")):
+        if not any(name.startswith(family) for name in samples):
+            base = family.removesuffix("_total")
+            names |= {"counter": {base + "_total"},
+                      "histogram": {family + "_bucket", family + "_sum", family + "_count"}}.get(kind, {family})
+    return names
+
+
+def _dashboard(name: str) -> dict:
+    return json.loads((DASHBOARDS / f"{name}.json").read_text())
+
+
+def _queries(dashboard: dict) -> list[str]:
+    """Each panel target's PromQL (rows hold no queries)."""
+    return [t["expr"] for p in dashboard["panels"] for t in p.get("targets", [])]
+
+
+PROMQL_WORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool", "offset", "and", "or",
+                "unless", "inf", "nan"}
+
+
+def metric_names(expr: str) -> set[str]:
+    """The metric names a PromQL expression reads: identifiers that are not functions, keywords, label matchers,
+    grouping labels, ranges or strings."""
+    s = re.sub(r'"(?:\\.|[^"\\])*"', "", expr)
+    s = re.sub(r"\{[^}]*\}|\[[^\]]*\]", "", s)
+    s = re.sub(r"\b(?:by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)", "", s)
+    return {m.group() for m in re.finditer(r"(?<![\w.:])[A-Za-z_:][\w:]*(?![\w:])(?!\s*\()", s)
+            if m.group().lower() not in PROMQL_WORDS}
+
+
+def _variable_metrics(dashboard: dict) -> set[str]:
+    return {re.match(r"label_values\((\w+),", v["definition"]).group(1) for v in dashboard["templating"]["list"]}
+
+
+class _Prometheus:
+    """A real Prometheus on deploy/prometheus/prometheus.yml (intervals cut to 1 s) with our targets files."""
+
+    def __init__(self, folder: Path, targets: dict[str, list[str]]):
+        config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+        config["global"]["scrape_interval"] = "1s"
+        for job in config["scrape_configs"]:
+            job["scrape_interval"] = "1s"
+        (folder / "targets").mkdir(parents=True)
+        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
+        for name in ("training", "gateway", "triton"):
+            (folder / "targets" / f"{name}.yml").write_text(yaml.safe_dump([{"targets": targets.get(name, [])}]))
+        self.url = f"http://127.0.0.1:{free_port()}"
+        self.log = open(folder / "prometheus.log", "w")
+        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}",
+                                      f"--storage.tsdb.path={folder / 'data'}",
+                                      f"--web.listen-address={self.url.removeprefix('http://')}"],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.time() + 60
+        while True:
+            try:
+                _scrape(self.url + "/-/ready")
+                break
+            except OSError:
+                assert self.proc.poll() is None and time.time() < deadline, (folder / "prometheus.log").read_text()
+                time.sleep(0.2)
+
+    def query(self, expr: str, at: float | None = None) -> list[dict]:
+        params = {"query": expr, **({"time": str(at)} if at is not None else {})}
+        answer = json.loads(_scrape(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"))
+        assert answer["status"] == "success", (expr, answer)
+        return answer["data"]["result"]
+
+    def targets_up(self, job: str) -> int:
+        answer = json.loads(_scrape(f"{self.url}/api/v1/targets"))["data"]["activeTargets"]
+        return sum(t["health"] == "up" for t in answer if t["labels"]["job"] == job)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+        self.log.close()
+
+
+# ---- one real run, scraped while it lives -----------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def observed(tmp_path_factory):
+    """`dstool train` on 2 ranks with --metrics-port and --profile-steps: every scrape of its endpoint from the moment
+    the endpoint file appears until the process ends, and (with a prometheus binary) Prometheus scraping it too."""
+    tmp = tmp_path_factory.mktemp("observe")
+    out, port = tmp / "run", free_port()
+    prom = _Prometheus(tmp / "prometheus", {"training": [f"127.0.0.1:{port}"]}) if PROMETHEUS else None
+    log = open(tmp / "train.log", "w")
+    proc = subprocess.Popen([*DSTOOL, "train", "--output", str(out), "--metrics-port", str(port), *TRAIN],
+                            stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    scrapes: list[str] = []
+    deadline = time.time() + 600
+    try:
+        while proc.poll() is None:
+            assert time.time() < deadline, "training did not end in 600 s"
+            if (out / ENDPOINT_FILE).is_file():
+                try:
+                    scrapes.append(_scrape(f"http://127.0.0.1:{port}/metrics"))
+                except (OSError, http.client.HTTPException):
+                    pass  # the process is ending
+            time.sleep(0.1)
+    finally:
+        log.close()
+    assert proc.returncode == 0, (tmp / "train.log").read_text()[-4000:]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    yield SimpleNamespace(out=out, port=port, scrapes=scrapes, rows={r["step"]: r for r in rows if "loss" in r},
+                          log=(tmp / "train.log").read_text(), prometheus=prom)
+    if prom:
+        prom.stop()
+
+
+def test_endpoint_agrees_with_metrics_jsonl(observed):
+    endpoint = json.loads((observed.out / ENDPOINT_FILE).read_text())
+    assert endpoint["port"] == observed.port and endpoint["url"] == f"http://{socket.gethostname()}:{observed.port}" \
+        "/metrics" and f"Prometheus metrics at {endpoint['url']}" in observed.log
+    scrapes = [_samples(text) for text in observed.scrapes]
+    logged = [s for s in scrapes if "dstool_train_loss" in s]
+    assert logged, f"{len(scrapes)} scrapes, none after a logging window"
+    for s in logged:  # each scrape is one window's figures: those of the metrics.jsonl row of its step
+        row = observed.rows[int(s["dstool_train_step"])]
+        for name, key in GAUGE_ROW.items():
+            assert s[name] == row[key], (name, s[name], row)
+        assert s["dstool_train_tokens_total"] == s["dstool_train_step"] * TOKENS_PER_STEP
+    last = scrapes[-1]  # after the loop, while the run consolidates its model: the final figures
+    assert last["dstool_train_step"] == last["dstool_train_max_steps"] == STEPS
+    assert last["dstool_train_loss"] == observed.rows[STEPS]["loss"]
+    assert last["dstool_train_last_checkpoint_step"] == STEPS and last["dstool_train_checkpoints_total"] == 2
+    assert last["dstool_train_restarts_total"] == 0
+    assert 0 <= last["dstool_train_checkpoint_age_seconds"] < 600 and last["dstool_train_resident_memory_bytes"] > 1e8
+    assert 0 < last["dstool_train_last_log_timestamp_seconds"] <= time.time()
+    assert ({name for name, _, _ in CUDA_GAUGES} <= set(last)) == torch.cuda.is_available()
+    assert set(re.findall(r'run="([^"]*)"', observed.scrapes[-1])) == {observed.out.name}
+
+
+def test_profiler_trace_covers_the_profiled_steps(observed):
+    """One Chrome/TensorBoard trace per rank, in a TensorBoard run folder; its step markers are exactly A..B."""
+    traces = sorted((observed.out / PROFILE_FOLDER).glob("*.pt.trace.json"))
+    assert [t.name.split(".")[0] for t in traces] == ["rank0", "rank1"]
+    for trace in traces:
+        events = json.loads(trace.read_text())["traceEvents"]
+        steps = {int(e["name"].removeprefix("ProfilerStep#")) for e in events
+                 if e.get("name", "").startswith("ProfilerStep#")}
+        assert steps == set(range(PROFILED[0], PROFILED[1] + 1)), (trace.name, steps)
+        assert any(e.get("name", "").startswith("aten::") for e in events)  # the operators ran inside the steps
+    assert f"profiler trace of steps {PROFILED[0]}-{PROFILED[1]} written" in observed.log
+
+
+def test_tensorboard_has_memory_scalars(observed):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(observed.out / "tensorboard"))
+    events.Reload()
+    rss = events.Scalars("memory/rss_bytes")
+    assert [e.step for e in rss] == sorted(observed.rows) and min(e.value for e in rss) > 1e8
+    assert ("memory/cuda_max_allocated_bytes" in events.Tags()["scalars"]) == torch.cuda.is_available()
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: apt-get install prometheus)")
+def test_prometheus_scrapes_the_run_and_answers_every_training_panel(observed):
+    """The shipped prometheus.yml (job dstool-train) really scraped the run: its stored samples are the jsonl rows',
+    and each training dashboard query returns data at the time of its last sample."""
+    prom = observed.prometheus
+    steps = prom.query("dstool_train_step{job='dstool-train'}[30m]")
+    assert len(steps) == 1, steps
+    at_step = {ts: float(v) for ts, v in steps[0]["values"]}
+    losses = {ts: float(v) for ts, v in prom.query("dstool_train_loss[30m]")[0]["values"]}
+    matched = [ts for ts in losses if ts in at_step]
+    assert matched
+    for ts in matched:
+        assert losses[ts] == observed.rows[int(at_step[ts])]["loss"]
+    last = max(at_step)
+    for expr in _queries(_dashboard("training")):
+        if metric_names(expr) & GPU_ONLY and not torch.cuda.is_available():
+            continue
+        expr = expr.replace("$run", re.escape(observed.out.name))
+        assert prom.query(expr, at=last), f"no data for {expr}"
+
+
+def test_training_dashboard_names_only_exported_metrics(observed):
+    exported = _exported_names(observed.scrapes[-1]) | (set() if torch.cuda.is_available() else GPU_ONLY)
+    dashboard = _dashboard("training")
+    for expr in _queries(dashboard):
+        assert metric_names(expr) and metric_names(expr) <= exported, (expr, metric_names(expr) - exported)
+    assert _variable_metrics(dashboard) <= exported
+
+
+def test_serving_dashboard_names_only_exported_metrics(server, gateway, gateway_server, tmp_path):
+    """Names from real scrapes of Triton (all five models, NAME_llm's own metrics included) and of the gateway, and
+    with a prometheus binary every serving panel's query answered by Prometheus scraping them."""
+    _serving_traffic(server, gateway)
+    triton = [f"127.0.0.1:{srv.metrics_port}" for srv in (server, gateway_server)]
+    exported = _exported_names(_scrape(f"http://{gateway.http_url}/metrics"))
+    for target in triton:
+        exported |= _exported_names(_scrape(f"http://{target}/metrics"))
+    dashboard = _dashboard("serving")
+    for expr in _queries(dashboard):
+        assert metric_names(expr) and metric_names(expr) <= exported, (expr, metric_names(expr) - exported)
+    assert _variable_metrics(dashboard) <= exported
+    if PROMETHEUS is None:
+        return
+    prom = _Prometheus(tmp_path / "prometheus", {"gateway": [gateway.http_url], "triton": triton})
+    try:
+        deadline = time.time() + 120
+        while prom.targets_up("dstool-gateway") + prom.targets_up("triton") < 3:
+            assert time.time() < deadline, "Prometheus did not reach the gateway and both Tritons"
+            time.sleep(0.5)
+        _serving_traffic(server, gateway)  # counted between two scrapes: every rate() has an increase to show
+        for expr in _queries(dashboard):
+            expr = expr.replace("$model", ".*")
+            while not prom.query(expr):  # a rate() needs two scrapes
+                assert time.time() < deadline, f"no data for {expr}"
+                time.sleep(0.5)
+    finally:
+        prom.stop()
+
+
+def _serving_traffic(server, gateway) -> None:
+    """What makes every serving series exist: a cache miss, a hit, a bypass and a bad request through the gateway,
+    a generation on NAME_llm."""
+    body = json.dumps({"inputs": [{"name": "INPUT0", "shape": [3], "datatype": "FP32",
+                                   "data": [time.time(), 1.0, 2.0]}]}).encode()
+    infer = f"http://{gateway.http_url}/v2/models/echo_fp32/infer"
+    for headers in ({}, {}, {"Cache-Control": "no-cache"}):
+        urllib.request.urlopen(urllib.request.Request(infer, body, headers), timeout=60).read()
+    with pytest.raises(urllib.error.HTTPError):
+        urllib.request.urlopen(urllib.request.Request(infer, b"{not json"), timeout=60)
+    generate = json.dumps({"text_input": "ROMEO:", "max_new_tokens": 2}).encode()
+    urllib.request.urlopen(urllib.request.Request(f"http://{server.http_url}/v2/models/dstool_lm_llm/generate",
+                                                  generate), timeout=120).read()
+
+
+# ---- bad input, the compose profile -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("steps,needle", [
+    ("3-5", "is not A:B"), ("5", "is not A:B"), ("0:3", "outside the run"), ("5:3", "outside the run"),
+    ("10:13", "max_steps (12)"),
+])
+def test_bad_profile_steps(steps, needle, tmp_path):
+    one_line_usage_error(cli("train", "--output", str(tmp_path / "run"), "--max-steps", "12", "--profile-steps", steps),
+                         needle)
+    assert not (tmp_path / "run").exists()
+
+
+def test_metrics_port_in_use_is_refused_before_any_rank_starts(tmp_path):
+    with socket.socket() as busy:
+        busy.bind(("0.0.0.0", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        one_line_usage_error(cli("train", "--output", str(tmp_path / "run"), "--metrics-port", str(port)),
+                             f"--metrics-port: port {port} on 0.0.0.0 is already in use")
+    assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("compose,targets", [("docker-compose.yml", "compose"), ("docker-compose.cpu.yml", "cpu")])
+def test_compose_profile_provisions_prometheus_and_grafana(compose, targets, tmp_path):
+    """Profile "observability": Prometheus on the shipped config and this file's targets, Grafana with the datasource
+    and both dashboards; `docker-compose config` and `promtool check config` accept them where installed."""
+    services = yaml.safe_load((ROOT / compose).read_text())["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["observability"]
+    mounts = {m.split(":")[1]: ROOT / m.split(":")[0] for m in prometheus["volumes"] + grafana["volumes"]}
+    assert mounts["/etc/prometheus/prometheus.yml"] == ROOT / "deploy/prometheus/prometheus.yml"
+    assert mounts["/etc/prometheus/targets"] == ROOT / "deploy/prometheus/targets" / targets
+    assert all(path.exists() for path in mounts.values()), mounts
+    provisioning = mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources/prometheus.yml").read_text())["datasources"][0]
+    assert datasource["url"] == "${DSTOOL_PROMETHEUS_URL}" and grafana["environment"]["DSTOOL_PROMETHEUS_URL"]
+    provider = yaml.safe_load((provisioning / "dashboards/dstool.yml").read_text())["providers"][0]
+    assert provider["options"]["path"] == "/etc/dstool/dashboards" and mounts[provider["options"]["path"]] == DASHBOARDS
+    for name in ("training", "serving"):
+        dashboard = _dashboard(name)
+        panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+        assert dashboard["uid"] == f"dstool-{name}" and len({p["id"] for p in dashboard["panels"]}) == len(
+            dashboard["panels"])
+        assert all(p["datasource"]["uid"] == datasource["uid"] and p["targets"] for p in panels)
+    for path in (provisioning / "datasources/prometheus.yml", provisioning / "dashboards/dstool.yml"):
+        assert yaml.safe_load(path.read_text())["apiVersion"] == 1
+    if shutil.which("docker-compose"):
+        proc = subprocess.run(["docker-compose", "-f", str(ROOT / compose), "--profile", "observability", "config",
+                               "-q"], capture_output=True, text=True)
+        assert proc.returncode == 0, proc.stderr
+    if shutil.which("promtool"):  # the layout inside the container: the config beside targets/
+        shutil.copy(ROOT / "deploy/prometheus/prometheus.yml", tmp_path)
+        shutil.copytree(ROOT / "deploy/prometheus/targets" / targets, tmp_path / "targets")
+        proc = subprocess.run(["promtool", "check", "config", str(tmp_path / "prometheus.yml")], capture_output=True,
+                              text=True)
+        assert proc.returncode == 0 and "WARNING" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_prometheus_image_passes_hadolint():
+    hadolint = shutil.which("hadolint") or str(Path(sys.executable).with_name("hadolint"))
+    proc = subprocess.run([hadolint, "--no-color", str(ROOT / "deploy/prometheus/Dockerfile")], capture_output=True,
+                          text=True)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
