@@ -1,7 +1,8 @@
-"""dstool.compress: quantization, structured pruning and N:M sparsity, each with a measured report.
+"""dstool.compress: quantization, structured pruning, N:M and unstructured sparsity, each with a measured report.
 
-    from dstool.compress import CompressConfig, compress
+    from dstool.compress import CompressConfig, compress, load
     manifest = compress(CompressConfig(model="runs/train/model", output="runs/int8", bits=8))
+    model = load("runs/sparse/model")  # a Hugging Face folder, also one stored sparse (--sparsity 0.65)
 """
 
 from dstool.compress.config import CompressConfig
@@ -19,4 +20,12 @@ def quantize_dynamic(model_dir: str, output: str, bits: int = 8, **options):
     return compress(CompressConfig(model=model_dir, output=output, bits=bits, **options))
 
 
-__all__ = ["CompressConfig", "compress", "quantize_dynamic"]
+def load(folder, **options):
+    """The transformers causal LM of a Hugging Face folder, dense; a `--sparsity F` output's model/ (bitmask +
+    nonzero values) is decoded (see dstool.compress.sparse)."""
+    from dstool.compress.sparse import load as load_sparse
+
+    return load_sparse(folder, **options)
+
+
+__all__ = ["CompressConfig", "compress", "load", "quantize_dynamic"]

@@ -1,14 +1,18 @@
 """`compress(config)`: what `dstool compress` does, callable from Python.
 
 A list of steps (`dstool.steps`), each with a correctness gate:
-  baseline   fp32 ONNX of the input (parity-checked) -> perplexity, size
+  baseline   fp32 ONNX of the input, both graphs (parity-checked) -> perplexity, top-1 predictions, cloze task, size
   prune      heads / MLP channels removed        gate: transformers reloads the saved folder, same logits
   sparsity   N:M magnitude masks                 gate: every group of M has >= M-N zeros
+             or unstructured (a fraction)        gate: every masked weight holds that share of zeros
   recover    fine-tune with the training engine  gate: kept only if it lowers the calibration perplexity
   export     fp32 ONNX of the result: the logits graph and the key/value-cache decoder (parity-checked)
   quantize   int8 dynamic / 4-bit weight-only, the same weights recipe on both graphs
              gate: both hold integer ops, and the decoder's prefill agrees with the logits graph
-  measure    held-out perplexity, ONNX Runtime latency   gate: quantized must not be slower (unless allowed)
+  store      unstructured sparsity: bitmask + nonzero values in model/ and the fp32 graphs
+             gate: the masks held through recovery; both load back to the dense logits
+  measure    held-out perplexity, top-1 agreement, cloze accuracy, ONNX Runtime prefill latency and decoding
+             tokens/s     gate: quantized must not be slower on the --speed-target figure (unless allowed)
   write      the manifest (dstool.json: graphs, recipe, figures, source) and report.md / report.png
 Everything is written to OUTPUT.tmp and renamed into place at the end; a failed run leaves OUTPUT.tmp (with
 compress.log) for inspection, and the next run replaces it.
@@ -30,6 +34,7 @@ import torch
 from dstool import artifacts, models
 from dstool import log as dlog
 from dstool.artifacts import (
+    SPEED_FIGURES,
     CompressedModel,
     Figures,
     Graph,
@@ -41,10 +46,11 @@ from dstool.artifacts import (
     Quantization,
     Recipe,
     Recovery,
+    SparseStorage,
     Sparsity,
     TorchaoFigures,
 )
-from dstool.compress import measure, quantize, report
+from dstool.compress import measure, quality, quantize, report
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
 from dstool.files import sha256_file
@@ -52,6 +58,9 @@ from dstool.onnx_export import OnnxExport, export_decoder_model, export_logits_m
 from dstool.steps import Step, run_steps
 
 log = dlog.log
+# decoding speed: a DECODE_PROMPT-token prompt prefilled, then DECODE_TOKENS steps timed; the median of at most
+# DECODE_REPEATS such generations
+DECODE_PROMPT, DECODE_TOKENS, DECODE_REPEATS = 128, 32, 5
 
 
 def _check_input(cfg: CompressConfig) -> Path:
@@ -64,7 +73,32 @@ def _check_input(cfg: CompressConfig) -> Path:
         raise UsageError(f"output {out} is a file: pass a folder for --output")
     if out.is_dir() and any(out.iterdir()) and artifacts.kind_of(out) != "compressed-model":
         raise UsageError(f"output {out} exists and holds files dstool did not write: choose a new --output")
+    _check_modes(cfg, src)
     return src
+
+
+def _check_modes(cfg: CompressConfig, src: Path) -> None:
+    """What the model's architecture and shapes rule out, refused before any work: read from its config (weights
+    on the meta device, nothing loaded)."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dstool.compress import prune, prune_moe
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
+    if cfg.prune_experts and not prune_moe.is_deepseek_v3(model):
+        raise UsageError(f"--prune-experts removes routed experts, and {type(model).__name__} has none: use "
+                         "--prune-heads/--prune-mlp or --prune")
+    try:
+        if cfg.prunes:
+            prune.check_prunable(model)
+        if cfg.prune and not prune.candidate_layouts(model, cfg.prune):
+            raise ValueError(prune.no_layout_message(cfg.prune))
+        if cfg.sparsity and ":" in cfg.sparsity:
+            n, m = map(int, cfg.sparsity.split(":"))
+            prune.check_n_m_fits(model, n, m)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def compress(cfg: CompressConfig) -> CompressedModel:
@@ -101,19 +135,25 @@ class _Compression:
         self.model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         dlog.adopt_libraries()
         self.calib, self.heldout, self.heldout_label = measure.heldout_tokens(src, self.tokenizer, cfg.calibration)
+        self.cloze = quality.cloze_task(self.tokenizer, self.heldout)
         self.recipe = Recipe()
         self.masks: dict | None = None
+        self.dense_outputs: dict[str, np.ndarray] = {}  # unstructured sparsity: the fp32 graphs' logits, before storing
+        self.encoded_entries: dict[str, int] = {}  # and how many weight entries each file stores as bitmask + values
         self.graphs: dict[str, Graph] = {}
         self.fp32: dict[str, OnnxExport] = {}
         self.torchao: TorchaoFigures | None = None
 
     def steps(self) -> list[Step]:
         cfg = self.cfg
-        structural = bool(cfg.prune or cfg.prune_heads or cfg.prune_mlp or cfg.sparsity)
-        steps = [Step("baseline", "the input model to ONNX (fp32), measured", self.baseline)]
-        if cfg.prune or cfg.prune_heads or cfg.prune_mlp:
-            steps.append(Step("prune", "remove key/value groups, query heads and MLP channels", self.prune))
-        if cfg.sparsity:
+        structural = bool(cfg.prunes or cfg.sparsity)
+        steps = [Step("baseline", "the input model to ONNX (fp32, both graphs), measured", self.baseline)]
+        if cfg.prunes:
+            steps.append(Step("prune", "remove attention heads, MLP channels and (MoE) routed experts", self.prune))
+        if cfg.sparsity_fraction:
+            steps.append(Step("sparsity", f"unstructured: the {100 * cfg.sparsity_fraction:g} % smallest-magnitude "
+                              "entries of each decoder Linear weight zeroed", self.sparsify_unstructured))
+        elif cfg.sparsity:
             steps.append(Step("sparsity", f"{cfg.sparsity} magnitude masks on the decoder's Linear weights",
                               self.sparsify))
         steps.append(Step("save", "the compressed weights as a Hugging Face folder (model/)", self.save,
@@ -126,17 +166,22 @@ class _Compression:
         if cfg.bits:
             steps.append(Step("quantize", f"{cfg.bits}-bit ({cfg.engine}), the same weights recipe on both graphs",
                               self.quantize))
-        steps += [Step("measure", "held-out perplexity and ONNX Runtime latency, before against after", self.measure,
-                       gate=self.speed),
+        if cfg.sparsity_fraction:
+            steps.append(Step("store", "the sparse weights as a bitmask and the nonzero values (model/, fp32 graphs)",
+                              self.store, gate=self.stored))
+        steps += [Step("measure", "held-out quality, ONNX Runtime prefill latency and decoding speed, before against "
+                       "after", self.measure, gate=self.speed),
                   Step("write", "the manifest (dstool.json) and report.md / report.png", self.write)]
         return steps
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def baseline(self) -> None:
         self.base = export_logits_model(self.model, self.work / "baseline")
-        self.before = _measure(self.base.path, self.model, self.heldout)
-        log.info(f"perplexity {self.before['perplexity']:.3f} ({self.heldout_label}), "
-                 f"{self.before['onnx_bytes'] / 1e6:.2f} MB")
+        self.base_decoder = export_decoder_model(self.model, self.work / "baseline-decoder")  # decoding speed
+        self.before, self.before_top1 = _measure(self.base.path, self.model, self.heldout, self.cloze)
+        log.info(f"perplexity {self.before['perplexity']:.3f} ({self.heldout_label}), cloze accuracy "
+                 f"{_share(self.before['zero_shot_accuracy'])} ({self.cloze.items} items, chance "
+                 f"{1 / self.cloze.choices:.0%}), {self.before['onnx_bytes'] / 1e6:.2f} MB")
 
     def prune(self) -> None:
         from dstool.compress import prune
@@ -144,46 +189,124 @@ class _Compression:
         cfg = self.cfg
         rows = torch.from_numpy(measure.windows(self.calib, 128, 24))
         ranking, selection = rows[:16], rows[16:]
-        timer = _OnnxLayoutTimer(self.work, min(cfg.latency_repeats, 10)) if cfg.prune_ppl_tolerance else None
+        timed = bool(cfg.prune and cfg.prune_ppl_tolerance)
+        timer = _OnnxLayoutTimer(self.work, min(cfg.latency_repeats, 10)) if timed else None
         try:  # a ratio this model's layers cannot meet is bad input
             if cfg.prune:
                 result = prune.prune_to_ratio(self.model, cfg.prune, calibration=ranking, selection=selection,
                                               timer=timer, ppl_tolerance=cfg.prune_ppl_tolerance / 100)
             else:
                 result = prune.prune_structured(self.model, cfg.prune_heads or 0.0, cfg.prune_mlp or 0.0,
-                                                calibration=ranking)
+                                                calibration=ranking, experts_ratio=cfg.prune_experts or 0.0)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        rule = "given-ratios" if not cfg.prune else "fastest-within-tolerance" if timer else "lowest-loss"
+        rule = "given-ratios" if not cfg.prune else "fastest-within-tolerance" if timed else "lowest-loss"
         self.recipe.pruning = p = Pruning(
-            rule=rule, target_ratio=cfg.prune, ppl_tolerance_pct=cfg.prune_ppl_tolerance,
+            rule=rule, target_ratio=cfg.prune, ppl_tolerance_pct=cfg.prune_ppl_tolerance if timed else 0.0,
             kv_heads=(result.kv_heads_before, result.kv_heads_after),
             query_heads=(result.heads_before, result.heads_after),
             mlp_channels=(result.intermediate_before, result.intermediate_after),
+            attention="mla" if result.experts else "gqa", experts=result.experts,
+            expert_channels=result.expert_channels, shared_expert_channels=result.shared_expert_channels,
             decoder_fraction_removed=result.decoder_fraction_removed,
             total_fraction_removed=1 - result.params_after / result.params_before,
             removed=[LayerRemoval(**r) for r in result.removed],
             candidates=[PruneCandidate(**c) for c in result.candidates])
         log.info(f"{p.decoder_fraction_removed:.1%} of decoder-layer parameters removed "
-                 f"({p.total_fraction_removed:.1%} of all): per layer key/value groups {p.kv_heads[0]} -> "
-                 f"{p.kv_heads[1]}, query heads {p.query_heads[0]} -> {p.query_heads[1]}, MLP channels "
-                 f"{p.mlp_channels[0]} -> {p.mlp_channels[1]} ({rule} layout)")
+                 f"({p.total_fraction_removed:.1%} of all): per layer " + report.layout_text(p) + f" ({rule} layout)")
 
     def sparsify(self) -> None:
         from dstool.compress import prune
 
         pattern = self.cfg.sparsity or "2:4"  # this step runs only with --sparsity
         n, m = map(int, pattern.split(":"))
-        self.masks = prune.apply_n_m_sparsity(self.model, n, m)
+        try:  # a width pruning left that M does not divide (the input's were checked up front)
+            self.masks = prune.apply_n_m_sparsity(self.model, n, m)
+        except ValueError as e:
+            raise UsageError(f"{e} (after pruning)") from None
         try:
             prune.check_n_m(self.model, self.masks, n, m)
-        except ValueError as e:
+        except AssertionError as e:
             raise StageFailed(f"N:M masks: {e}") from None
         self.recipe.sparsity = Sparsity(pattern=pattern, n=n, m=m, weights=len(self.masks),
                                         sparse_kernels=_semi_structured_available())
-        log.info(f"{self.cfg.sparsity} masks on {len(self.masks)} decoder Linear weights (verified); sparse kernels: "
+        log.info(f"{self.cfg.sparsity} masks on {len(self.masks)} decoder Linear and expert weights (verified); "
+                 "sparse kernels: "
                  + ("used" if self.recipe.sparsity.sparse_kernels else "not used (no GPU semi-structured kernels "
                     "here), so the latency is dense"))
+
+    def sparsify_unstructured(self) -> None:
+        from dstool.compress import sparse
+
+        fraction = self.cfg.sparsity_fraction or 0.0  # this step runs only with a fraction
+        self.masks = sparse.apply_unstructured(self.model, fraction)
+        params = dict(self.model.named_parameters())
+        short = [n for n in self.masks if int((params[n] == 0).sum()) < sparse.drop_count(fraction, params[n])]
+        if short:
+            raise StageFailed(f"unstructured masks: {short[0]} holds fewer than {fraction:.0%} zeros")
+        decoder, total = sparse.zero_shares(self.model, self.masks)
+        self.recipe.sparsity = s = Sparsity(
+            pattern=f"unstructured {fraction:g}", fraction=fraction, weights=len(self.masks),
+            decoder_zero_share=decoder, total_zero_share=total,
+            perplexity_masked=measure.perplexity_torch(self.model, self.heldout), sparse_kernels=False)
+        log.info(f"{decoder:.1%} of {s.weights} decoder weights (Linear, routed experts) zeroed by magnitude, each "
+                 f"matrix on its own ({total:.1%} of all parameters; embeddings, lm_head and norms dense); held-out "
+                 f"perplexity {s.perplexity_masked:.3f} before recovery")
+
+    def store(self) -> None:
+        """model/ and the fp32 graphs rewritten with their sparse tensors as bitmask + nonzero values (quantized
+        graphs hold their own integer weights and stay as they are)."""
+        from dstool.compress import sparse
+
+        folder = self.stage / "model"
+        model_dense = measure.safetensors_bytes(folder)
+        encoded = {"model": sparse.save_folder(folder)}
+        dense, stored = {}, {}
+        ids = np.random.default_rng(4).integers(0, self.model.config.vocab_size, (2, 19))
+        for role, path in self.deploy.items():
+            dense[role] = measure.onnx_bytes(path)
+            if path == self.fp32[role].path:
+                self.dense_outputs[role] = _graph_logits(role, path, ids)
+                encoded[role] = sparse.encode_onnx(path)
+            stored[role] = measure.onnx_bytes(path)
+        s = self.recipe.sparsity
+        assert s is not None  # this step runs after sparsify_unstructured
+        s.decoder_zero_share, s.total_zero_share = sparse.zero_shares(self.model, self.masks or {})
+        self.encoded_entries = {k: sum(v.values()) for k, v in encoded.items()}
+        s.storage = SparseStorage(model_bytes=measure.safetensors_bytes(folder), model_dense_bytes=model_dense,
+                                  onnx_bytes=stored, onnx_dense_bytes=dense,
+                                  encoded={k: len(v) for k, v in encoded.items()})
+        log.info(f"stored sparse: model/ {s.storage.model_bytes / model_dense:.3f}x of fp32 safetensors, "
+                 + ", ".join(f"{role} graph {stored[role] / dense[role]:.3f}x" for role in stored)
+                 + " (ONNX Runtime rebuilds the dense weights when it loads a graph: dense kernels)")
+
+    def stored(self, _) -> str | None:
+        """The masks held through recovery; the stored folder and graphs give the dense ones' logits."""
+        from dstool.compress import sparse
+
+        masks, storage = self.masks or {}, self.recipe.sparsity.storage if self.recipe.sparsity else None
+        if storage is None:
+            return "nothing was stored sparse"
+        if problem := sparse.masks_held(self.model, masks):
+            return f"recovery did not hold the sparsity masks ({problem})"
+        masked = sum(mask.numel() for mask in masks.values())
+        if (self.cfg.sparsity_fraction or 0.0) < sparse.MIN_ZERO_SHARE:  # too few zeros to store smaller
+            masked = 0
+        wrong = {k: v for k, v in self.encoded_entries.items() if v != masked}
+        if wrong:
+            return f"expected the {masked:,} masked entries stored as bitmask + values, found {wrong}"
+        reloaded = sparse.load(self.stage / "model")
+        ids = torch.randint(0, self.model.config.vocab_size, (2, 24), generator=torch.Generator().manual_seed(2))
+        with torch.no_grad():
+            diff = (reloaded(input_ids=ids).logits - self.model(input_ids=ids).logits).abs().max().item()
+        if diff > 1e-5:
+            return f"the sparse model/ loads back differently (max |logit diff| {diff:.3g})"
+        for role, ref in self.dense_outputs.items():
+            ids = np.random.default_rng(4).integers(0, self.model.config.vocab_size, ref.shape[:2])
+            diff = float(np.abs(_graph_logits(role, self.deploy[role], ids) - ref).max())
+            if diff > 1e-5:
+                return f"the sparse {role} graph gives other logits than the dense one (max diff {diff:.3g})"
+        return None
 
     def save(self) -> None:
         if self.recipe.pruning or self.recipe.sparsity:
@@ -236,11 +359,12 @@ class _Compression:
     def export(self) -> None:
         r = self.recipe
         if r.pruning or r.sparsity or (r.recovery and r.recovery.kept):
-            logits = export_logits_model(self.model, self.stage / "onnx" / "logits")
-        else:  # the weights are the input's: its baseline graph is this one (parity-checked when it was made)
-            shutil.copytree(self.base.path.parent, self.stage / "onnx" / "logits")
-            logits = dataclasses.replace(self.base, path=self.stage / "onnx" / "logits" / self.base.path.name)
-        self.fp32 = {"logits": logits, "decoder": export_decoder_model(self.model, self.stage / "onnx" / "decoder")}
+            self.fp32 = {"logits": export_logits_model(self.model, self.stage / "onnx" / "logits"),
+                         "decoder": export_decoder_model(self.model, self.stage / "onnx" / "decoder")}
+        else:  # the weights are the input's: its baseline graphs are these (parity-checked when they were made)
+            for role, e in (("logits", self.base), ("decoder", self.base_decoder)):
+                shutil.copytree(e.path.parent, self.stage / "onnx" / role)
+                self.fp32[role] = dataclasses.replace(e, path=self.stage / "onnx" / role / e.path.name)
         self.deploy = {role: e.path for role, e in self.fp32.items()}
         log.info("max |logit diff| to PyTorch: " + ", ".join(f"{role} {e.max_abs_diff:.2e}"
                                                             for role, e in self.fp32.items()))
@@ -254,6 +378,8 @@ class _Compression:
                                                     torchao_folder="torchao")
             return
         logits, decoder = self.deploy["logits"], self.deploy["decoder"]
+        for path in (logits, decoder):  # MoE: each routed expert's weights their own initializers, so they quantize
+            quantize.fold_weight_constants(path)
         if cfg.bits == 8:
             choice, trials = quantize.choose_int8_exclusions(
                 logits, self.work, self.calib, measure.perplexity_onnx(logits, self.calib),
@@ -295,21 +421,36 @@ class _Compression:
         self.deploy = {"logits": q_logits, "decoder": q_decoder}
 
     def measure(self) -> Figures:
-        figures = {"before": self.before, "after": _measure(self.deploy["logits"], self.model, self.heldout)}
+        after, after_top1 = _measure(self.deploy["logits"], self.model, self.heldout, self.cloze)
+        figures = {"before": self.before, "after": after}
+        vocab, repeats = self.model.config.vocab_size, self.cfg.latency_repeats
         for batch in (1, 8):
-            ms = measure.latency_ms([self.base.path, self.deploy["logits"]], self.model.config.vocab_size, batch,
-                                    repeats=self.cfg.latency_repeats)
+            ms = measure.latency_ms([self.base.path, self.deploy["logits"]], vocab, batch, repeats=repeats)
             figures["before"][f"latency_ms_batch{batch}"], figures["after"][f"latency_ms_batch{batch}"] = ms
+        for batch in (1, 16):
+            tps = measure.decode_tokens_per_s([self.base_decoder.path, self.deploy["decoder"]], vocab, batch,
+                                              DECODE_PROMPT, DECODE_TOKENS, repeats=min(repeats, DECODE_REPEATS))
+            figures["before"][f"decode_tokens_per_s_batch{batch}"] = tps[0]
+            figures["after"][f"decode_tokens_per_s_batch{batch}"] = tps[1]
         b, a = (Measured(**figures[k]) for k in ("before", "after"))
-        self.figures = Figures(
+        self.figures = f = Figures(
             before=b, after=a, compression_ratio=a.onnx_bytes / b.onnx_bytes,
             perplexity_change_pct=100 * (a.perplexity / b.perplexity - 1),
+            top1_agreement=measure.top1_agreement(self.before_top1, after_top1), zero_shot_items=self.cloze.items,
+            zero_shot_choices=self.cloze.choices,
             speedup={"1": b.latency_ms_batch1 / a.latency_ms_batch1, "8": b.latency_ms_batch8 / a.latency_ms_batch8},
+            decode_speedup={"1": a.decode_tokens_per_s_batch1 / b.decode_tokens_per_s_batch1,
+                            "16": a.decode_tokens_per_s_batch16 / b.decode_tokens_per_s_batch16},
+            decode_prompt_len=DECODE_PROMPT, decode_new_tokens=DECODE_TOKENS, speed_target=self.cfg.speed_target,
             latency_seq_len=128, heldout=self.heldout_label,
             machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, onnxruntime CPU provider")
-        log.info(f"size {self.figures.compression_ratio:.3f}x, perplexity {b.perplexity:.3f} -> {a.perplexity:.3f}, "
-                 f"latency batch 8 {b.latency_ms_batch8:.1f} -> {a.latency_ms_batch8:.1f} ms")
-        return self.figures
+        log.info(f"size {f.compression_ratio:.3f}x, perplexity {b.perplexity:.3f} -> {a.perplexity:.3f}, top-1 "
+                 f"agreement {f.top1_agreement:.1%}, cloze {_share(b.zero_shot_accuracy)} -> "
+                 f"{_share(a.zero_shot_accuracy)}; prefill batch 8 {b.latency_ms_batch8:.1f} -> "
+                 f"{a.latency_ms_batch8:.1f} ms; decoding tokens/s batch 1 {b.decode_tokens_per_s_batch1:.0f} -> "
+                 f"{a.decode_tokens_per_s_batch1:.0f}, batch 16 {b.decode_tokens_per_s_batch16:.0f} -> "
+                 f"{a.decode_tokens_per_s_batch16:.0f}")
+        return f
 
     def speed(self, figures: Figures) -> str | None:
         return speed_gate(self.cfg, figures)
@@ -325,12 +466,19 @@ class _Compression:
 
 
 def speed_gate(cfg: CompressConfig, figures: Figures) -> str | None:
-    """A quantized model measured slower than fp32 (batch 8) fails the run, unless --allow-slower."""
-    b, a = figures.before.latency_ms_batch8, figures.after.latency_ms_batch8
-    if cfg.bits and cfg.engine == "onnxruntime" and not cfg.allow_slower and a > b:
-        return (f"the {cfg.bits}-bit model measured slower than fp32 at batch 8 ({a:.2f} vs {b:.2f} ms), so it was "
-                "not written to the output; pass --allow-slower to keep it anyway")
+    """A quantized model measured slower than fp32 on the figure --speed-target names fails the run, unless
+    --allow-slower."""
+    speedup, what = figures.speedup_on(cfg.speed_target)
+    if cfg.bits and cfg.engine == "onnxruntime" and not cfg.allow_slower and speedup < 1:
+        others = "|".join(t for t in SPEED_FIGURES if t != cfg.speed_target)
+        return (f"the {cfg.bits}-bit model measured slower than fp32 in {what} ({speedup:.2f}x, --speed-target "
+                f"{cfg.speed_target}), so it was not written to the output; pass --allow-slower to keep it anyway, "
+                f"or --speed-target {others} if that is what it will serve")
     return None
+
+
+def _share(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.1%}"
 
 
 def recovery_train_config(model_dir: Path, output: Path, steps: int, lr: float, data: str | None = None,
@@ -353,10 +501,22 @@ def _graph(stage: Path, path: Path, parity: float) -> Graph:
                  outputs=[o.name for o in proto.output], fp32_parity=parity)
 
 
-def _measure(onnx_path: Path, model, heldout: np.ndarray) -> dict:
-    """What `Measured` holds but the latencies (timed later, the two models interleaved)."""
+def _graph_logits(role: str, path: Path, ids: np.ndarray) -> np.ndarray:
+    """The logits of a logits graph, or of a decoder graph's prefill on an empty cache."""
+    from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
+
+    session = ort_session(path)
+    if role == "logits":
+        return run_logits(session, ids)
+    return run_decoder(session, ids, empty_cache(session, len(ids)), 0)[0]
+
+
+def _measure(onnx_path: Path, model, heldout: np.ndarray, cloze: quality.Cloze) -> tuple[dict, np.ndarray]:
+    """What `Measured` holds but the speeds (timed later, the two models interleaved), and the top-1 predictions on
+    the held-out positions the perplexity scores."""
+    ppl, top1 = measure.score_onnx(onnx_path, heldout)
     return {"parameters": sum(p.numel() for p in model.parameters()), "onnx_bytes": measure.onnx_bytes(onnx_path),
-            "perplexity": measure.perplexity_onnx(onnx_path, heldout)}
+            "perplexity": ppl, "zero_shot_accuracy": quality.cloze_accuracy(onnx_path, cloze)}, top1
 
 
 class _OnnxLayoutTimer:

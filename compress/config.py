@@ -5,8 +5,9 @@ from __future__ import annotations
 import re
 from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, field_validator, model_validator
 
+from dstool.artifacts import SpeedTarget
 from dstool.config import CommandConfig, positional
 
 
@@ -18,14 +19,20 @@ class CompressConfig(CommandConfig):
     output: str = Field(description="folder for model/, onnx/ (both graphs), dstool.json and report.{md,png}")
     bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
-                                "key/value groups, query heads and MLP channels is chosen by measured calibration loss "
-                                "(and ONNX Runtime latency with --prune-ppl-tolerance)")
-    prune_ppl_tolerance: float = Field(0.0, ge=0, description="--prune: time every layout on ONNX Runtime and take "
-                                       "the fastest whose calibration perplexity is within this % of the best "
-                                       "layout's (0: the lowest-loss layout, untimed)")
-    prune_heads: float | None = Field(None, description="share of query heads removed per key/value group")
-    prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed")
-    sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4")
+                                "key/value groups, query heads and MLP channels (MoE: heads, routed experts and "
+                                "expert channels) is chosen by measured calibration loss and ONNX Runtime latency")
+    prune_ppl_tolerance: float = Field(50.0, ge=0, description="--prune: of the layouts whose calibration perplexity "
+                                       "is within this % of the best layout's, the fastest on ONNX Runtime is kept "
+                                       "(0: the lowest-loss layout, untimed)")
+    prune_heads: float | None = Field(None, description="share of query heads removed per key/value group (MoE: of "
+                                      "the attention heads)")
+    prune_mlp: float | None = Field(None, description="share of MLP intermediate channels removed (MoE: of every "
+                                    "expert's too)")
+    prune_experts: float | None = Field(None, description="MoE: share of each MoE layer's routed experts removed, "
+                                        "the least routed on calibration tokens")
+    sparsity: str | None = Field(None, description="N:M magnitude sparsity on decoder Linear layers, e.g. 2:4; or a "
+                                 "fraction, e.g. 0.65: that share of every decoder Linear weight zeroed by magnitude "
+                                 "(unstructured), stored as a bitmask and the nonzero values")
     recover_steps: int = Field(0, ge=0, description="fine-tuning steps after pruning/sparsity")
     recover_lr: float = Field(1e-3, gt=0, description="recovery peak learning rate (warm-up, cosine decay)")
     distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
@@ -34,31 +41,55 @@ class CompressConfig(CommandConfig):
     max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less "
                                     "than this %")
     allow_slower: bool = Field(False, description="accept a quantized model that measures slower than fp32")
-    latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure")
+    # decode by default: a served LLM spends most of its time in decoding steps (one per generated token, against one
+    # prefill per prompt), and batch 1 is where weight-only 4-bit is meant to pay off (docs/compress.md, Measured)
+    speed_target: SpeedTarget = Field("decode", description="the figure a quantized model must not be slower on: "
+                                      "decode (tokens/s at batch 1), batched-decode (batch 16) or prefill (latency "
+                                      "at batch 8 x 128)")
+    latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure (per decoding "
+                                 "figure: at most 5 generations of 32 tokens)")
     engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or "
                                                       "torchao's PyTorch int8")
+
+    @field_validator("sparsity", mode="before")
+    @classmethod
+    def _number_as_text(cls, v):  # YAML reads `sparsity: 0.65` as a number
+        return str(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+
+    @property
+    def sparsity_fraction(self) -> float | None:
+        """--sparsity as a fraction (unstructured), None for N:M or none."""
+        return None if self.sparsity is None or ":" in self.sparsity else float(self.sparsity)
+
+    @property
+    def prunes(self) -> bool:
+        """Structured pruning asked for: --prune, or any of the explicit shares."""
+        return bool(self.prune or self.prune_heads or self.prune_mlp or self.prune_experts)
 
     @model_validator(mode="after")
     def _check(self) -> CompressConfig:
         if self.bits not in (None, 8, 4):
             raise ValueError(f"bits must be 8 or 4, not {self.bits}")
-        for name in ("prune", "prune_heads", "prune_mlp"):
+        for name in ("prune", "prune_heads", "prune_mlp", "prune_experts"):
             v = getattr(self, name)
             if v is not None and not 0 < v < 1:
                 raise ValueError(f"{name} must be a ratio strictly between 0 and 1, got {v}")
-        if self.prune is not None and (self.prune_heads is not None or self.prune_mlp is not None):
-            raise ValueError("give --prune or --prune-heads/--prune-mlp, not both")
+        given = self.prune_heads is not None or self.prune_mlp is not None or self.prune_experts is not None
+        if self.prune is not None and given:
+            raise ValueError("give --prune or --prune-heads/--prune-mlp/--prune-experts, not both")
         if self.sparsity is not None:
             m = re.fullmatch(r"(\d+):(\d+)", self.sparsity)
-            if not m or not 0 < int(m.group(1)) < int(m.group(2)):
-                raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4), got '{self.sparsity}'")
+            f = re.fullmatch(r"0?\.\d+", self.sparsity)
+            if not (m and 0 < int(m.group(1)) < int(m.group(2)) or f and 0 < float(self.sparsity) < 1):
+                raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4) or a fraction strictly "
+                                 f"between 0 and 1 (e.g. 0.65), got '{self.sparsity}'")
         if self.engine == "torchao" and self.bits != 8:
             raise ValueError("engine torchao is the PyTorch int8 path: use it with bits 8")
-        if not (self.bits or self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
+        if not (self.bits or self.prune or given or self.sparsity):
             raise ValueError("nothing to do: give --bits, --prune (or --prune-heads/--prune-mlp) or --sparsity")
-        if self.recover_steps and not (self.prune or self.prune_heads or self.prune_mlp or self.sparsity):
+        if self.recover_steps and not (self.prune or given or self.sparsity):
             raise ValueError("--recover-steps needs pruning or sparsity to recover from")
-        if self.prune_ppl_tolerance and not self.prune:
+        if "prune_ppl_tolerance" in self.model_fields_set and not self.prune:
             raise ValueError("--prune-ppl-tolerance chooses among --prune's layouts: give --prune RATIO with it")
         if self.distill and not self.recover_steps:
             raise ValueError("--distill needs --recover-steps (it is the recovery fine-tuning's loss)")

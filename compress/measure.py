@@ -1,10 +1,13 @@
-"""Measurements every compression report is built from: held-out perplexity, ONNX Runtime latency, sizes."""
+"""Measurements every compression report is built from: held-out perplexity and top-1 predictions, ONNX Runtime
+prefill latency and decoding throughput, sizes."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 import time
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +16,7 @@ import torch
 from dstool import corpus
 from dstool.artifacts import HFModel, ManifestError, kind_of
 from dstool.errors import UsageError
-from dstool.onnx_export import ort_session, run_logits
+from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
 
 
 def heldout_tokens(model_dir: Path, tokenizer, calibration: str | None) -> tuple[np.ndarray, np.ndarray, str]:
@@ -57,14 +60,28 @@ def _nll(logits: np.ndarray, ids: np.ndarray) -> tuple[float, int]:
     return float(loss), target.numel()
 
 
-def perplexity_onnx(onnx_path: Path, heldout: np.ndarray, seq_len: int = 128, limit: int = 64, batch: int = 8) -> float:
+def score_onnx(onnx_path: Path, heldout: np.ndarray, seq_len: int = 128, limit: int = 64,
+               batch: int = 8) -> tuple[float, np.ndarray]:
+    """Perplexity on up to `limit` windows of `heldout`, and the top-1 next-token prediction at every position it
+    scores ([windows, seq_len - 1])."""
     session = ort_session(onnx_path)
     rows = windows(heldout, seq_len, limit)
-    total, count = 0.0, 0
+    total, count, top1 = 0.0, 0, []
     for i in range(0, len(rows), batch):
-        nll, n = _nll(run_logits(session, rows[i:i + batch]), rows[i:i + batch])
+        logits = run_logits(session, rows[i:i + batch])
+        nll, n = _nll(logits, rows[i:i + batch])
         total, count = total + nll, count + n
-    return math.exp(total / count)
+        top1.append(logits[:, :-1].argmax(-1))
+    return math.exp(total / count), np.concatenate(top1)
+
+
+def perplexity_onnx(onnx_path: Path, heldout: np.ndarray, seq_len: int = 128, limit: int = 64, batch: int = 8) -> float:
+    return score_onnx(onnx_path, heldout, seq_len, limit, batch)[0]
+
+
+def top1_agreement(reference: np.ndarray, other: np.ndarray) -> float:
+    """Share of positions where two models' top-1 next tokens (`score_onnx`'s predictions) are the same."""
+    return float((reference == other).mean())
 
 
 @torch.no_grad()
@@ -78,23 +95,64 @@ def perplexity_torch(model, heldout: np.ndarray, seq_len: int = 128, limit: int 
     return math.exp(total / count)
 
 
+def timed_in_rotation(calls: Sequence[Callable[[], object]], repeats: int, warmup: int = 3) -> list[float]:
+    """Median wall time (s) of each call over `repeats` rounds, after `warmup` untimed runs of each. The calls are
+    timed in alternation, so a busy moment of the machine slows all of them alike, and each round starts with the
+    next one, so none always runs right after the same neighbour (caches, clocks)."""
+    for call in calls:
+        for _ in range(warmup):
+            call()
+    times: list[list[float]] = [[] for _ in calls]
+    for round_ in range(repeats):
+        for i in range(len(calls)):
+            k = (round_ + i) % len(calls)
+            t0 = time.perf_counter()
+            calls[k]()
+            times[k].append(time.perf_counter() - t0)
+    return [statistics.median(t) for t in times]
+
+
 def latency_ms(onnx_paths: list[Path], vocab: int, batch: int, seq_len: int = 128, repeats: int = 20) -> list[float]:
-    """Median wall time of one ONNX Runtime forward (CPU provider) for each model, after 3 warm-up runs.
-    The models are timed in alternation, so a busy moment of the machine slows all of them alike, and each
-    round starts with the next model, so none always runs right after the same neighbour (caches, clocks)."""
+    """Median wall time of one ONNX Runtime forward (CPU provider) of each logits graph over `batch` x `seq_len`
+    tokens (a prefill), timed in rotation after 3 warm-up runs."""
     sessions = [ort_session(p) for p in onnx_paths]
     ids = np.random.default_rng(0).integers(0, vocab, (batch, seq_len))
-    for s in sessions:
-        for _ in range(3):
-            run_logits(s, ids)
-    times: list[list[float]] = [[] for _ in sessions]
-    for round_ in range(repeats):
-        for i in range(len(sessions)):
-            k = (round_ + i) % len(sessions)
+    return [1000 * s for s in timed_in_rotation([functools.partial(run_logits, s, ids) for s in sessions], repeats)]
+
+
+class _Generation:
+    """Greedy generation with a decoder graph from a prefilled prompt: each call decodes `new_tokens` steps of one
+    token per sequence (each step's cache the next one's input, as serve's engine runs them) and records each
+    step's wall time."""
+
+    def __init__(self, session, prompt: np.ndarray, new_tokens: int):
+        self.session, self.prompt_len, self.new_tokens = session, prompt.shape[1], new_tokens
+        self.prefilled = run_decoder(session, prompt, empty_cache(session, len(prompt)), 0)
+        self.step_s: list[float] = []
+
+    def __call__(self) -> None:
+        logits, cache = self.prefilled
+        for t in range(self.new_tokens):
             t0 = time.perf_counter()
-            run_logits(sessions[k], ids)
-            times[k].append(time.perf_counter() - t0)
-    return [1000 * statistics.median(t) for t in times]
+            logits, cache = run_decoder(self.session, logits[:, -1:].argmax(-1), cache, self.prompt_len + t)
+            self.step_s.append(time.perf_counter() - t0)
+
+
+def decode_tokens_per_s(onnx_paths: list[Path], vocab: int, batch: int, prompt_len: int = 128, new_tokens: int = 32,
+                        repeats: int = 5) -> list[float]:
+    """Generation speed of each key/value-cache decoder graph: `batch` sequences of a `prompt_len`-token prompt,
+    prefilled (untimed), then `repeats` generations of `new_tokens` greedy decoding steps, the graphs' generations
+    in rotation (`timed_in_rotation`) after a warm-up one each. Tokens per second = batch / the median step: on a
+    loaded machine a few steps wait for another process (here 1-2 ms steps, some of 12-30 ms), and the median
+    leaves those out. (Rotating single steps instead measured each graph slowed by the other sessions' ONNX Runtime
+    threads, which spin a while after their own run: fp32 up to 15x slower than int8 at batch 1, against 1.2-1.6x.)"""
+    prompt = np.random.default_rng(0).integers(0, vocab, (batch, prompt_len))
+    generations = [_Generation(ort_session(p), prompt, new_tokens) for p in onnx_paths]
+    for g in generations:  # warm-up
+        g()
+        g.step_s.clear()
+    timed_in_rotation(generations, repeats, warmup=0)
+    return [batch / statistics.median(g.step_s) for g in generations]
 
 
 @torch.no_grad()

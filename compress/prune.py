@@ -1,10 +1,12 @@
-"""Structured pruning (key/value groups, query heads, MLP channels) and N:M sparsity for Llama-style causal LMs.
+"""Structured pruning (key/value groups, query heads, MLP channels) and N:M sparsity for Llama-style causal LMs,
+and for DeepSeek-V3 (MLA heads, expert channels, whole experts: `prune_moe`).
 
 `prune_structured` (explicit ratios) and `prune_to_ratio` (a share of the decoder's parameters, split by
 measurement) physically shrink the projections and rewrite the config, so the pruned model saves and
-reloads with `AutoModelForCausalLM.from_pretrained` as an ordinary, smaller Llama.
-`apply_n_m_sparsity` zeroes weights in place (2:4 by default) and returns the masks that
-`reapply_masks` re-imposes after each optimizer step of recovery fine-tuning.
+reloads with `AutoModelForCausalLM.from_pretrained` as an ordinary, smaller model of its architecture.
+`apply_n_m_sparsity` zeroes weights in place (2:4 by default; nn.Linear weights and the routed experts' stacked
+weights) and returns the masks that `reapply_masks` re-imposes after each optimizer step of recovery fine-tuning;
+`check_n_m_fits` refuses a pattern whose M does not divide every covered layer's input width.
 
 Own code rather than torch-pruning: the result must be the same layout in every layer, expressible as a
 transformers config (num_attention_heads, num_key_value_heads, intermediate_size) with query heads kept in
@@ -15,7 +17,9 @@ torch-pruning's dependency graph prunes per module and leaves the config and GQA
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,7 +35,8 @@ class PruneResult:
     """Per-layer counts before and after pruning, parameter counts, and what was removed.
 
     `removed[i]` holds layer i's removed key/value groups, query heads and MLP channels as indices into the
-    unpruned model; `candidates` (prune_to_ratio only) every layout tried with its calibration loss.
+    unpruned model (DeepSeek-V3 MoE layers also: experts, their routing load, each kept expert's channels, the
+    shared experts' channels); `candidates` (prune_to_ratio only) every layout tried with its calibration loss.
     """
 
     heads_before: int
@@ -46,6 +51,10 @@ class PruneResult:
     decoder_params_after: int
     removed: list[dict[str, list[int]]] = field(default_factory=list, repr=False)
     candidates: list[dict] = field(default_factory=list, repr=False)
+    # DeepSeek-V3, before and after: routed experts per MoE layer, channels per expert, shared experts' channels
+    experts: tuple[int, int] | None = None
+    expert_channels: tuple[int, int] | None = None
+    shared_expert_channels: tuple[int, int] | None = None
 
     @property
     def decoder_fraction_removed(self) -> float:
@@ -71,25 +80,39 @@ class LayoutTimer(Protocol):
 
 
 def prune_structured(model, heads_ratio: float, mlp_ratio: float, calibration: torch.Tensor | None = None,
-                     kv_ratio: float = 0.0) -> PruneResult:
+                     kv_ratio: float = 0.0, experts_ratio: float = 0.0) -> PruneResult:
     """Remove the least important key/value groups (each with its query heads), query heads (the same number
     in every kept group) and MLP channels.
 
     `kv_ratio` is the share of key/value groups removed, `heads_ratio` the share of query heads removed inside
     each kept group, `mlp_ratio` the share of MLP intermediate channels removed; 0 leaves that part as it is,
     ratios must lie in [0, 1). Importance is measured on `calibration` token ids [batch, seq] when given,
-    otherwise from weight norms.
+    otherwise from weight norms. DeepSeek-V3: `heads_ratio` of the MLA heads, `mlp_ratio` of every MLP's channels
+    (dense, routed and shared experts), `experts_ratio` of each MoE layer's routed experts (the least routed on
+    `calibration`, which it then needs); no `kv_ratio` (MLA has no key/value groups).
     """
-    for name, ratio in (("heads_ratio", heads_ratio), ("mlp_ratio", mlp_ratio), ("kv_ratio", kv_ratio)):
+    for name, ratio in (("heads_ratio", heads_ratio), ("mlp_ratio", mlp_ratio), ("kv_ratio", kv_ratio),
+                        ("experts_ratio", experts_ratio)):
         if not 0.0 <= ratio < 1.0:
             raise ValueError(f"{name} must be in [0, 1), got {ratio}")
+    from dstool.compress import prune_moe
+
+    if prune_moe.is_deepseek_v3(model):
+        if kv_ratio:
+            raise ValueError("multi-head latent attention has no key/value groups to remove: prune heads instead")
+        layout = prune_moe.structured_layout(model, heads_ratio, mlp_ratio, experts_ratio)
+        return prune_moe.apply_layout(model, layout, prune_moe.importance_scores(model, calibration))
+    if experts_ratio:
+        raise ValueError(f"{type(model).__name__} has no routed experts to remove (that is for DeepSeek-V3 MoE "
+                         "models): prune heads or MLP channels")
     _decoder_layers(model)  # raises for a model that is not Llama-style
     config = model.config
     kv_heads, group, intermediate = config.num_key_value_heads, _group_size(model), config.intermediate_size
-    layout = Layout(kv_groups=kv_heads if kv_ratio == 0 else max(1, kv_heads - round(kv_ratio * kv_heads)),
-                    heads_per_group=group if heads_ratio == 0 else max(1, group - round(heads_ratio * group)),
-                    channels=intermediate if mlp_ratio == 0 else _round_channels(round((1 - mlp_ratio) * intermediate)))
-    return _apply_layout(model, layout, importance_scores(model, calibration))
+    return _apply_layout(model, Layout(
+        kv_groups=kv_heads if kv_ratio == 0 else max(1, kv_heads - round(kv_ratio * kv_heads)),
+        heads_per_group=group if heads_ratio == 0 else max(1, group - round(heads_ratio * group)),
+        channels=intermediate if mlp_ratio == 0 else _round_channels(round((1 - mlp_ratio) * intermediate))),
+        importance_scores(model, calibration))
 
 
 def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
@@ -97,54 +120,96 @@ def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
                    ppl_tolerance: float = 0.0) -> PruneResult:
     """Remove at least `ratio` of the decoder layers' parameters, choosing the split by measurement.
 
-    Every attention layout (key/value groups kept x query heads kept per group) is paired with the MLP width
-    that brings the removed share to `ratio` (channels rounded down to a multiple of 8, so slightly more may
-    go); each candidate is pruned on a copy and its loss measured on `selection` token ids (default:
-    `calibration`). Without `timer` the lowest-loss layout is applied to `model`. With `timer` every copy is
-    also timed, and the layout applied is the fastest whose calibration perplexity (exp of its loss) is at most
-    (1 + `ppl_tolerance`) times the best layout's: at the same parameter count, layouts differ in speed
-    because attention costs more than its share of parameters (softmax, rotary, transposes per head).
+    Every attention layout (key/value groups kept x query heads kept per group; DeepSeek-V3: MLA heads kept x
+    routed experts kept, see `prune_moe.layouts_for_ratio`) is paired with the MLP width that brings the removed
+    share to `ratio` (channels rounded down to a multiple of 8, so slightly more may go); each candidate is
+    pruned on a copy and its loss measured on `selection` token ids (default: `calibration`). Without `timer`
+    the lowest-loss layout is applied to `model`. With `timer`, the layouts whose calibration perplexity (exp of
+    their loss) is at most (1 + `ppl_tolerance`) times the best layout's are timed (none when only one is), and
+    the fastest is applied: at the same parameter count, layouts differ in speed because attention costs more
+    than its share of parameters (softmax, rotary, transposes per head).
     """
     if not 0.0 < ratio < 1.0:
         raise ValueError(f"ratio must be in (0, 1), got {ratio}")
+    from dstool.compress import prune_moe
+
+    layouts: Sequence[Layout]
+    if prune_moe.is_deepseek_v3(model):
+        moe_scores = prune_moe.importance_scores(model, calibration)
+        layouts = prune_moe.layouts_for_ratio(model, ratio)
+
+        def apply(target, layout):
+            return prune_moe.apply_layout(target, layout, moe_scores)
+    else:
+        scores = importance_scores(model, calibration)
+        layouts = _llama_layouts(model, ratio)
+
+        def apply(target, layout):
+            return _apply_layout(target, layout, scores)
+    if not layouts:
+        raise ValueError(no_layout_message(ratio))
+    probe = selection if selection is not None else calibration
+    candidates: list[dict[str, Any]] = []
+    for layout in layouts:
+        loss = None
+        if probe is not None:
+            trial = copy.deepcopy(model)
+            apply(trial, layout)
+            loss = _calibration_loss(trial, probe)
+            del trial
+        candidates.append({**dataclasses.asdict(layout), "calibration_loss": loss})
+    chosen = min(range(len(layouts)), key=lambda i: (candidates[i]["calibration_loss"] or 0.0,
+                                                     -layouts[i].kv_groups * layouts[i].heads_per_group))
+    if timer is not None:
+        limit = (candidates[chosen]["calibration_loss"] or 0.0) + math.log1p(ppl_tolerance)
+        admitted = [i for i, c in enumerate(candidates) if (c["calibration_loss"] or 0.0) <= limit]
+        if len(admitted) > 1:  # a layout outside the tolerance is never chosen: it is not timed
+            for i in admitted:
+                trial = copy.deepcopy(model)
+                apply(trial, layouts[i])
+                timer.add(trial)
+                del trial
+            for i, ms in zip(admitted, timer.latencies_ms(), strict=True):
+                candidates[i]["latency_ms"] = ms
+            chosen = min(admitted, key=lambda i: candidates[i]["latency_ms"])
+    result = apply(model, layouts[chosen])
+    result.candidates = candidates
+    return result
+
+
+def candidate_layouts(model, ratio: float) -> Sequence[Layout]:
+    """The layouts `prune_to_ratio` chooses among (from shapes alone: a model on the meta device will do)."""
+    from dstool.compress import prune_moe
+
+    return prune_moe.layouts_for_ratio(model, ratio) if prune_moe.is_deepseek_v3(model) else _llama_layouts(model,
+                                                                                                           ratio)
+
+
+def no_layout_message(ratio: float) -> str:
+    return (f"no layout removes {ratio:.0%} of the decoder parameters (too few attention heads and MLP channels to "
+            "remove): choose a smaller --prune")
+
+
+def _llama_layouts(model, ratio: float) -> list[Layout]:
+    """Every GQA layout whose head count divides the hidden size, with the MLP width that brings the removed share
+    of a decoder layer's parameters to `ratio`; layouts whose attention alone removes over 5 % more are skipped."""
     layers = _decoder_layers(model)
     config = model.config
     kv_heads, group, intermediate = config.num_key_value_heads, _group_size(model), config.intermediate_size
     per_head, per_group, per_channel = _unit_sizes(layers[0], config.num_attention_heads, kv_heads, intermediate)
     target = ratio * sum(p.numel() for p in layers[0].parameters())
-    scores = importance_scores(model, calibration)
-    probe = selection if selection is not None else calibration
-    candidates: list[dict[str, Any]] = []
+    layouts = []
     for kv_groups in range(kv_heads, 0, -1):
         for heads_per_group in range(group, 0, -1):
             if config.hidden_size % (kv_groups * heads_per_group):
                 continue  # transformers' configs require hidden_size divisible by num_attention_heads
             attention = (kv_heads * group - kv_groups * heads_per_group) * per_head + (kv_heads - kv_groups) * per_group
-            channels = _round_channels(intermediate - max(0, math.ceil((target - attention) / per_channel)))
-            if attention > target * 1.05 or not 0 < channels <= intermediate:
+            kept = intermediate - max(0, math.ceil((target - attention) / per_channel))
+            if attention > target * 1.05 or kept < 1:  # kept < 1: not even every channel would reach the ratio
                 continue
-            layout = Layout(kv_groups, heads_per_group, channels)
-            loss = None
-            if probe is not None or timer is not None:
-                trial = copy.deepcopy(model)
-                _apply_layout(trial, layout, scores)
-                loss = _calibration_loss(trial, probe) if probe is not None else None
-                if timer is not None:
-                    timer.add(trial)
-                del trial
-            candidates.append({"kv_groups": kv_groups, "heads_per_group": heads_per_group, "channels": channels,
-                               "calibration_loss": loss})
-    if not candidates:
-        raise ValueError(f"no layout removes {ratio:.0%} of the decoder parameters (too few MLP channels)")
-    best = min(candidates, key=lambda c: (c["calibration_loss"] or 0.0, -c["kv_groups"] * c["heads_per_group"]))
-    if timer is not None:
-        for candidate, ms in zip(candidates, timer.latencies_ms(), strict=True):
-            candidate["latency_ms"] = ms
-        limit = (best["calibration_loss"] or 0.0) + math.log1p(ppl_tolerance)
-        best = min((c for c in candidates if (c["calibration_loss"] or 0.0) <= limit), key=lambda c: c["latency_ms"])
-    result = _apply_layout(model, Layout(best["kv_groups"], best["heads_per_group"], best["channels"]), scores)
-    result.candidates = candidates
-    return result
+            channels = _round_channels(kept)
+            layouts.append(Layout(kv_groups, heads_per_group, channels))
+    return layouts
 
 
 def importance_scores(model, calibration: torch.Tensor | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -243,25 +308,51 @@ def _calibration_loss(model, ids: torch.Tensor) -> float:
 def apply_n_m_sparsity(model, n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
     """Zero the m - n smallest-magnitude weights in every group of m along the input dimension.
 
-    Covers every nn.Linear inside the decoder layers (not embeddings, not lm_head) and returns
-    {parameter name: bool mask}. Raises ValueError, before changing anything, if a covered layer's
-    in_features is not a multiple of m.
+    Covers the weights `n_m_weights` names (decoder Linear layers and routed experts; not embeddings, lm_head or
+    the MoE router) and returns {parameter name: bool mask}. Raises ValueError, before changing anything, if a
+    covered weight's input width is not a multiple of m.
     """
     if not 0 < n < m:
         raise ValueError(f"N:M sparsity needs 0 < n < m, got n={n}, m={m}")
-    linears = _decoder_linears(model)
-    for name, linear in linears.items():
-        if linear.in_features % m:
-            raise ValueError(f"{name}: in_features={linear.in_features} is not a multiple of m={m}")
+    check_n_m_fits(model, n, m)
     masks = {}
     with torch.no_grad():
-        for name, linear in linears.items():
-            groups = linear.weight.abs().view(linear.out_features, -1, m)
+        for name, weight in n_m_weights(model).items():
+            groups = weight.abs().unflatten(-1, (-1, m))
             keep = groups.topk(n, dim=-1).indices
-            mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True).view_as(linear.weight)
-            linear.weight.mul_(mask)
+            mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True).view_as(weight)
+            weight.mul_(mask)
             masks[name] = mask
     return masks
+
+
+def n_m_weights(model) -> dict[str, nn.Parameter]:
+    """{parameter name: weight} of what N:M sparsity covers, the input dimension last: every nn.Linear weight inside
+    the decoder layers (model.model.layers) and the routed experts' stacked [experts, out, in] weights."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} is not a Llama-style or DeepSeek-V3 causal LM (no "
+                         "model.model.layers), so N:M sparsity does not apply to it: --bits 8 or 4 does")
+    inside = set()
+    for module in layers.modules():
+        if isinstance(module, nn.Linear):
+            inside.add(id(module.weight))
+        elif not getattr(module, "is_transposed", False):  # transformers' experts: [experts, out, in]
+            inside |= {id(p) for p in module.parameters(recurse=False) if p.dim() == 3}
+    return {name: p for name, p in model.named_parameters() if id(p) in inside}
+
+
+def check_n_m_fits(model, n: int, m: int) -> None:
+    """Raise ValueError (one line: the first layer whose input width M does not divide, and a pattern that fits
+    every layer) unless every weight `n_m_weights` covers has an input width that is a multiple of m."""
+    widths = {name: w.shape[-1] for name, w in n_m_weights(model).items()}
+    for name, width in widths.items():
+        if width % m:
+            common = math.gcd(*widths.values())
+            fits = [f"{k // 2}:{k}" for k in (4, 8, 2) if common % k == 0][:1] or ["none (widths share no factor)"]
+            raise ValueError(f"N:M sparsity {n}:{m}: {name} has input width {width}, not a multiple of M={m} "
+                             f"(input widths here: {', '.join(map(str, sorted(set(widths.values()))))}); a pattern "
+                             f"whose M divides them all works, e.g. {fits[0]}")
 
 
 def check_n_m(model, masks: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> None:
@@ -269,7 +360,7 @@ def check_n_m(model, masks: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> 
     params = dict(model.named_parameters())
     for name in masks:
         weight = params[name]
-        zeros = (weight == 0).view(weight.shape[0], -1, m).sum(dim=-1)
+        zeros = (weight == 0).unflatten(-1, (-1, m)).sum(dim=-1)
         bad = int((zeros < m - n).sum())
         if bad:
             raise AssertionError(f"{name}: {bad} of {zeros.numel()} groups of {m} have fewer than {m - n} zeros")
@@ -283,6 +374,18 @@ def reapply_masks(model, masks: dict[str, torch.Tensor]) -> None:
             params[name].mul_(mask.to(params[name].device))
 
 
+def check_prunable(model) -> None:
+    """Raise ValueError (one line, with what works instead) unless structured pruning knows the architecture."""
+    from dstool.compress import prune_moe
+
+    if not prune_moe.is_deepseek_v3(model):
+        try:
+            _decoder_layers(model)
+        except ValueError as e:
+            raise ValueError(f"{e}: structured pruning knows Llama-style and DeepSeek-V3 models; --bits 8 or 4 "
+                             "works on this one") from None
+
+
 def _decoder_layers(model) -> nn.ModuleList:
     """model.model.layers, after checking every layer has the Llama attention and MLP projections."""
     layers = getattr(getattr(model, "model", None), "layers", None)
@@ -292,12 +395,6 @@ def _decoder_layers(model) -> nn.ModuleList:
         raise ValueError(f"{type(model).__name__} is not a Llama-style causal LM (model.model.layers[i] with "
                          f"self_attn.{{q,k,v,o}}_proj and mlp.{{gate,up,down}}_proj)")
     return layers
-
-
-def _decoder_linears(model) -> dict[str, nn.Linear]:
-    """{weight parameter name: module} for every nn.Linear inside the decoder layers."""
-    inside = {id(module) for module in _decoder_layers(model).modules() if isinstance(module, nn.Linear)}
-    return {f"{name}.weight": module for name, module in model.named_modules() if id(module) in inside}
 
 
 def _round_channels(count: int) -> int:

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
-import statistics
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import numpy as np
 import onnx
 
 from dstool import log as dlog
-from dstool.compress.measure import perplexity_onnx
+from dstool.compress.measure import perplexity_onnx, timed_in_rotation
 from dstool.errors import StageFailed
 from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
 
@@ -69,6 +68,68 @@ def weight_matmuls(onnx_path: Path) -> list[str]:
     return [n.name for n in model.graph.node if n.op_type == "MatMul" and len(n.input) > 1 and n.input[1] in weights]
 
 
+# ops that only move or select a constant's entries: folded when all their inputs are constants (fold_weight_constants)
+_DATA_MOVEMENT = {"Split", "Squeeze", "Unsqueeze", "Transpose", "Reshape", "Slice", "Gather", "Identity"}
+
+
+def fold_weight_constants(onnx_path: Path) -> int:
+    """Rewrite the graph in place with every data-movement node (Split, Squeeze, Transpose, ...) whose inputs are
+    all constants replaced by its result as initializers; returns how many nodes went. The exporter keeps the routed
+    experts' stacked weights [experts, in, out] as one initializer, split and squeezed per expert in the graph: the
+    quantizers take a MatMul's weight only from an initializer, so unfolded the experts stay fp32 in the file and
+    int8 quantizes them again on every call (DynamicQuantizeLinear)."""
+    from onnx import helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    model = onnx.load(str(onnx_path))
+    graph = model.graph
+    overridable = {i.name for i in graph.input}  # an initializer that is also a graph input is not a constant
+    values = {i.name: numpy_helper.to_array(i) for i in graph.initializer if i.name not in overridable}
+    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in graph.node
+                   if n.op_type == "Constant" and len(n.attribute) == 1 and n.attribute[0].name == "value"})
+    kept, folded = [], 0
+    for node in graph.node:
+        if not (node.op_type in _DATA_MOVEMENT and node.domain in ("", "ai.onnx") and node.input
+                and all(not i or i in values for i in node.input)):
+            kept.append(node)
+            continue
+        inputs = [i for i in node.input if i]
+        single = helper.make_model(helper.make_graph(
+            [node], "fold", [helper.make_tensor_value_info(i, onnx.TensorProto.UNDEFINED, None) for i in inputs],
+            [helper.make_tensor_value_info(o, onnx.TensorProto.UNDEFINED, None) for o in node.output]),
+            opset_imports=model.opset_import)
+        for name, value in zip(node.output, ReferenceEvaluator(single).run(None, {i: values[i] for i in inputs})):
+            values[name] = np.asarray(value)
+            graph.initializer.append(numpy_helper.from_array(np.ascontiguousarray(value), name))
+        folded += 1
+    if not folded:
+        return 0
+    del graph.node[:]
+    graph.node.extend(kept)
+    used = _names_read(graph) | {o.name for o in graph.output}
+    live = [i for i in graph.initializer if i.name in used]
+    del graph.initializer[:]
+    graph.initializer.extend(live)
+    sidecar = Path(str(onnx_path) + ".data")
+    if sidecar.exists():
+        sidecar.unlink()
+        onnx.save(model, str(onnx_path), save_as_external_data=True, location=sidecar.name)
+    else:
+        onnx.save(model, str(onnx_path))
+    return folded
+
+
+def _names_read(graph) -> set[str]:
+    """Every name a node of `graph` reads, also inside its subgraphs (If/Loop bodies read outer-scope names)."""
+    names = set()
+    for node in graph.node:
+        names.update(node.input)
+        for attr in node.attribute:
+            for sub in [attr.g] if attr.HasField("g") else list(attr.graphs):
+                names |= _names_read(sub)
+    return names
+
+
 def _save_kwargs(onnx_path: Path) -> bool:
     sidecar = Path(str(onnx_path) + ".data")
     size = onnx_path.stat().st_size + (sidecar.stat().st_size if sidecar.exists() else 0)
@@ -116,16 +177,8 @@ def decoding_step_ms(paths: list[Path], vocab: int, past_len: int = 32, repeats:
     sessions = [ort_session(p) for p in paths]
     ids = np.random.default_rng(0).integers(0, vocab, (1, past_len))
     pasts = [run_decoder(s, ids, empty_cache(s, 1), 0)[1] for s in sessions]
-    token = ids[:, -1:]
-    times: list[list[float]] = [[] for _ in sessions]
-    for round_ in range(repeats + 3):
-        for i in range(len(sessions)):
-            k = (round_ + i) % len(sessions)
-            t0 = time.perf_counter()
-            run_decoder(sessions[k], token, pasts[k], past_len)
-            if round_ >= 3:  # warm-up rounds not counted
-                times[k].append(time.perf_counter() - t0)
-    return [1000 * statistics.median(t) for t in times]
+    steps = [functools.partial(run_decoder, s, ids[:, -1:], past, past_len) for s, past in zip(sessions, pasts)]
+    return [1000 * s for s in timed_in_rotation(steps, repeats)]
 
 
 def choose_int4_accuracy(decoder: Path, work: Path, vocab: int) -> tuple[int | None, dict[str, float]]:
@@ -163,9 +216,8 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
     if ppl_all <= base_ppl * (1 + budget):
         return choice, trials
     nodes = weight_matmuls(fp32)
-    per_layer = max(1, (len(nodes) - 1) // max(num_layers, 1))
     candidates = {"lm_head": [nodes[-1]]}
-    candidates.update({f"layer {i}": nodes[i * per_layer:(i + 1) * per_layer] for i in range(num_layers)})
+    candidates.update({f"layer {i}": group for i, group in enumerate(_per_layer(fp32, nodes[:-1], num_layers))})
     gains = []
     for label, group in candidates.items():
         choice.excluded_nodes = group
@@ -187,6 +239,23 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
             excluded, labels, best = excluded + group, labels + [label], trial_ppl
     choice.excluded_nodes, choice.fp32_layers = excluded, labels
     return choice, trials
+
+
+def _per_layer(onnx_path: Path, nodes: list[str], num_layers: int) -> list[list[str]]:
+    """The weight MatMuls `nodes` of each decoder layer: by the exporter's name scope (model.layers.N) where every
+    node has one (layers differ in MatMuls: MoE experts, dense MLPs), else in equal runs of graph order."""
+    import re
+
+    scopes = {}
+    for node in onnx.load(str(onnx_path), load_external_data=False).graph.node:
+        meta = {p.key: p.value for p in node.metadata_props}
+        found = re.search(r"model\.layers\.(\d+)\b", meta.get("pkg.torch.onnx.name_scopes", ""))
+        if found:
+            scopes[node.name] = int(found.group(1))
+    if all(n in scopes and scopes[n] < num_layers for n in nodes):
+        return [[n for n in nodes if scopes[n] == i] for i in range(num_layers)]
+    per_layer = max(1, len(nodes) // max(num_layers, 1))
+    return [nodes[i * per_layer:(i + 1) * per_layer] for i in range(num_layers)]
 
 
 def matmul_weight_digests(onnx_path: Path) -> dict[str, str]:

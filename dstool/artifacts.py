@@ -6,6 +6,7 @@ stage reads — never a glob, a guess or prose.
                       RUN/checkpoints/step-N/...     Checkpoint       a DeepSpeed tag folder, hashed
     dstool compress   OUT/dstool.json                CompressedModel  both ONNX graphs, the recipe, the figures
     dstool export     REPOSITORY/dstool.json         Repository       what every deployed version is made of
+    dstool export --target edge  OUT/dstool.json     EdgePackage      the ORT-format parts, blocks, operator config
     dstool batch      OUT/dstool.json                BatchOutput      the partitions, the model version, figures
 
 Paths inside a manifest are relative to its folder, so an artefact can be moved or copied whole. Every
@@ -262,7 +263,14 @@ class LayerRemoval(_Model):
 
     kv_groups: list[int]
     query_heads: list[int]
-    mlp_channels: list[int]
+    mlp_channels: list[int] = Field(description="dense MLP channels (none in a MoE layer)")
+    experts: list[int] = Field(default_factory=list, description="MoE layer: routed experts removed")
+    expert_load: list[float] = Field(default_factory=list, description="MoE layer: each routed expert's routing load "
+                                     "on the calibration tokens, its share of the top-k choices (the least-routed go)")
+    expert_channels: list[list[int]] = Field(default_factory=list, description="MoE layer: per kept expert, in order, "
+                                             "its channels removed")
+    shared_expert_channels: list[int] = Field(default_factory=list, description="MoE layer: shared experts' "
+                                              "channels removed")
 
 
 class PruneCandidate(_Model):
@@ -271,8 +279,11 @@ class PruneCandidate(_Model):
     kv_groups: int
     heads_per_group: int
     channels: int = Field(description="MLP intermediate channels")
+    experts: int | None = Field(None, description="MoE: routed experts per MoE layer")
+    expert_channels: int | None = Field(None, description="MoE: intermediate channels per expert")
     calibration_loss: float = Field(description="cross-entropy on calibration tokens, pruned, before recovery")
-    latency_ms: float | None = Field(None, description="ONNX Runtime, batch 8 x 128 (with --prune-ppl-tolerance)")
+    latency_ms: float | None = Field(None, description="ONNX Runtime, batch 8 x 128 (timed when within the "
+                                     "tolerance and more than one layout is)")
 
 
 class Pruning(_Model):
@@ -286,19 +297,44 @@ class Pruning(_Model):
     kv_heads: tuple[int, int] = Field(description="key/value groups per layer, before and after")
     query_heads: tuple[int, int] = Field(description="per layer, before and after")
     mlp_channels: tuple[int, int] = Field(description="per layer, before and after")
+    attention: Literal["gqa", "mla"] = Field("gqa", description="mla (DeepSeek-V3): one key/value head per query "
+                                             "head, expanded from a shared latent, so kv_heads = query_heads")
+    experts: tuple[int, int] | None = Field(None, description="MoE: routed experts per MoE layer, before and after")
+    expert_channels: tuple[int, int] | None = Field(None, description="MoE: intermediate channels per routed expert "
+                                                    "(the same in every expert), before and after")
+    shared_expert_channels: tuple[int, int] | None = Field(None, description="MoE: shared experts' channels per "
+                                                           "layer, before and after")
     decoder_fraction_removed: float = Field(description="share of the decoder layers' parameters removed")
     total_fraction_removed: float = Field(description="share of all parameters removed")
     removed: list[LayerRemoval] = Field(description="per layer, what was removed")
     candidates: list[PruneCandidate] = Field(default_factory=list, description="every layout tried (--prune)")
 
 
-class Sparsity(_Model):
-    """N:M magnitude sparsity on the decoder's Linear weights (masks held fixed through recovery)."""
+class SparseStorage(_Model):
+    """How unstructured-sparse weights are stored: every tensor at least 1/16 zeros as a bitmask of its
+    nonzeros (1 bit an entry) and the nonzero values (fp32); sizes as the files are, against the same weights dense."""
 
-    pattern: str = Field(description="N:M, e.g. 2:4")
-    n: int
-    m: int
+    format: Literal["bitmask-values"] = "bitmask-values"
+    model_bytes: int = Field(description="model/'s *.sparse.safetensors files")
+    model_dense_bytes: int = Field(description="model/'s weights as fp32 safetensors (save_pretrained), before")
+    onnx_bytes: dict[str, int] = Field(description="graph role -> its .onnx and .data files as stored")
+    onnx_dense_bytes: dict[str, int] = Field(description="graph role -> the same graph with dense initializers")
+    encoded: dict[str, int] = Field(description="model/ and each graph role -> tensors stored as bitmask + values")
+
+
+class Sparsity(_Model):
+    """Magnitude sparsity on the decoder's Linear weights, N:M or unstructured (masks held fixed through recovery)."""
+
+    pattern: str = Field(description="N:M, e.g. 2:4; or 'unstructured F'")
+    n: int | None = Field(None, description="N:M only")
+    m: int | None = Field(None, description="N:M only")
+    fraction: float | None = Field(None, description="unstructured: the share zeroed in each decoder Linear weight")
     weights: int = Field(description="decoder Linear weights masked")
+    decoder_zero_share: float | None = Field(None, description="zeros in the masked weights, in the result")
+    total_zero_share: float | None = Field(None, description="zeros in all parameters (embeddings included)")
+    perplexity_masked: float | None = Field(None, description="held-out perplexity (PyTorch) right after masking, "
+                                            "before recovery")
+    storage: SparseStorage | None = Field(None, description="unstructured: the compressed storage, measured")
     sparse_kernels: bool = Field(description="whether sparse kernels ran it (else the latency is dense)")
 
 
@@ -330,8 +366,23 @@ class Measured(_Model):
     parameters: int
     onnx_bytes: int = Field(description="the logits graph and its weights file")
     perplexity: float = Field(description="on the held-out tokens `heldout` names")
-    latency_ms_batch1: float = Field(description="ONNX Runtime CPU, batch 1 x latency_seq_len tokens, median (ms)")
+    zero_shot_accuracy: float | None = Field(description="the cloze task's accuracy (`zero_shot_items` items, chance "
+                                             "1 / `zero_shot_choices`); None: the held-out text holds no items")
+    latency_ms_batch1: float = Field(description="prefill: one logits-graph forward of batch 1 x latency_seq_len "
+                                     "tokens, ONNX Runtime CPU, median (ms)")
     latency_ms_batch8: float
+    decode_tokens_per_s_batch1: float = Field(description="generation: tokens per second of the key/value-cache "
+                                              "decoder graph, decoding one token per sequence per step after a "
+                                              "decode_prompt_len-token prompt, batch 1, median")
+    decode_tokens_per_s_batch16: float
+
+
+SpeedTarget = Literal["decode", "batched-decode", "prefill"]
+SPEED_FIGURES: dict[str, tuple[str, str, str]] = {  # speed target -> Figures map, its key, what it is
+    "decode": ("decode_speedup", "1", "decoding tokens/s at batch 1"),
+    "batched-decode": ("decode_speedup", "16", "decoding tokens/s at batch 16"),
+    "prefill": ("speedup", "8", "prefill latency at batch 8"),
+}
 
 
 class Figures(_Model):
@@ -341,10 +392,23 @@ class Figures(_Model):
     after: Measured
     compression_ratio: float = Field(description="ONNX bytes after / before")
     perplexity_change_pct: float = Field(description="held-out perplexity change")
-    speedup: dict[str, float] = Field(description="batch size -> latency before / after (ONNX Runtime CPU)")
+    top1_agreement: float = Field(description="share of the held-out positions perplexity scores where the result's "
+                                  "most likely next token is the input model's")
+    zero_shot_items: int = Field(description="items of the cloze task (dstool.compress.quality) on the held-out text")
+    zero_shot_choices: int = Field(description="candidate words per item (chance: 1 / choices)")
+    speedup: dict[str, float] = Field(description="prefill: batch size -> latency before / after (ONNX Runtime CPU)")
+    decode_speedup: dict[str, float] = Field(description="generation: batch size -> decoding tokens/s after / before")
+    decode_prompt_len: int = Field(description="prompt tokens prefilled before the timed decoding steps")
+    decode_new_tokens: int = Field(description="decoding steps timed per generation")
+    speed_target: SpeedTarget = Field(description="the figure the speed gate compares (--speed-target)")
     latency_seq_len: int
     heldout: str = Field(description="which tokens the perplexity is measured on")
     machine: str
+
+    def speedup_on(self, target: str) -> tuple[float, str]:
+        """The speed-up (after against before: > 1 is faster) of the figure a speed target names, and what it is."""
+        field, key, what = SPEED_FIGURES[target]
+        return getattr(self, field)[key], what
 
 
 class TorchaoFigures(_Model):
@@ -399,6 +463,63 @@ class Repository(Manifest):
 
     kind: Literal["model-repository"] = "model-repository"
     deployments: list[Deployment] = Field(default_factory=list, description="newest last")
+
+
+class EdgePart(_Model):
+    """One ORT-format graph of an edge package."""
+
+    path: str = Field(description="the .ort file, relative to the manifest")
+    bytes: int
+    layers: list[int] = Field(default_factory=list, description="the decoder layers it runs (blocks)")
+    inputs: list[str] = Field(description="what it takes: input_ids, hidden.N, attention_mask, position_ids, "
+                              "past_key_values.layers.N.*")
+    outputs: list[str] = Field(description="what it gives: hidden.N, cache.layers.N.*, logits")
+
+
+class EdgeParity(_Model):
+    """The package against the unsplit decoder graph it was cut from, both in onnxruntime, at export."""
+
+    max_abs_logit_diff: float = Field(description="over a prefill and single-token decoding steps")
+    greedy_tokens: int = Field(description="greedy tokens generated by both, all equal (else the export fails)")
+
+
+class EdgePackage(Manifest):
+    """A `dstool export --target edge` package: the decoder graph cut into ORT-format parts, the embedding and head
+    resident, the decoder layers in blocks a runner loads on demand."""
+
+    PRODUCER: ClassVar[str] = "dstool export --target edge"
+
+    kind: Literal["edge-package"] = "edge-package"
+    source: SourceModel = Field(description="the Hugging Face folder the graph and the tokenizer come from")
+    compressed: str | None = Field(None, description="the dstool compress output whose decoder graph was cut")
+    recipe: Recipe | None = Field(None, description="that output's recipe (None: fp32, exported here)")
+    onnxruntime: str = Field(description="the onnxruntime that converted the parts: that release or a newer one runs "
+                             "them")
+    ort_format_version: str = Field(description="the ORT format version the files declare (a runtime refuses "
+                                    "versions it does not know)")
+    opset: int = Field(description="the ai.onnx opset of the graphs")
+    target_platform: Literal["arm"] = Field("arm", description="convert_onnx_models_to_ort --target_platform: no "
+                                            "x86-only layouts (NCHWc)")
+    optimization: str = Field(description="the graph optimizations baked into the .ort files")
+    embed: EdgePart = Field(description="resident: input_ids -> hidden.0")
+    head: EdgePart = Field(description="resident: hidden.L (final norm, lm_head) -> logits")
+    blocks: list[EdgePart] = Field(description="loaded on demand: hidden.I and the layers' caches -> hidden.J and "
+                                   "the grown caches")
+    layers: int = Field(description="decoder layers")
+    layers_per_block: int
+    resident_bytes: int = Field(description="the embedding's and the head's files")
+    head_last_position: bool = Field(description="measured at export: the head gives the last position the same "
+                                     "logits alone as within the whole prompt, so a prefill runs it on that position "
+                                     "only (false where a per-tensor int8 activation scale spans every position)")
+    cache: dict[str, list[int]] = Field(description="past_key_values.layers.N.* -> [kv_heads, head_dim]")
+    operators_config: str = Field(description="the operators and types the parts use, for an ONNX Runtime minimal "
+                                  "build (build.py --minimal_build --include_ops_by_config FILE "
+                                  "--enable_reduced_operator_type_support)")
+    tokenizer: str = Field("tokenizer", description="folder of the tokenizer files (tokenizer.json as transformers "
+                           "configures it)")
+    eos_token_ids: list[int]
+    max_positions: int
+    parity: EdgeParity
 
 
 # ---- dstool batch --------------------------------------------------------------------------------------
@@ -458,7 +579,7 @@ class BatchOutput(Manifest):
 
 
 KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository,
-                                      BatchOutput)
+                                      EdgePackage, BatchOutput)
 
 
 def weights_sha256(folder: Path) -> str:

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import sys
 from collections.abc import Callable
@@ -66,6 +67,14 @@ def _doctor(cfg) -> int:
     return doctor.run(cfg.hostfile, cfg.master_addr, cfg.master_port, cfg.output, cfg.nproc, cfg.env)
 
 
+def _plan(cfg) -> int:
+    from dstool.train.plan import format_table, plan
+
+    p = plan(cfg)
+    print(p.model_dump_json(indent=2) if cfg.format == "json" else format_table(p))
+    return 0
+
+
 def _compress(cfg) -> int:
     from dstool.compress import compress
 
@@ -74,12 +83,19 @@ def _compress(cfg) -> int:
     dlog.log.info(f"dstool compress: {Path(cfg.output) / m.graphs['logits'].path}: size {f.compression_ratio:.3f}x, "
                   f"perplexity {f.before.perplexity:.3f} -> {f.after.perplexity:.3f} "
                   f"({f.perplexity_change_pct:+.2f} %), "
-                  f"speed-up {f.speedup['1']:.2f}x (batch 1), {f.speedup['8']:.2f}x (batch 8); report: "
+                  f"top-1 agreement {f.top1_agreement:.1%}, prefill speed-up {f.speedup['1']:.2f}x / "
+                  f"{f.speedup['8']:.2f}x (batch 1 / 8), decoding {f.decode_speedup['1']:.2f}x / "
+                  f"{f.decode_speedup['16']:.2f}x (batch 1 / 16); report: "
                   f"{Path(cfg.output) / m.report}")
     return 0
 
 
 def _export(cfg) -> int:
+    if cfg.target == "edge":
+        from dstool.serve.edge_export import export_edge
+
+        export_edge(cfg)
+        return 0
     from dstool.serve.export import export
 
     export(cfg)
@@ -106,6 +122,8 @@ def _gateway(cfg) -> int:
 
 
 def _infer(cfg) -> int:
+    if cfg.edge is not None:
+        return _infer_edge(cfg)
     from dstool.serve import client
 
     if cfg.prompt is not None and (cfg.stream or cfg.openai):
@@ -124,6 +142,24 @@ def _infer(cfg) -> int:
         return 0
     logits = client.infer_ids(cfg.address, cfg.protocol, cfg.model, cfg.token_ids())
     print(f"logits {list(logits.shape)}; greedy next token per position: {logits.argmax(-1).tolist()}")
+    return 0
+
+
+def _infer_edge(cfg) -> int:
+    from dstool.serve import edge
+    from dstool.serve.triton_models.sampling import SamplingError, request_choices
+
+    model = edge.EdgeModel(cfg.edge, cfg.memory_cap_mb)
+    prompt_ids = model.tokenizer.encode(cfg.prompt).ids
+    try:
+        new_tokens, sampler, stops = request_choices(json.dumps(cfg.sampling()), len(prompt_ids), cfg.max_new_tokens,
+                                                     32, model.manifest.max_positions, None,
+                                                     set(model.manifest.eos_token_ids))
+    except SamplingError as e:
+        raise UsageError(str(e)) from None
+    result = model.generate(cfg.prompt, new_tokens, sampler.next, stops)
+    print(cfg.prompt + result.text)
+    dlog.log.info(f"dstool infer: {edge.stats_line(result.stats)}")
     return 0
 
 
@@ -165,6 +201,12 @@ def _doctor_config():
     return DoctorConfig
 
 
+def _plan_config():
+    from dstool.train.config import PlanConfig
+
+    return PlanConfig
+
+
 def _compress_config():
     from dstool.compress.config import CompressConfig
 
@@ -192,16 +234,26 @@ COMMANDS: dict[str, Command] = {
     "doctor": Command(_doctor_config, _doctor, "preflight checks before a launch: versions, ssh, port, interfaces, "
                       "GPUs, output folder, all-reduce", "One line per check with pass/FAIL and the fix. Exit code 0 "
                       "when all pass, 1 when one fails, 2 for bad usage."),
+    "plan": Command(_plan_config, _plan, "capacity and cost plan of a training run: memory per device for each ZeRO "
+                    "stage, step time, total time, GPU-hours and cost for several cluster sizes", "Plan a training "
+                    "run before renting it: memory per device for each ZeRO stage (DeepSpeed's estimators plus an "
+                    "activation estimate), tokens/s, step time, total time, GPU-hours and cost from an achievable MFU "
+                    "(published figures, or --from-run a dstool train run) and an assumed scaling efficiency, one row "
+                    "per cluster size. Exits 2 when the model fits no device planned, naming what would fit."),
     "compress": Command(_compress_config, _compress, "int8/4-bit quantization, structured pruning, N:M sparsity, "
                         "measured report", "Compress a Hugging Face causal LM; writes model/, both ONNX graphs (logits "
                         "and key/value-cache decoder) in onnx/, a manifest (dstool.json) and a measured report "
                         "(report.md, report.png) under --output."),
-    "export": Command(_serve_config("ExportConfig"), _export, "Triton model repository from a Hugging Face folder or "
-                      "a compress output", "Write a Triton model repository: NAME (token ids -> logits), NAME_decoder "
+    "export": Command(_serve_config("ExportConfig"), _export, "Triton model repository (or, --target edge, an "
+                      "ORT-format edge package) from a Hugging Face folder or a compress output", "Write a Triton "
+                      "model repository: NAME (token ids -> logits), NAME_decoder "
                       "(key/value cache), NAME_tokenizer, NAME_detokenizer and the text-generation entry point "
                       "NAME_generate. A compress output's graphs are deployed as its manifest names them; a Hugging "
                       "Face folder is exported to ONNX here (parity-checked against PyTorch). Every config.pbtxt is "
-                      "built as Triton's ModelConfig protobuf and checked against the ONNX graphs."),
+                      "built as Triton's ModelConfig protobuf and checked against the ONNX graphs. With --target edge: "
+                      "the decoder graph cut into an ORT-format embedding and head (resident) and blocks of "
+                      "--layers-per-block decoder layers (loaded on demand by `dstool infer --edge`), with the "
+                      "operator config of a minimal ONNX Runtime build; checked against the unsplit graph."),
     "serve": Command(_serve_config("ServeConfig"), _serve, "start a real Triton server on a model repository",
                      "Find a tritonserver (--tritonserver, $DSTOOL_TRITONSERVER, PATH, or the nvidia-pytriton wheel), "
                      "start it on 127.0.0.1, wait until ready, stop on Ctrl-C. Exits 1 if Triton dies."),
@@ -221,9 +273,11 @@ COMMANDS: dict[str, Command] = {
                         "cache gateway, send prompts over HTTP and gRPC, print the answers, the compression table and "
                         "the cache hit rate, and shut down."),
     "infer": Command(_serve_config("InferConfig"), _infer, "generate text (or send token ids) through a served model "
-                     "with tritonclient", "Send PROMPT to the text-generation entry point (MODEL_generate) and print "
-                     "the generated text; or send token ids (--ids) to the tensor model MODEL and print the greedy "
-                     "next token for each position."),
+                     "with tritonclient, or here from an edge package", "Send PROMPT to the text-generation entry "
+                     "point (MODEL_generate) and print the generated text; or send token ids (--ids) to the tensor "
+                     "model MODEL and print the greedy next token for each position. With --edge PACKAGE: generate "
+                     "here with onnxruntime from the package, its blocks loaded as --memory-cap-mb allows, and print "
+                     "the peak memory and tokens/s."),
 }
 
 

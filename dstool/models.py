@@ -56,6 +56,10 @@ def check_model_ref(ref: str) -> None:
         raise UsageError(f"unknown model '{ref}': use a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
     if not (p / "config.json").is_file():
         raise UsageError(f"model folder {ref} has no config.json: pass a Hugging Face model folder")
+    if any(p.glob("*.sparse.safetensors")):
+        raise UsageError(f"model folder {ref} holds sparse weights (bitmask + values, from `dstool compress "
+                         "--sparsity F`) that transformers does not load: pass that compress output folder to dstool "
+                         "export, or load it in Python with dstool.compress.load")
     cfg = AutoConfig.from_pretrained(p)
     archs = getattr(cfg, "architectures", None) or []
     if archs and not any(a.endswith("ForCausalLM") for a in archs):

@@ -137,7 +137,8 @@ class _Run:
                 m = self.compressed[name] = compress(variant)
             f = m.figures
             log.info(f"{name}: size {f.compression_ratio:.3f}x, perplexity {f.perplexity_change_pct:+.2f} %, "
-                     f"speed-up {f.speedup['1']:.2f}x / {f.speedup['8']:.2f}x (batch 1 / 8); {variant.output}")
+                     f"prefill speed-up {f.speedup['1']:.2f}x / {f.speedup['8']:.2f}x (batch 1 / 8), decoding "
+                     f"{f.decode_speedup['1']:.2f}x / {f.decode_speedup['16']:.2f}x (batch 1 / 16); {variant.output}")
         self.summary["compression"] = {name: m.figures.model_dump(mode="json") for name, m in self.compressed.items()}
         return self.compressed
 
@@ -268,9 +269,11 @@ def _cache_counts(http_port: int) -> tuple[float, float]:
 
 
 def _table(compressed: dict) -> str:
-    rows = ["| variant | size | perplexity | change | speed-up b1 | speed-up b8 |", "|---|---:|---:|---:|---:|---:|"]
+    rows = ["| variant | size | perplexity | change | top-1 agreement | speed-up: prefill b1 | prefill b8 | decode b1 "
+            "| decode b16 |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for name, m in compressed.items():
         f = m.figures
         rows.append(f"| {name} | {f.compression_ratio:.3f}x | {f.before.perplexity:.2f} -> {f.after.perplexity:.2f} | "
-                    f"{f.perplexity_change_pct:+.2f} % | {f.speedup['1']:.2f}x | {f.speedup['8']:.2f}x |")
+                    f"{f.perplexity_change_pct:+.2f} % | {f.top1_agreement:.1%} | {f.speedup['1']:.2f}x | "
+                    f"{f.speedup['8']:.2f}x | {f.decode_speedup['1']:.2f}x | {f.decode_speedup['16']:.2f}x |")
     return "\n".join(rows)

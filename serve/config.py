@@ -58,13 +58,30 @@ class RepositorySettings(CommandConfig):
 
 
 class ExportConfig(RepositorySettings):
-    """`dstool export`: a Triton model repository from a Hugging Face folder or a `dstool compress` output."""
+    """`dstool export`: a Triton model repository, or an edge package, from a Hugging Face folder or a `dstool
+    compress` output."""
 
     model: str = positional("Hugging Face causal-LM folder or a dstool compress output", metavar="MODEL_DIR")
+    target: Literal["triton", "edge"] = Field("triton", description="triton: a Triton model repository "
+                                              "(--repository); edge: an ONNX Runtime-format package for a device "
+                                              "(--output): embedding and head resident, the decoder layers in "
+                                              "blocks loaded on demand")
     repository: str = Field("model_repository", description="repository folder")
+    output: str = Field("edge_package", description="--target edge: the package folder")
+    layers_per_block: int = Field(1, ge=1, description="--target edge: decoder layers per block file")
+
+    @model_validator(mode="after")
+    def _target(self) -> ExportConfig:
+        given = self.model_fields_set
+        wrong = given & {"output", "layers_per_block"} if self.target == "triton" else \
+            given & (set(RepositorySettings.model_fields) | {"repository"})
+        if wrong:
+            other = "edge" if self.target == "triton" else "triton"
+            raise ValueError(f"--{sorted(wrong)[0].replace('_', '-')} applies to --target {other} only")
+        return self
 
     def settings(self) -> RepositorySettings:
-        return RepositorySettings(**self.model_dump(exclude={"model", "repository"}))
+        return RepositorySettings(**{k: getattr(self, k) for k in RepositorySettings.model_fields})
 
 
 def is_cluster_url(url: str) -> bool:
@@ -348,6 +365,13 @@ class InferConfig(SamplingOptions):
     model: str = Field("dstool_lm", description="the model family's name in the repository")
     stream: bool = Field(False, description="print the text token by token as MODEL_llm generates it")
     openai: bool = Field(False, description="ask the gateway's OpenAI route (/v1/completions; HTTP port)")
+    edge: str | None = Field(None, description="generate here, with onnxruntime, from this edge package (dstool "
+                             "export --target edge) instead of a server; prints the peak memory and tokens/s",
+                             json_schema_extra={"cli": {"metavar": "PACKAGE"}})
+    memory_cap_mb: float | None = Field(None, gt=0, description="--edge: the most resident memory the package may "
+                                        "add to the process; blocks that do not fit stay closed until needed "
+                                        "(default: no cap, every block stays open)",
+                                        json_schema_extra={"cli": {"metavar": "MB"}})
 
     @field_validator("ids")
     @classmethod
@@ -364,6 +388,12 @@ class InferConfig(SamplingOptions):
             raise ValueError("--stream, --openai and sampling options generate text: give a PROMPT, not --ids")
         if self.openai and self.protocol != "http":
             raise ValueError("--openai speaks HTTP to the gateway: drop --protocol grpc")
+        if self.edge is None and self.memory_cap_mb is not None:
+            raise ValueError("--memory-cap-mb applies to --edge only")
+        server = sorted(self.model_fields_set & {"ids", "url", "protocol", "model", "stream", "openai", "kv_cache"})
+        if self.edge is not None and server:
+            raise ValueError(f"--{server[0].replace('_', '-')} is for a served model: --edge generates from the "
+                             "package here (drop it)")
         return self
 
     def token_ids(self) -> list[int]:

@@ -57,7 +57,11 @@ def _input(source: Path) -> CompressedModel | None:
 
 def export(cfg: ExportConfig) -> Deployment:
     """Write a new version of model `cfg.name` (token ids -> logits) and of its text-generation models (tokenizer,
-    key/value-cache decoder, detokenizer, `NAME_generate`) into the Triton repository; returns what was deployed."""
+    key/value-cache decoder, detokenizer, `NAME_generate`) into the Triton repository; returns what was deployed.
+    (`cfg.target` edge: `dstool.serve.edge_export.export_edge`.)"""
+    if cfg.target != "triton":
+        raise UsageError("export() writes a Triton repository: call dstool.serve.edge_export.export_edge for "
+                         "--target edge")
     repo = Path(cfg.repository)
     if repo.exists() and not repo.is_dir():
         raise UsageError(f"repository {repo} is a file: pass a folder for --repository")

@@ -77,11 +77,12 @@ def trained(session_tmp) -> Path:
 
 @pytest.fixture(scope="session")
 def int8_output(trained, session_tmp) -> Path:
-    """`trained` quantized to int8 through the Python API (both graphs, one recipe)."""
+    """`trained` quantized to int8 through the Python API (both graphs, one recipe). The speed gate is tested on its
+    own (test_compress.py); here a busy machine's timing must not withhold the graphs other tests read."""
     from dstool.compress import quantize_dynamic
 
     out = session_tmp / "int8"
-    quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5)
+    quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5, allow_slower=True)
     return out
 
 

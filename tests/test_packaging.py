@@ -58,9 +58,12 @@ def test_compose_runs_the_serving_stack():
     assert re.search(r":\d", services["redis"]["image"])
     assert {p.split(":")[-1] for p in services["serve"]["ports"]} == {"8000", "8001"}
 
-    cluster = {name: s for name, s in all_services.items() if "profiles" in s}
+    profiled = {name: s for name, s in all_services.items() if "profiles" in s}
+    cluster = {name: s for name, s in profiled.items() if s["profiles"] == ["cluster"]}
     assert set(cluster) == {*CLUSTER_NODES, "redis-cluster-init", "serve-cluster"}
-    assert all(s["profiles"] == ["cluster"] for s in cluster.values())
+    # profile "observability" (tests/test_train_observe.py)
+    assert {name: s["profiles"] for name, s in profiled.items() if name not in cluster} == {
+        "prometheus": ["observability"], "grafana": ["observability"]}
     for name in CLUSTER_NODES:
         command = cluster[name]["command"]
         assert command[0] == "redis-server" and re.search(r":\d", cluster[name]["image"])

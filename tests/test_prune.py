@@ -198,11 +198,13 @@ def test_timed_layout_choice_is_the_fastest_within_the_perplexity_tolerance(tole
     result = prune_to_ratio(model, 0.4, calibration=token_batch(seed=3), selection=token_batch(seed=4), timer=timer,
                             ppl_tolerance=tolerance)
 
-    assert len(timer.heads) == len(result.candidates) == 6  # every candidate was timed, once
-    assert [c["latency_ms"] for c in result.candidates] == timer.heads
+    assert len(result.candidates) == 6
     best_loss = min(c["calibration_loss"] for c in result.candidates)
     allowed = [c for c in result.candidates if math.exp(c["calibration_loss"] - best_loss) <= 1 + tolerance + 1e-9]
-    fastest = min(allowed, key=lambda c: c["latency_ms"])
+    timed = [c for c in result.candidates if "latency_ms" in c]
+    # only the layouts within the tolerance are timed, once each, and none when only one is
+    assert timed == (allowed if len(allowed) > 1 else []) and [c["latency_ms"] for c in timed] == timer.heads
+    fastest = min(allowed, key=lambda c: c.get("latency_ms", 0.0))
     assert (result.kv_heads_after, result.heads_after, result.intermediate_after) == (
         fastest["kv_groups"], fastest["kv_groups"] * fastest["heads_per_group"], fastest["channels"])
     if tolerance == 10.0:  # a tolerance wider than every gap: the fastest of all, one head
@@ -310,7 +312,7 @@ def test_2_4_sparsity_masks_check_and_reapply():
 def test_n_m_rejects_bad_patterns_before_changing_anything():
     model = tiny_llama()
     before = copy.deepcopy(model.state_dict())
-    with pytest.raises(ValueError, match="not a multiple of m=5"):
+    with pytest.raises(ValueError, match=r"width 96, not a multiple of M=5 .* e\.g\. 2:4"):
         apply_n_m_sparsity(model, n=2, m=5)  # hidden size 96 is not a multiple of 5
     with pytest.raises(ValueError, match="0 < n < m"):
         apply_n_m_sparsity(model, n=4, m=4)
