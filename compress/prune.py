@@ -446,17 +446,8 @@ def _activation_scores(model, layers: nn.ModuleList, calibration: torch.Tensor,
     def record(module, args):
         inputs[module] = args[0].detach().float()
 
-    hooks = [proj.register_forward_pre_hook(record) for layer in layers
-             for proj in (layer.self_attn.o_proj, layer.mlp.down_proj)]
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(input_ids=calibration.to(next(model.parameters()).device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
+    calibrate(model, calibration, [proj.register_forward_pre_hook(record) for layer in layers
+                                   for proj in (layer.self_attn.o_proj, layer.mlp.down_proj)])
 
     scores = []
     for layer in layers:
@@ -466,3 +457,17 @@ def _activation_scores(model, layers: nn.ModuleList, calibration: torch.Tensor,
         scores.append((per_head * _o_proj_head_norms(attn, heads),
                        per_channel * mlp.down_proj.weight.detach().float().norm(dim=0)))
     return scores
+
+
+def calibrate(model, calibration: torch.Tensor, hooks: list) -> None:
+    """One no-grad forward pass of `calibration` in eval mode for the forward `hooks` to record, which are then
+    removed (the model's training mode restored)."""
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            model(input_ids=calibration.to(next(model.parameters()).device))
+    finally:
+        for hook in hooks:
+            hook.remove()
+        model.train(was_training)

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dstool.compress.prune import Layout, PruneResult, _complement, _round_channels, _rows, _shrink
+from dstool.compress.prune import Layout, PruneResult, _complement, _round_channels, _rows, _shrink, calibrate
 
 
 @dataclass(frozen=True)
@@ -181,15 +181,7 @@ def importance_scores(model, calibration: torch.Tensor | None) -> list[DenseScor
             hooks.append(layer.mlp.experts.register_forward_pre_hook(route))
         else:
             hooks.append(layer.mlp.down_proj.register_forward_pre_hook(record))
-    was_training = model.training
-    model.eval()
-    try:
-        with torch.no_grad():
-            model(input_ids=calibration.to(next(model.parameters()).device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-        model.train(was_training)
+    calibrate(model, calibration, hooks)
 
     def channel_scores(mlp: nn.Module) -> torch.Tensor:
         return inputs[mlp.down_proj].abs().flatten(0, -2).mean(dim=0) * mlp.down_proj.weight.detach().float().norm(
