@@ -150,6 +150,10 @@ class GatewayOptions(CommandConfig):
     redis_timeout: float = Field(0.1, gt=0, description="seconds before a Redis call counts as failed and Triton "
                                  "answers")
     max_request_bytes: int = Field(64 << 20, ge=1, description="largest request body accepted (413 beyond)")
+    max_generate_bytes: int = Field(4 << 20, ge=1, description="largest body of a text-generation request "
+                                    "(/v1/..., generate, generate_stream; 413 beyond): a prompt is text, not tensors")
+    write_timeout: float = Field(30.0, gt=0, description="seconds a streamed answer may wait for a client that "
+                                 "reads nothing (its buffer full) before the stream is ended and its work cancelled")
     max_url_bytes: int = Field(8192, ge=64, description="longest request target, path and query (414 beyond)")
     max_header_bytes: int = Field(8192, ge=64, description="longest single header line (431 beyond)")
     max_headers_bytes: int = Field(65536, ge=256, description="request line and headers together (431 beyond)")
@@ -352,12 +356,26 @@ class SamplingOptions(CommandConfig):
                  "frequency_penalty", "seed")
         return {n: getattr(self, n) for n in names if getattr(self, n) is not None}
 
+    @model_validator(mode="after")
+    def _engines_rule(self) -> SamplingOptions:
+        """What the models would refuse is refused here, by their own rule (one message, before any work)."""
+        from dstool.serve.triton_models.sampling import SamplingError, SamplingParams
+
+        try:
+            SamplingParams.from_parameters(self.sampling())
+        except SamplingError as e:
+            name, _, rest = str(e).partition(" ")
+            raise ValueError(f"--{name.replace('_', '-')} {rest}") from None
+        return self
+
+
 class InferConfig(SamplingOptions):
     """`dstool infer`: text through MODEL_generate, or token ids through the tensor model, with tritonclient."""
 
     prompt: str | None = positional("text to continue", default=None)
     ids: str | None = Field(None, description="comma-separated token ids for the tensor model (instead of PROMPT)")
-    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate (default: the model's, 32; "
+    max_new_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="tokens to generate (default: the "
+                                       "model's, 32; "
                                        "with --openai, OpenAI's 16)")
     kv_cache: bool = Field(True, description="decode with the key/value cache")
     url: str | None = Field(None, description="HOST:PORT (default: 127.0.0.1:8000 for http, :8001 for grpc)")
@@ -425,7 +443,8 @@ class BatchConfig(SamplingOptions):
     column: str = Field("prompt", description="the input column of text")
     ids_column: str | None = Field(None, description="an input column of token-id lists to use instead of text "
                                    "(--engine onnx)")
-    max_new_tokens: int | None = Field(None, ge=1, description="tokens to generate per row (default: the model's)")
+    max_new_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="tokens to generate per row (default: "
+                                       "the model's)")
     master: str | None = Field(None, description="Spark master: local[N], spark://HOST:7077, k8s://..., yarn "
                                "(default: local[2], or spark-submit's)")
     partitions: int | None = Field(None, ge=1, description="output partitions, each resumable on its own "

@@ -197,6 +197,17 @@ class Artefacts:
     default_max_new_tokens: int = 32
 
 
+def prompt_bytes_bound(tokenizer_dir: Path, positions: int) -> int:
+    """Bytes of text beyond which a prompt cannot fit in `positions` tokens, so the served models refuse it before
+    tokenizing: no token stands for more text than its own UTF-8 bytes (the longest token's), times 4 for
+    normalization (NFKC maps a 3-byte character to one byte)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+    tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))
+    return positions * 4 * max(4, *(len(t.encode("utf-8")) for t in tokens if t is not None))
+
+
 def next_version(repository: Path, name: str) -> int:
     existing = [int(p.name) for n in model_names(name).values() if (repository / n).is_dir()
                 for p in (repository / n).iterdir() if p.name.isdigit()]
@@ -231,9 +242,11 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
         if any(0 in dims for dims in empty_cache.values()):
             raise StageFailed(f"{a.decoder_onnx}: the cache inputs need static head counts and sizes, got "
                               f"{empty_cache}")
+        limit = {"max_prompt_bytes": str(prompt_bytes_bound(a.tokenizer_dir, a.max_positions))}
         generation = {"empty_cache": json.dumps(empty_cache), "eos_token_ids": json.dumps(a.eos_token_ids),
-                      "max_positions": str(a.max_positions), "default_max_new_tokens": str(a.default_max_new_tokens)}
-        parameters = {"generate": {"models": json.dumps(names), **generation},
+                      "max_positions": str(a.max_positions), "default_max_new_tokens": str(a.default_max_new_tokens),
+                      **limit}
+        parameters = {"tokenizer": limit, "generate": {"models": json.dumps(names), **generation},
                       "llm": {"decoder": names["decoder"], "max_batch": str(ENGINE_MAX_BATCH),
                               "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions),
                               "max_prefill_tokens": str(ENGINE_PREFILL_TOKENS), **generation}}

@@ -209,3 +209,52 @@ def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_outp
             with torch.no_grad():
                 expected = model.generate(torch.tensor([x]), max_new_tokens=8, do_sample=False, eos_token_id=None)
             assert out[str(i)] == expected[0, len(x):].tolist(), i
+
+
+def test_a_failing_choice_ends_its_sequence_alone(setup, trained):
+    """A choice rule that raises, or picks an id outside the vocabulary, ends that sequence with its error; the
+    sequences beside it stay exact and the engine goes on."""
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    engine = Engine(session, shapes)
+    greedy = Sampler(SamplingParams()).next
+
+    def broken(logits, prompt, output):
+        if len(output) == 2:
+            raise FloatingPointError("sampling went wrong")
+        return greedy(logits, prompt, output)
+
+    engine.add(_sequence("a", ids[0], 8))
+    engine.add(Sequence("broken", ids[1], 8, broken, {0}))
+    engine.add(Sequence("outside", ids[2], 8, lambda logits, p, o: logits.shape[-1], {0}))
+    out = _run(engine)
+    assert out["a"] == _greedy(trained, ids[0], 8)
+    assert out["broken"][-1] is None and len(out["broken"]) == 3 and out["outside"] == [None]
+    engine.add(_sequence("after", ids[0], 4))
+    assert _run(engine)["after"] == _greedy(trained, ids[0], 4)
+
+
+class _Failing:
+    """The decoder session, failing the next run whose batch has `rows` rows."""
+
+    def __init__(self, session, rows: int):
+        self.session, self.rows = session, rows
+
+    def run(self, names, feeds):
+        if self.rows and feeds["input_ids"].shape[0] == self.rows and feeds["input_ids"].shape[1] == 1:
+            self.rows = 0
+            raise RuntimeError("the runtime failed")
+        return self.session.run(names, feeds)
+
+
+def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(setup, trained):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
+    engine = Engine(_Failing(session, 2), shapes)
+    engine.add(_sequence("a", ids[0], 6))
+    engine.add(_sequence("b", ids[1], 6))
+    out = _run(engine)
+    assert out["a"][-1] is None and out["b"][-1] is None
+    assert engine.running == [] and engine.cache[next(iter(engine.cache))].shape[0] == 0
+    engine.add(_sequence("c", ids[2], 6))
+    assert _run(engine)["c"] == _greedy(trained, ids[2], 6)

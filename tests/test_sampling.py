@@ -113,3 +113,27 @@ def test_stops_are_eos_and_stop_ids_unless_eos_is_ignored():
     assert request_choices('{"ignore_eos": true}', 3, np.array([5]), 8, 64, None, {2})[::2] == (5, set())
     with pytest.raises(SamplingError, match="ignore_eos must be true or false"):
         request_choices('{"ignore_eos": 1}', 3, None, 8, 64, None, {2})
+
+
+@pytest.mark.parametrize("params", [
+    {"temperature": 5e-324}, {"temperature": 1e-4, "seed": 1}, {"temperature": 100, "seed": 1},
+    {"temperature": 1, "repetition_penalty": 1e-300, "seed": 1},
+    {"temperature": 1, "repetition_penalty": 100, "seed": 2},
+    {"temperature": 2, "presence_penalty": 2, "frequency_penalty": 2, "seed": 3}, {"top_p": 5e-324, "seed": 4},
+    {"min_p": 1.0, "seed": 5}, {"temperature": 1e-5, "top_k": 1, "seed": 6}])
+def test_every_accepted_value_chooses_a_token_of_the_vocabulary(params):
+    """Extreme but accepted values (and logits at float32's limits, NaN among them) never make the arithmetic
+    overflow into a choice outside the vocabulary."""
+    s = sampling.Sampler(sampling.SamplingParams.from_parameters(params))
+    rng = np.random.default_rng(0)
+    for logits in ((rng.standard_normal(64) * 3).astype(np.float32),
+                   np.array([3.4e38, -3.4e38, 1e30, 0.0, np.nan, np.inf, -np.inf] * 9, np.float32)):
+        output: list[int] = []
+        for _ in range(6):
+            output.append(s.next(logits, [1, 2, 3], output))
+            assert 0 <= output[-1] < logits.size and not np.isnan(logits[output[-1]]), (params, output)
+
+
+def test_logits_without_a_finite_value_are_a_sampling_error():
+    with pytest.raises(sampling.SamplingError, match="no finite value"):
+        sampling.Sampler(sampling.SamplingParams()).next(np.full(8, np.nan, np.float32), [], [])

@@ -167,6 +167,7 @@ def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
         "logits": str(folder("logits") / "model.onnx"), "tokenizer": str(folder("llm")),
         "cache_shapes": repository.cache_shapes(llm / "config.pbtxt"),
         "eos": tuple(json.loads(params["eos_token_ids"])), "max_positions": int(params["max_positions"]),
+        "max_prompt_bytes": int(params.get("max_prompt_bytes", 256 * int(params["max_positions"]))),
         "default_new_tokens": int(params["default_max_new_tokens"]), "sampling": json.dumps(cfg.sampling()),
         "max_new_tokens": cfg.max_new_tokens, "max_batch": cfg.max_batch, "concurrency": cfg.concurrency,
         "url": cfg.url}

@@ -42,6 +42,7 @@ class Plan:
     cache_shapes: dict[str, tuple[int, int]]
     eos: tuple[int, ...]
     max_positions: int
+    max_prompt_bytes: int  # longer text cannot fit in max_positions: refused untokenized
     default_new_tokens: int
     sampling: str  # the request parameters, JSON
     max_new_tokens: int | None
@@ -104,6 +105,9 @@ def _prompt_ids(plan: Plan, tokenizer, row: dict) -> list[int]:
     text = row.get(plan.column)
     if not isinstance(text, str):
         raise RowFailed(f"{plan.column} is {'missing' if text is None else type(text).__name__}, not text")
+    if len(text) > plan.max_prompt_bytes:  # characters: at least as many bytes
+        raise RowFailed(f"{plan.column} is {len(text)} characters, more than the model's {plan.max_positions} "
+                        f"positions can hold (at most {plan.max_prompt_bytes} bytes)")
     ids = tokenizer(text)["input_ids"]
     if not ids:
         raise RowFailed(f"{plan.column} is empty: give at least one token of text")
@@ -174,7 +178,7 @@ def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict]
         return (ids, *_choices(plan, len(ids)), row.get(plan.column))
 
     jobs, failures = _prepare(rows, job)
-    made = _generate_onnx(plan, jobs) if plan.engine == "onnx" else _generate_triton(plan, jobs, failures)
+    made = (_generate_onnx if plan.engine == "onnx" else _generate_triton)(plan, jobs, failures)
     results = {}
     for number, (output, seconds) in made.items():
         ids = jobs[number][0]
@@ -185,7 +189,7 @@ def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict]
     return results, sorted(failures)
 
 
-def _generate_onnx(plan: Plan, jobs: dict) -> dict[int, tuple[list[int], float]]:
+def _generate_onnx(plan: Plan, jobs: dict, failures: list) -> dict[int, tuple[list[int], float]]:
     from dstool.serve.triton_models.engine import Engine, Sequence
 
     engine = Engine(_load("onnx", plan.decoder), plan.cache_shapes, plan.max_batch,
@@ -197,7 +201,9 @@ def _generate_onnx(plan: Plan, jobs: dict) -> dict[int, tuple[list[int], float]]
     while engine.busy:
         began[engine.steps_started + 1] = time.monotonic()
         for sequence, _ in engine.step():
-            if sequence.finished:
+            if sequence.error is not None:  # this row's generation failed; the others go on
+                failures.append((int(sequence.id), f"generation failed: {sequence.error}"))
+            elif sequence.finished:
                 made[int(sequence.id)] = (sequence.output, time.monotonic() - began[sequence.started_step or 1])
     return made
 

@@ -4,6 +4,8 @@ computing a miss on Triton (over its HTTP binary tensor protocol, whatever proto
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import re
 import time
 from dataclasses import dataclass, field
@@ -263,12 +265,13 @@ class GatewayCore:
         return result, entry
 
     async def infer_upstream(self, request: InferRequest) -> InferResult:
-        """Send the request to Triton as a binary-tensor HTTP request asking for binary outputs."""
-        header = {"inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
+        """Send the request to Triton as a binary-tensor HTTP request asking for binary outputs, under an id of the
+        gateway's own, which the answer must carry (an answer to another request is never taken for this one's)."""
+        ident = request_nonce()
+        header = {"id": ident,
+                  "inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
                               "parameters": {"binary_data_size": len(t.raw)}} for t in request.inputs],
                   "parameters": {**request.parameters, "binary_data_output": True}}
-        if request.id:
-            header["id"] = request.id
         if request.outputs is not None:
             header["outputs"] = [{"name": n, "parameters": {**p, "binary_data": True}} for n, p in request.outputs]
         head = orjson.dumps(header)
@@ -281,13 +284,25 @@ class GatewayCore:
              *request.headers))
         if response.status != 200:
             raise GatewayError(response.status, error_message(response.status, response.body))
-        return parse_binary_response(response.body, response.headers.get("inference-header-content-length"))
+        return parse_binary_response(response.body, response.headers.get("inference-header-content-length"), ident)
 
 
-def parse_binary_response(body: bytes, header_length: str | None) -> InferResult:
-    """A Triton HTTP inference response (binary tensor extension or plain JSON) as an InferResult."""
+_NONCES = itertools.count()
+_NONCE_PREFIX = f"dstool-{os.getpid():x}-{time.monotonic_ns() & 0xffffffff:x}-"
+
+
+def request_nonce() -> str:
+    """An id for one request to Triton, which Triton echoes in its answer: never the same twice in a process."""
+    return f"{_NONCE_PREFIX}{next(_NONCES)}"
+
+
+def parse_binary_response(body: bytes, header_length: str | None, ident: str) -> InferResult:
+    """A Triton HTTP inference response (binary tensor extension or plain JSON) to the request sent with id `ident`,
+    as an InferResult; GatewayError (502) when it answers another request."""
     n = int(header_length) if header_length else len(body)
     header = orjson.loads(body[:n])
+    if header.get("id") != ident:
+        raise GatewayError(502, "Triton's answer belongs to another request: not used (retry)")
     offset, outputs = n, []
     for o in header.get("outputs", []):
         params = o.get("parameters") or {}

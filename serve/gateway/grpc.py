@@ -251,6 +251,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                     yield response
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")
+            finally:
+                call.cancel()  # the client cancelled or went away: so does the call to Triton (a no-op once done)
         return relay
 
     async def model_infer(self, raw: bytes, context) -> bytes:

@@ -14,6 +14,7 @@ read, headers, URL and bodies are bounded, slow or silent clients are timed out,
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hmac
 import json
 import math
@@ -22,7 +23,7 @@ import struct
 import time
 import zlib
 from collections import deque
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
@@ -42,7 +43,7 @@ from dstool.serve.gateway.tensors import (
     is_unsigned,
     to_values,
 )
-from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
+from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable, within
 
 # After refusing a request: for how long, and how much of, what the client still sends is read and dropped.
 LINGER_SECONDS, LINGER_BYTES = 2.0, 8 << 20
@@ -59,6 +60,7 @@ class HttpLimits:
     """What one client may ask of the server (defaults like nginx's and uvicorn's; all gateway options)."""
 
     max_request_bytes: int = 64 << 20
+    max_generate_bytes: int = 4 << 20
     max_url_bytes: int = 8192
     max_header_bytes: int = 8192
     max_headers_bytes: int = 65536
@@ -68,6 +70,7 @@ class HttpLimits:
     keepalive_timeout: float = 5.0
     max_connections: int = 1024
     max_buffered_bytes: int = 256 << 20
+    write_timeout: float = 30.0
 
 
 @dataclass(slots=True)
@@ -102,6 +105,7 @@ class StreamingResponse:
     status: int
     headers: list[tuple[str, str]]
     body: AsyncIterator[bytes]
+    close: Callable[[], None] | None = None  # called once the answer ends, however it ends (the client gone too)
 
 
 def _phrase(status: int) -> str:
@@ -436,6 +440,7 @@ class HttpFrontend:
         self.limits = limits
         self.forward = re.compile(forward_headers, re.IGNORECASE) if forward_headers else None
         self.connections: set[HttpConnection] = set()
+        self.answering: set[asyncio.Future] = set()  # requests being answered, held until done (see _dispatch)
         self.buffered = 0  # request body bytes held by all connections
         self.draining = False
         from dstool.serve.gateway.generation import GenerationCache
@@ -471,6 +476,10 @@ class HttpFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
+        except (GatewayError, UnsafeRequest) as e:
+            status = e.status if isinstance(e, GatewayError) else 400
+            self.metrics.error("bad_request" if status < 500 else "upstream")
+            return error_response(status, str(e))
         if route == "generate" or g.status != 200:
             body = b"".join([e async for e in g.events])
             if g.status >= 400 and not body:
@@ -566,6 +575,9 @@ class HttpFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
+        except UnsafeRequest as e:
+            self.metrics.error("bad_request")
+            return error_response(400, str(e))
         if req.method == "POST" and req.path.startswith("/v2/repository/models/"):  # a load or unload
             model = req.path.split("/")[4].encode("latin-1").decode("utf-8", "surrogateescape")
             self.core.deployments.invalidate(model, reloaded=r.status == 200)
@@ -596,9 +608,10 @@ def opts_out(req: HttpRequest) -> bool:
     return "no-store" in cache_control or "no-cache" in cache_control
 
 
-async def _sse(events: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    async for event in events:
-        yield event + b"\n\n"
+async def _sse(events: AsyncGenerator[bytes, None]) -> AsyncGenerator[bytes, None]:
+    async with contextlib.aclosing(events):
+        async for event in events:
+            yield event + b"\n\n"
 
 
 _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
@@ -617,7 +630,10 @@ def _origin_form(target: str) -> str | None:
 
 class HttpConnection(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order. Each phase has a
-    deadline (headers, body, idle), and a request that breaks a limit is answered and the connection closed."""
+    deadline (headers, body, idle), and a request that breaks a limit is answered and the connection closed. A client
+    that hangs up cancels the request it was waiting for (and with it the work upstream); a streamed answer is
+    written no faster than the client reads it (the transport's buffer bounds what waits here), and a client that
+    reads nothing for `write_timeout` seconds has its stream ended."""
 
     def __init__(self, frontend: HttpFrontend):
         self.frontend = frontend
@@ -629,7 +645,9 @@ class HttpConnection(asyncio.Protocol):
         self.timer: asyncio.TimerHandle | None = None
         self.lingering, self.lingered = False, 0
         self.started = 0  # requests begun on this connection
-        self.ended = False  # the client half-closed: close after the last answer
+        self.task: asyncio.Future | None = None  # the request being answered, when it waits
+        self.writable = asyncio.Event()  # cleared while the transport's write buffer is over its high-water mark
+        self.writable.set()
         self._begin_request()
 
     # ---- lifecycle and timeouts --------------------------------------------------------------------------
@@ -648,11 +666,21 @@ class HttpConnection(asyncio.Protocol):
         self._disarm()
         self._release()
         self.frontend.connections.discard(self)
+        self.writable.set()
+        if self.task is not None and not self.task.done():
+            self.task.cancel()  # nobody is waiting for this answer any more: stop computing it
+
+    def pause_writing(self) -> None:
+        self.writable.clear()
+
+    def resume_writing(self) -> None:
+        self.writable.set()
 
     def eof_received(self) -> bool:
-        """The client sent all it will (a half-close): answer what it asked, then close."""
-        self.ended = True
-        return self.busy  # True: the transport stays open for the answers (_after_response closes it)
+        """The client closed its side: it is gone, as nginx and uvicorn take it (a socket closed whole and one only
+        shut for writing look the same until an answer is written, which for a long generation may be minutes). The
+        transport closes (answers already written are flushed) and the request in flight is cancelled."""
+        return False
 
     def _arm(self, seconds: float, status: int | None, message: str = "") -> None:
         """Answer `status` and close (or just close, for an idle connection) unless the phase ends in time."""
@@ -686,6 +714,7 @@ class HttpConnection(asyncio.Protocol):
         self.headers_done = False
         self.error: tuple[int, str] | None = None
         self.reserved = 0
+        self.limit = self.limits.max_request_bytes  # this request's body limit
 
     def data_received(self, data: bytes) -> None:
         if self.transport is None:
@@ -737,7 +766,11 @@ class HttpConnection(asyncio.Protocol):
             self.error = (400, "the request target must be a path (/v2/...) or an absolute http URL")
             return
         self.url = target.encode("latin-1")
-        front, limit = self.frontend, self.limits.max_request_bytes
+        front = self.frontend
+        path = target.split("?", 1)[0]
+        if path.startswith("/v1/") or path.endswith(("/generate", "/generate_stream")):
+            self.limit = min(self.limit, self.limits.max_generate_bytes)
+        limit = self.limit
         try:
             length = int(self.headers.get("content-length", "0"))
         except ValueError:
@@ -762,8 +795,8 @@ class HttpConnection(asyncio.Protocol):
         if self.error is not None:
             return
         self.size += len(body)
-        if self.size > self.limits.max_request_bytes:
-            self.error = (413, f"request body exceeds the gateway's limit of {self.limits.max_request_bytes} bytes")
+        if self.size > self.limit:
+            self.error = (413, f"request body exceeds the gateway's limit of {self.limit} bytes")
         elif self.size > self.reserved and not self._reserve(self.size - self.reserved):
             self.error = (503, "the gateway holds too many request bodies at once: retry later")
         else:
@@ -810,7 +843,9 @@ class HttpConnection(asyncio.Protocol):
             self._write(response, keep_alive)
         else:
             self.busy = True
-            asyncio.ensure_future(self._finish(response, keep_alive))
+            self.task = asyncio.ensure_future(self._finish(response, keep_alive))
+            self.frontend.answering.add(self.task)  # the loop holds tasks weakly: a cancelled one must still run
+            self.task.add_done_callback(self.frontend.answering.discard)
 
     async def _finish(self, pending, keep_alive: bool) -> None:
         try:
@@ -839,6 +874,8 @@ class HttpConnection(asyncio.Protocol):
 
     async def _stream(self, response: StreamingResponse, keep_alive: bool) -> None:
         if self.transport is None:
+            if response.close is not None:
+                response.close()
             return
         keep_alive = keep_alive and not self.frontend.draining
         head = [f"HTTP/1.1 {response.status} {_phrase(response.status)}\r\nTransfer-Encoding: chunked\r\n"]
@@ -846,21 +883,35 @@ class HttpConnection(asyncio.Protocol):
         if not keep_alive:
             head.append("Connection: close\r\n")
         self.transport.write("".join(head + ["\r\n"]).encode("latin-1"))
+        body = response.body
         try:
-            async for chunk in response.body:
+            async for chunk in body:
                 if self.transport is None:
                     break
                 if chunk:
                     self.transport.writelines([f"{len(chunk):x}\r\n".encode(), chunk, b"\r\n"])
+                if not self.writable.is_set():  # the client reads slower than the answer comes: wait for it
+                    try:
+                        await within(self.writable.wait(), self.limits.write_timeout)
+                    except asyncio.TimeoutError:
+                        self.frontend.metrics.error("slow_client")
+                        self._close()
+                        break
         except (UpstreamUnavailable, UpstreamTimeout, ConnectionError):
             keep_alive = False  # the stream broke off: the client sees the connection end, as from Triton
+        finally:
+            aclose = getattr(body, "aclose", None)
+            if aclose is not None:
+                await aclose()  # an answer cut short stops its source (and the work behind it) now
+            if response.close is not None:
+                response.close()
         if self.transport is not None:
             if keep_alive:
                 self.transport.write(b"0\r\n\r\n")
             self._after_response(keep_alive)
 
     def _after_response(self, keep_alive: bool) -> None:
-        if not keep_alive or (self.ended and not self.queue):
+        if not keep_alive:
             self._close()
         elif not self.busy and not self.queue:
             self._arm(self.limits.keepalive_timeout, None)

@@ -9,6 +9,7 @@ import struct
 import orjson
 
 from dstool.serve.gateway.tensors import InferRequest
+from dstool.serve.triton_models.sampling import SamplingError, SamplingParams
 
 PREFIX = "dstool:gw:1"
 # Request parameters that only change how or when a result is delivered, not the result itself.
@@ -17,8 +18,6 @@ DELIVERY_PARAMETERS = frozenset({"binary_data_output", "priority", "timeout", "h
 OUTPUT_FORMAT_PARAMETERS = frozenset({"binary_data", "binary_data_size"})
 # Parameters that make a request part of a stateful sequence: never cached.
 SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
-# Parameters that ask a generation model to sample even without a temperature (dstool's, vLLM's names).
-SAMPLING_PARAMETERS = frozenset({"top_k", "top_p", "min_p"})
 
 
 def model_fingerprint(model: str, version: str, config: dict, files: list | None = None) -> str:
@@ -58,14 +57,27 @@ def never_cached(request: InferRequest) -> bool:
 
 
 def is_draw(parameters: dict) -> bool:
-    """Sampling without a seed: temperature > 0, or top_k/top_p/min_p with no temperature (the generation
-    models' rule, serve/triton_models/sampling.py)."""
-    if parameters.get("seed") is not None:
-        return False
-    if "temperature" in parameters:
-        t = parameters["temperature"]
-        return isinstance(t, (int, float)) and not isinstance(t, bool) and t > 0
-    return any(k in parameters for k in SAMPLING_PARAMETERS)
+    """Whether the answer is a new draw each time rather than a function of the request: sampling without a seed,
+    by the generation models' own rule (sampling.SamplingParams, the one place it is written). Parameters the
+    models refuse count as a draw too: what they answer is an error, never kept."""
+    try:
+        p = SamplingParams.from_parameters(parameters)
+    except SamplingError:
+        return True
+    return not p.greedy and p.seed is None
+
+
+def generation_parameters(request: dict, inputs: frozenset[str]) -> dict:
+    """The parameters a generate-extension body gives its model, as Triton reads them: every top-level field that
+    is not an input of the model (nor `id`), and the `parameters` object's fields, the later in the body winning."""
+    merged: dict = {}
+    for key, value in request.items():
+        if key == "parameters":
+            if isinstance(value, dict):
+                merged.update(value)
+        elif key != "id" and key not in inputs:
+            merged[key] = value
+    return merged
 
 
 def is_sequence_request(request: InferRequest) -> bool:

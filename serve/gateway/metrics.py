@@ -26,7 +26,7 @@ class Metrics:
                                 "Inference requests not cacheable (opt-out, sequence/decoupled model, shared memory)",
                                 ["model", "protocol"], registry=r)
         self.errors = Counter("dstool_gateway_errors", "Errors by kind (redis, corrupt_entry, upstream, bad_request, "
-                              "unauthorized, timeout)", ["kind"], registry=r)
+                              "unauthorized, timeout, slow_client)", ["kind"], registry=r)
         self.bytes = Counter("dstool_gateway_cache_bytes", "Output bytes served from the cache (hit) or stored (store)",
                              ["model", "direction"], registry=r)
         self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",

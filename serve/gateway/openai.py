@@ -4,9 +4,12 @@ model family's NAME_llm (the streaming, continuous-batching model) through Trito
 `model` is the family's name (`dstool_lm`: its NAME_llm answers). Sampling parameters go to the model as they
 are (temperature — OpenAI's default 1 —, top_p, seed, presence/frequency_penalty, and vLLM's top_k, min_p,
 repetition_penalty); `max_tokens` (or `max_completion_tokens`) is max_new_tokens; `stop` strings end a choice
-here, the text cut before them; `n` choices run side by side (with a seed, choice i uses seed + i); `stream`
-answers with server-sent events ending in `[DONE]`. Errors come in OpenAI's form. The gateway's bearer token,
-when set, is the API key.
+here, the text cut before them; `n` choices run side by side (with a seed, choice i uses seed + i, modulo 2**63);
+`stream`
+answers with server-sent events ending in `[DONE]`. Requests are typed (protocol.py): a mistake, an unknown field or
+one not served is a 400 naming it, in OpenAI's form. A client that hangs up, streamed or not, cancels its choices
+on Triton; a slow reader holds at most EVENTS_AHEAD events here. The gateway's bearer token, when set, is the API
+key.
 """
 
 from __future__ import annotations
@@ -22,28 +25,17 @@ import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse, opts_out
-from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
+from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from dstool.serve.gateway.tensors import GatewayError
+from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
-PASSED = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-          "ignore_eos")
-# fields this server does not serve yet, with the values that ask for nothing
-UNSUPPORTED: dict[str, tuple] = {
-    "echo": (None, False), "suffix": (None, ""),
-    "best_of": (None, 1), "logit_bias": (None, {}), "tools": (None, []), "functions": (None, [])}
-
-
-class OpenAIError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error"):
-        super().__init__(message)
-        self.status, self.message, self.param, self.kind = status, message, param, kind
-
-    def response(self) -> HttpResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": "model_not_found" if self.status == 404 else None}}
-        return HttpResponse(self.status, [orjson.dumps(body)], [("Content-Type", "application/json")])
+# Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
+# Triton's sending waits), so a slow reader holds a bounded amount here.
+EVENTS_AHEAD = 64
 
 
-MAX_LOGPROBS = 20  # alternatives per token (OpenAI's limit for chat; vLLM's for completions too)
+def error_response(e: OpenAIError) -> HttpResponse:
+    return HttpResponse(e.status, [e.body()], [("Content-Type", "application/json")])
 
 
 @dataclass(slots=True)
@@ -119,6 +111,7 @@ class OpenAIFrontend:
         self.upstreams = upstreams
         self.generation = generation
         self.default_max_tokens = default_max_tokens
+        self.choices: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
 
     async def handle(self, req: HttpRequest):
         try:
@@ -131,9 +124,9 @@ class OpenAIFrontend:
             raise OpenAIError(404, f"no route {req.method} {req.path}: the API has /v1/models, /v1/completions and "
                                    "/v1/chat/completions")
         except OpenAIError as e:
-            return e.response()
+            return error_response(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
-            return OpenAIError(503, str(e), kind="server_error").response()
+            return error_response(OpenAIError(503, str(e), kind="server_error"))
 
     async def _models(self) -> HttpResponse:
         r = await self.upstreams.request("POST", "/v2/repository/index", b"{}", (("Content-Type", "application/json"),))
@@ -145,96 +138,50 @@ class OpenAIFrontend:
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
 
-    def _request(self, req: HttpRequest, chat: bool) -> tuple[str, dict, int, int, list[str], bool, dict]:
-        try:
-            body = orjson.loads(req.body)
-        except orjson.JSONDecodeError as e:
-            raise OpenAIError(400, f"the body is not JSON: {e}") from None
-        if not isinstance(body, dict):
-            raise OpenAIError(400, "the body must be a JSON object")
-        model = body.get("model")
-        if not isinstance(model, str) or not model:
-            raise OpenAIError(400, "'model' is required: a model family's name (GET /v1/models lists them)", "model")
-        for name, allowed in UNSUPPORTED.items():
-            if body.get(name) not in allowed:
-                raise OpenAIError(400, f"'{name}' is not supported by this server", name)
-        fields: dict[str, object] = {}
-        if chat:
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages or not all(
-                    isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-                    for m in messages):
-                raise OpenAIError(400, "'messages' must be a non-empty list of {role, content} with text content",
-                                  "messages")
-            fields["messages"] = orjson.dumps([{"role": m["role"], "content": m["content"]} for m in messages]).decode()
-        else:
-            prompt = body.get("prompt")
-            if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-                prompt = prompt[0]
-            if not isinstance(prompt, str):
-                raise OpenAIError(400, "'prompt' must be a string (or a list of one string)", "prompt")
-            fields["text_input"] = prompt
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        max_tokens = self.default_max_tokens if max_tokens is None else max_tokens
-        if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
-            raise OpenAIError(400, f"'max_tokens' must be a positive integer, got {max_tokens!r}", "max_tokens")
-        n = body.get("n", 1)
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= 16:
-            raise OpenAIError(400, f"'n' must be an integer from 1 to 16, got {n!r}", "n")
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-            raise OpenAIError(400, "'stop' must be a string or a list of up to 4 non-empty strings", "stop")
-        fields.update({"max_new_tokens": max_tokens, "stream": True, "temperature": body.get("temperature", 1.0)})
-        fields.update({k: body[k] for k in PASSED[1:] if body.get(k) is not None})
-        if body.get("seed") is not None:
-            fields["seed"] = body["seed"]
-        logprobs, top = body.get("logprobs"), body.get("top_logprobs")
-        if chat:
-            if logprobs is not None and not isinstance(logprobs, bool):
-                raise OpenAIError(400, f"'logprobs' must be true or false, got {logprobs!r}", "logprobs")
-            if top is not None and not logprobs:
-                raise OpenAIError(400, "'top_logprobs' needs 'logprobs': true", "top_logprobs")
-            logprobs, name = (top or 0) if logprobs else None, "top_logprobs"
-        else:
-            name = "logprobs"
-        if logprobs is not None:
-            if isinstance(logprobs, bool) or not isinstance(logprobs, int) or not 0 <= logprobs <= MAX_LOGPROBS:
-                raise OpenAIError(400, f"'{name}' must be an integer from 0 to {MAX_LOGPROBS}, got {logprobs!r}", name)
-            fields["logprobs"] = logprobs
-        options = body.get("stream_options") or {}
-        return model, fields, max_tokens, n, stops, bool(body.get("stream", False)), options
-
     async def _complete(self, req: HttpRequest, chat: bool):
-        model, fields, max_tokens, n, stops, stream, options = self._request(req, chat)
-        choices = [Choice(i, stops) for i in range(n)]
-        events: asyncio.Queue = asyncio.Queue()
+        request = parse(req.body, ChatCompletionRequest if chat else CompletionRequest)
+        max_tokens = request.max_new_tokens or self.default_max_tokens
+        choices = [Choice(i, request.stop) for i in range(request.n)]
+        events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         opt_out = opts_out(req)
-        tasks = [asyncio.ensure_future(self._run(model, fields, c, events, opt_out)) for c in choices]
-        first = await events.get()  # the first event, or an error before anything was generated
-        if isinstance(first, OpenAIError):
+        tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
+                                                                 "max_new_tokens": max_tokens}, c, events, opt_out))
+                 for c in choices]
+        for t in tasks:
+            self.choices.add(t)
+            t.add_done_callback(self.choices.discard)
+        handed_over = False
+
+        def stop() -> None:
             for t in tasks:
                 t.cancel()
-            raise first
-        ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        created = int(time.time())
-        if stream:
-            return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")],
-                                     self._sse(first, events, tasks, choices, max_tokens, chat, ident, created, model,
-                                               bool(options.get("include_usage")), "logprobs" in fields))
-        done = 0
-        event = first
-        while True:
-            if isinstance(event, OpenAIError):
-                raise event
-            if event[1] is None:
-                done += 1
-                if done == n:
-                    break
-            event = await events.get()
-        usage = self._usage(choices)
+
+        try:
+            first = await events.get()  # the first event, or an error before anything was generated
+            if isinstance(first, OpenAIError):
+                raise first
+            ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+            created = int(time.time())
+            asked = request.top_logprobs_asked is not None
+            if request.stream:
+                include_usage = request.stream_options is not None and request.stream_options.include_usage
+                handed_over = True  # the stream's end (or the client's) stops the choices
+                return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")],
+                                         self._sse(first, events, choices, max_tokens, chat, ident, created,
+                                                   request.model, include_usage, asked), stop)
+            done, event = 0, first
+            while True:
+                if isinstance(event, OpenAIError):
+                    raise event
+                if event[1] is None:
+                    done += 1
+                    if done == len(choices):
+                        break
+                event = await events.get()
+        finally:
+            if not handed_over:
+                stop()  # also when the client hung up (this task cancelled): the choices end on Triton too
         rows = []
-        asked = "logprobs" in fields
         for c in choices:
             c.end(max_tokens)
             lp = logprobs_field(chat, c.ranked) if asked else None
@@ -242,7 +189,7 @@ class OpenAIFrontend:
                          "finish_reason": c.finish_reason} if chat else
                         {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": model, "choices": rows, "usage": usage}
+                "model": request.model, "choices": rows, "usage": self._usage(choices)}
         return HttpResponse(200, [orjson.dumps(body)], [("Content-Type", "application/json")])
 
     @staticmethod
@@ -251,7 +198,7 @@ class OpenAIFrontend:
         prompt = choices[0].prompt_tokens
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
-    async def _sse(self, event, events, tasks, choices, max_tokens, chat, ident, created, model,
+    async def _sse(self, event, events, choices, max_tokens, chat, ident, created, model,
                    include_usage, asked) -> AsyncIterator[bytes]:
         kind = "chat.completion.chunk" if chat else "text_completion"
         offsets = {c.index: 0 for c in choices}  # each choice's text offset so far, for completions' logprobs
@@ -270,47 +217,40 @@ class OpenAIFrontend:
             return b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
                                              "choices": [row]}) + b"\n\n"
 
-        try:
-            if chat:
-                for c in choices:
-                    yield chunk(c.index, None, None, role=True)
-            done = 0
-            while True:
-                if isinstance(event, OpenAIError):
-                    yield b"data: " + orjson.dumps({"error": {"message": event.message, "type": event.kind}}) + b"\n\n"
+        if chat:
+            for c in choices:
+                yield chunk(c.index, None, None, role=True)
+        done = 0
+        while True:
+            if isinstance(event, OpenAIError):
+                yield b"data: " + orjson.dumps({"error": {"message": event.message, "type": event.kind,
+                                                          "param": event.param, "code": event.code}}) + b"\n\n"
+                break
+            choice, text, rows = event
+            if text is None:
+                rest = choice.end(max_tokens)
+                if rest:
+                    yield chunk(choice.index, rest, None)
+                yield chunk(choice.index, None if chat else "", choice.finish_reason)
+                done += 1
+                if done == len(choices):
                     break
-                choice, text, rows = event
-                if text is None:
-                    rest = choice.end(max_tokens)
-                    if rest:
-                        yield chunk(choice.index, rest, None)
-                    yield chunk(choice.index, None if chat else "", choice.finish_reason)
-                    done += 1
-                    if done == len(choices):
-                        break
-                elif text or (asked and rows):
-                    yield chunk(choice.index, text, None, rows=rows)
-                event = await events.get()
-            if include_usage:
-                yield b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                                 "choices": [], "usage": self._usage(choices)}) + b"\n\n"
-            yield b"data: [DONE]\n\n"
-        finally:
-            for t in tasks:
-                t.cancel()
+            elif text or (asked and rows):
+                yield chunk(choice.index, text, None, rows=rows)
+            event = await events.get()
+        if include_usage:
+            yield b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
+                                             "choices": [], "usage": self._usage(choices)}) + b"\n\n"
+        yield b"data: [DONE]\n\n"
 
     async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool) -> None:
         """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None)."""
-        fields = dict(fields)
-        if "seed" in fields and choice.index:
-            fields["seed"] = fields["seed"] + choice.index if isinstance(fields["seed"], int) else fields["seed"]
         try:
-            g = await self.generation.open(f"{model}_llm", "", "generate_stream", orjson.dumps(fields),
-                                           opt_out=opt_out, protocol="openai")
-            if g.status != 200:
-                body = b"".join([e async for e in g.events])
-                raise _upstream_error(g.status, body, model)
+            g = await self.generation.open(f"{model}_llm", "", "generate_stream", fields, opt_out=opt_out,
+                                           protocol="openai")
             async with contextlib.aclosing(g.events) as stream:
+                if g.status != 200:
+                    raise _upstream_error(g.status, b"".join([e async for e in stream]), model)
                 async for event in stream:
                     d = data(event)
                     if d is None:
@@ -329,6 +269,10 @@ class OpenAIFrontend:
             await events.put((choice, None, []))
         except OpenAIError as e:
             await events.put(e)
+        except GatewayError as e:
+            await events.put(_upstream_error(e.status, orjson.dumps({"error": e.message}), model))
+        except UnsafeRequest as e:
+            await events.put(OpenAIError(400, str(e)))
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
@@ -336,11 +280,22 @@ class OpenAIFrontend:
 
 
 def _upstream_error(status: int, body: bytes, model: str) -> OpenAIError:
-    try:
-        message = orjson.loads(body).get("error", "") or body.decode("utf-8", "replace")
-    except orjson.JSONDecodeError:
-        message = body.decode("utf-8", "replace")
+    """An error from Triton or the model (a KServe error body, or an error event of a stream) in OpenAI's shape,
+    the engine's names for fields as the client named them."""
+    text = body.decode("utf-8", "replace")
+    d = data(body) if body.startswith(b"data: ") else None
+    if d is None:
+        try:
+            d = orjson.loads(body)
+        except orjson.JSONDecodeError:
+            d = None
+    message = str(d.get("error") or text) if isinstance(d, dict) else text
     if status == 404 or "unknown model" in message or "is not found" in message:
-        return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model")
-    return OpenAIError(400 if status < 500 else 502, message, kind="invalid_request_error" if status < 500
-                       else "server_error")
+        return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model",
+                           code="model_not_found")
+    message = message.replace("max_new_tokens", "max_tokens")
+    head = message.split(" ", 1)[0]
+    param = head if head in ("max_tokens", "prompt", "messages", "logprobs") or head in SAMPLING else None
+    if status >= 500:
+        return OpenAIError(502, message, kind="server_error")
+    return OpenAIError(400, message, param)

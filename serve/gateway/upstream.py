@@ -9,12 +9,19 @@ A request that runs past its deadline fails with UpstreamTimeout (504) and makes
 checked at once (within `health_timeout`); a server that does not answer that either is marked down: until a
 health check every second finds it answering again, requests to it fail at once with UpstreamUnavailable
 (503) instead of each waiting out its deadline.
+
+Nothing a client sent can break the framing of what goes to Triton: a request line or header holding a control
+character, a space in the path, or a CR/LF is refused (UnsafeRequest, 400) before any byte is written. A connection
+on which Triton sends anything but the one answer to the one request in flight (a second response, bytes while
+idle) is closed, never reused. A streamed answer is read no faster than it is consumed: past READ_AHEAD bytes
+unread, reading from Triton pauses (so a slow client holds a bounded buffer here, and Triton's own send waits).
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
@@ -25,6 +32,38 @@ import httptools
 from dstool import log as dlog
 
 log = dlog.log.getChild("gateway")
+READ_AHEAD = 1 << 20  # bytes of an answer received from Triton and not yet consumed, before reading pauses
+_UNSAFE_TARGET = re.compile(r"[\x00-\x20\x7f]")  # what would end or split a request line
+_UNSAFE_VALUE = re.compile(r"[\x00\r\n]")
+_TOKEN = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")  # a header name (RFC 9110)
+
+
+class UnsafeRequest(ValueError):
+    """A path or header that would change the framing of the request sent to Triton (400)."""
+
+
+async def within(awaitable, seconds: float, discard=None):
+    """`await awaitable`, asyncio.TimeoutError after `seconds`. Unlike asyncio.wait_for on Python 3.11, a
+    cancellation that arrives as the awaitable completes is never swallowed (CPython gh-86296), so a client that
+    hangs up always stops the work it asked for; a result that came too late is handed to `discard`."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=seconds)
+    except BaseException:
+        _drop(task, discard)
+        raise
+    if not done:
+        _drop(task, discard)
+        raise asyncio.TimeoutError
+    return task.result()
+
+
+def _drop(task: asyncio.Future, discard) -> None:
+    if task.done():
+        if discard is not None and not task.cancelled() and task.exception() is None:
+            discard(task.result())
+    else:
+        task.cancel()
 
 
 class UpstreamUnavailable(Exception):
@@ -56,6 +95,8 @@ class _Connection(asyncio.Protocol):
     def _reset(self) -> None:
         self.headers: dict[str, str] = {}
         self.parts: deque[bytes] = deque()
+        self.unread = 0  # bytes in `parts`
+        self.paused = False
         self.head: asyncio.Future | None = None  # -> (status, headers)
         self.progress: asyncio.Event | None = None  # set on every body part and at the end
         self.done = False
@@ -80,11 +121,22 @@ class _Connection(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         self.received = True
+        if self.closed:
+            return
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as e:
             self._fail(ConnectionResetError(f"malformed response from Triton: {e}"))
-            self.transport.close()
+            self.out_of_step()
+
+    def on_message_begin(self) -> None:
+        if self.head is None or self.done:  # an answer nobody asked for: this connection is out of step
+            self.out_of_step()
+
+    def out_of_step(self) -> None:
+        """Never reuse this connection: whatever comes on it next may answer another request."""
+        self.closed = True
+        self.transport.close()
 
     def on_header(self, name: bytes, value: bytes) -> None:
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
@@ -94,7 +146,13 @@ class _Connection(asyncio.Protocol):
             self.head.set_result((self.parser.get_status_code(), self.headers))
 
     def on_body(self, body: bytes) -> None:
+        if self.closed:
+            return
         self.parts.append(body)
+        self.unread += len(body)
+        if self.unread > READ_AHEAD and not self.paused:
+            self.paused = True
+            self.transport.pause_reading()
         if self.progress is not None:
             self.progress.set()
 
@@ -124,10 +182,15 @@ class _Connection(asyncio.Protocol):
                 raise self.error
             self.progress.clear()
             try:
-                await asyncio.wait_for(self.progress.wait(), timeout)
+                await within(self.progress.wait(), timeout)
             except asyncio.TimeoutError:
                 raise UpstreamTimeout("Triton stopped sending its answer") from None
-        return self.parts.popleft()
+        part = self.parts.popleft()
+        self.unread -= len(part)
+        if self.paused and self.unread <= READ_AHEAD // 2:
+            self.paused = False
+            self.transport.resume_reading()
+        return part
 
 
 class UpstreamResponse:
@@ -169,6 +232,13 @@ class HttpUpstream:
         return self.down_since is not None
 
     def _head(self, method: str, path: str, length: int, headers) -> bytes:
+        if not path.startswith("/") or _UNSAFE_TARGET.search(path) or not _TOKEN.match(method):
+            raise UnsafeRequest(f"{path[:100]!r} cannot be sent to Triton: a path holds no spaces or control "
+                                "characters")
+        for k, v in headers:
+            if not _TOKEN.match(k) or _UNSAFE_VALUE.search(v):
+                raise UnsafeRequest(f"the header {k[:100]!r} cannot be sent to Triton: it holds a line break or a "
+                                    "NUL")
         return "".join([f"{method} {path} HTTP/1.1\r\nHost: {self.address}\r\nContent-Length: {length}\r\n",
                         *(f"{k}: {v}\r\n" for k, v in headers), "\r\n"]).encode("latin-1")
 
@@ -206,8 +276,8 @@ class HttpUpstream:
     async def _connect(self, timeout: float, probe: bool) -> _Connection:
         loop = asyncio.get_running_loop()
         try:
-            _, conn = await asyncio.wait_for(loop.create_connection(_Connection, self.host, self.port),
-                                             min(timeout, self.health_timeout))
+            _, conn = await within(loop.create_connection(_Connection, self.host, self.port),
+                                   min(timeout, self.health_timeout), discard=lambda made: made[0].close())
         except (OSError, asyncio.TimeoutError) as e:
             if not probe:
                 self._mark_down()
@@ -219,7 +289,7 @@ class HttpUpstream:
         conn.send(head, body)
         assert conn.head is not None
         try:
-            status, headers = await asyncio.wait_for(asyncio.shield(conn.head), timeout)
+            status, headers = await within(asyncio.shield(conn.head), timeout)
         except asyncio.TimeoutError:
             conn.transport.close()
             if not probe:
@@ -232,7 +302,8 @@ class HttpUpstream:
 
     def release(self, conn: _Connection) -> None:
         """A connection whose answer was read to the end goes back to the pool."""
-        if not conn.closed and conn.done:
+        if not conn.closed and conn.done and not conn.parts:
+            conn.head = None  # idle: an answer arriving now is out of step (on_message_begin)
             self._idle.append(conn)
 
     # ---- the breaker --------------------------------------------------------------------------------------

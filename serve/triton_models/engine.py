@@ -19,6 +19,11 @@ the graph returns from a decoding step is the next step's input as it is (no cop
 generation loop). Rows of different lengths are padded where they joined, and the padding is masked; each row
 keeps its own position ids. The cache is copied only when the batch changes: newcomers' rows appended, finished
 rows dropped (and columns no row uses any more with them).
+
+A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
+its own sequence; a graph run that fails ends the sequences of that run (the prefilling group, or the running
+batch, whose cache is then dropped). Such a sequence comes out of `steps` with the token None and its `error` set;
+the engine goes on with the others.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ class Sequence:
     started_step: int | None = None  # the engine's step that began its prefill
     prefilled: int = 0  # prompt tokens in its cache so far
     partial: dict[str, np.ndarray] | None = None  # its cache while prefilling (every position its own)
+    error: str | None = None  # why it ended early, when it failed
 
     @property
     def reserved(self) -> int:
@@ -53,6 +59,11 @@ class Sequence:
     def _take(self, token: int) -> None:
         self.output.append(token)
         self.finished = token in self.stop_ids or len(self.output) >= self.max_new_tokens
+
+    def _fail(self, error: BaseException | str) -> tuple[Sequence, None]:
+        self.error = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
+        self.finished, self.partial = True, None
+        return self, None
 
 
 class Engine:
@@ -92,11 +103,19 @@ class Engine:
         self.prefilling = [s for s in self.prefilling if s.id != sequence_id]
         self._keep([i for i, s in enumerate(self.running) if s.id != sequence_id])
 
-    def step(self) -> list[tuple[Sequence, int]]:
-        """Admit and prefill newcomers, decode one token for the others; (sequence, new token) for each."""
+    def clear(self) -> list[Sequence]:
+        """Drop every sequence (waiting, prefilling, running) and the batch cache; the ones dropped."""
+        held = [*self.running, *self.prefilling, *self.waiting]
+        self.waiting, self.prefilling, self.running = deque(), [], []
+        self.cache, self.mask = self._empty(0), np.zeros((0, 0), np.int64)
+        return held
+
+    def step(self) -> list[tuple[Sequence, int | None]]:
+        """Admit and prefill newcomers, decode one token for the others; (sequence, new token) for each (None for a
+        sequence that failed: its `error` says why)."""
         return [token for part in self.steps() for token in part]
 
-    def steps(self) -> Iterator[list[tuple[Sequence, int]]]:
+    def steps(self) -> Iterator[list[tuple[Sequence, int | None]]]:
         """`step` in its two parts: the first tokens of sequences whose prompt is done (prefill), then the running
         ones' next tokens — so a server can send the first ones before the batch decodes."""
         self.steps_started += 1
@@ -106,7 +125,12 @@ class Engine:
             produced, joining = self._prefill()
             yield produced
         if self.running:
-            yield self._decode()
+            try:
+                yield self._decode()
+            except _RunFailed as e:  # the batch's cache is gone with it: every running sequence ends
+                failed = [s._fail(e.cause) for s in self.running]
+                self.running, self.cache, self.mask = [], self._empty(0), np.zeros((0, 0), np.int64)
+                yield failed
         self._append([j for j in joining if not j[0].finished])
         self._keep([i for i, s in enumerate(self.running) if not s.finished])
 
@@ -126,7 +150,10 @@ class Engine:
 
     def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         names = ["logits", *self.cache_outputs.values()]
-        logits, *caches = self.session.run(names, feeds)
+        try:
+            logits, *caches = self.session.run(names, feeds)
+        except Exception as e:  # noqa: BLE001 (whatever the runtime raises ends this run's sequences, not the engine)
+            raise _RunFailed(e) from e
         return logits, dict(zip(self.cache_shapes, caches))
 
     def _prefill(self):
@@ -159,8 +186,15 @@ class Engine:
                 mask[b, :held] = 1
                 for name in past:
                     past[name][b, :, :held] = s.partial[name][0]
-        logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions, **past})
-        produced, joining = [], []
+        try:
+            logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
+                                         **past})
+        except _RunFailed as e:  # this group's prompts end; nothing else held changed
+            failed = {id(s) for s, _ in group}
+            self.prefilling = [s for s in self.prefilling if id(s) not in failed]
+            return [s._fail(e.cause) for s, _ in group], []
+        produced: list[tuple[Sequence, int | None]] = []
+        joining = []
         for b, (s, take) in enumerate(group):
             s.prefilled += take
             held = np.flatnonzero(mask[b])  # the row's own positions, the padding left out
@@ -171,22 +205,30 @@ class Engine:
             s.partial = None
             produced.append(self._choose(s, logits[b, take - 1]))
             joining.append((s, row))
-        done = {id(s) for s, _ in joining}
+        done = {id(s) for s, _ in produced}
         self.prefilling = [s for s in self.prefilling if id(s) not in done]
         return produced, joining
 
-    def _decode(self) -> list[tuple[Sequence, int]]:
+    def _decode(self) -> list[tuple[Sequence, int | None]]:
         """One token for every row: the last token in, the graph's cache out kept as the batch cache."""
         batch = self.running
-        self.mask = np.concatenate([self.mask, np.ones((len(batch), 1), np.int64)], axis=1)
+        mask = np.concatenate([self.mask, np.ones((len(batch), 1), np.int64)], axis=1)
         logits, self.cache = self._run({
-            "input_ids": np.array([[s.output[-1]] for s in batch], np.int64), "attention_mask": self.mask,
+            "input_ids": np.array([[s.output[-1]] for s in batch], np.int64), "attention_mask": mask,
             "position_ids": np.array([[len(s.prompt) + len(s.output) - 1] for s in batch], np.int64), **self.cache})
+        self.mask = mask
         return [self._choose(s, logits[b, -1]) for b, s in enumerate(batch)]
 
     @staticmethod
-    def _choose(s: Sequence, logits: np.ndarray) -> tuple[Sequence, int]:
-        token = s.choose(logits, s.prompt, s.output)
+    def _choose(s: Sequence, logits: np.ndarray) -> tuple[Sequence, int | None]:
+        """The sequence's next token by its own rule; a rule that fails, or picks an id the graph cannot take
+        back in, ends this sequence alone."""
+        try:
+            token = s.choose(logits, s.prompt, s.output)
+        except Exception as e:  # noqa: BLE001 (a request's own sampling must not reach the others)
+            return s._fail(e)
+        if not 0 <= token < logits.shape[-1]:
+            return s._fail(f"token {token} chosen outside the vocabulary 0..{logits.shape[-1] - 1}")
         s._take(token)
         return s, token
 
@@ -220,6 +262,14 @@ class Engine:
         else:
             self.cache = {n: v[rows] for n, v in self.cache.items()}
         self.mask = mask
+
+
+class _RunFailed(Exception):
+    """The graph's run failed (`cause`); the sequences in it end."""
+
+    def __init__(self, cause: BaseException):
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _positions(cache: dict[str, np.ndarray] | None) -> int:

@@ -33,6 +33,7 @@ class TritonPythonModel:
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
         self.max_positions = int(params["max_positions"])
+        self.max_prompt_bytes = int(params.get("max_prompt_bytes", 256 * self.max_positions))  # see llm.py
 
     def execute(self, requests):
         responses = [None] * len(requests)
@@ -59,6 +60,9 @@ class TritonPythonModel:
         if text.size != 1:
             raise RequestError(f"send one prompt per request (got {text.size}); concurrent requests are batched "
                                "by the server")
+        if len(text[0]) > self.max_prompt_bytes:
+            raise RequestError(f"text_input is {len(text[0])} bytes: more than the model's {self.max_positions} "
+                               f"positions can hold (at most {self.max_prompt_bytes} bytes); shorten it")
         if isinstance(text[0], bytes):
             try:
                 text[0].decode("utf-8")

@@ -1,14 +1,19 @@
 """Triton python-backend model (decoupled): text generation on the continuous-batching engine (engine.py beside
 this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
 
-text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content"}, ...], laid out by the tokenizer's
-chat template, or without one as the corpus lays out a play's speeches: "ROLE:\nCONTENT\n\n" ending in
-"ASSISTANT:\n") (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1]; sampling as
-request parameters) -> text_output BYTES [1], output_ids
-INT64 [-1], prompt_tokens INT32 [1]. With `stream` true, one response per token (the text it adds, and its id)
-and the last one marked final; otherwise one response with the whole text and ids.
-Requests join the running batch at the next decoding step, from one engine thread; a request whose client has
-gone (cancelled) leaves the batch.
+text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", optional "name"}, ...], laid out by
+the tokenizer's chat template, or without one as the corpus lays out a play's speeches: "NAME-OR-ROLE:\nCONTENT\n\n"
+ending in "ASSISTANT:\n") (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1];
+sampling as request parameters) -> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1]. With
+`stream` true, one response per token (the text it adds, and its id) and the last one marked final; otherwise one
+response with the whole text and ids.
+
+`execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
+hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
+prompt holds up neither the engine nor the requests behind it. Requests join the running batch at the next decoding
+step, from one engine thread; a request whose client has gone (cancelled) leaves the batch at the next step. A
+sequence that fails ends alone with its error; should the engine loop itself fail, what it held ends with the error
+and the loop starts again (counted in dstool_llm_engine_restarts_total).
 """
 
 import json
@@ -16,6 +21,7 @@ import os
 import threading
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import onnxruntime as ort
@@ -57,18 +63,21 @@ class Metrics:
                                   "first token", H),
             pb_utils.MetricFamily("dstool_llm_generated_tokens_total", "Tokens generated", C),
             pb_utils.MetricFamily("dstool_llm_prompt_tokens_total", "Prompt tokens prefilled", C),
-            pb_utils.MetricFamily("dstool_llm_sequences", "Sequences in the engine, by state", G)]
-        queue_steps, queue, first, tokens, prompt, sequences = self.families
+            pb_utils.MetricFamily("dstool_llm_sequences", "Sequences in the engine, by state", G),
+            pb_utils.MetricFamily("dstool_llm_engine_restarts_total", "Times the engine loop failed and started "
+                                  "again (what it held ended with the error)", C)]
+        queue_steps, queue, first, tokens, prompt, sequences, restarts = self.families
         self.queue_steps = queue_steps.Metric(labels=labels, buckets=[0, 1, 2, 4, 8, 16, 32, 64])
         self.queue = queue.Metric(labels=labels, buckets=self.SECONDS)
         self.first = first.Metric(labels=labels, buckets=self.SECONDS)
         self.tokens, self.prompt = tokens.Metric(labels=labels), prompt.Metric(labels=labels)
         self.waiting = sequences.Metric(labels={**labels, "state": "waiting"})
         self.running = sequences.Metric(labels={**labels, "state": "running"})
+        self.restarts = restarts.Metric(labels=labels)
 
     def close(self):
         """The metrics before their families (the python backend's rule)."""
-        for name in ("queue_steps", "queue", "first", "tokens", "prompt", "waiting", "running"):
+        for name in ("queue_steps", "queue", "first", "tokens", "prompt", "waiting", "running", "restarts"):
             delattr(self, name)
         self.families.clear()
 
@@ -90,6 +99,22 @@ class Metrics:
         self.running.set(len(engine.running))
 
 
+class Request:
+    """What `execute` reads of one request, before any work: its inputs and parameters, sizes checked."""
+
+    def __init__(self, model, request, sender):
+        self.sender, self.arrived = sender, time.monotonic()
+        limit = model.max_prompt_bytes
+        self.prompt = _text(request, "text_input", limit, model.max_positions)
+        self.messages = _text(request, "messages", 8 * limit, model.max_positions)  # JSON escapes, keys, roles
+        if (self.prompt is None) == (self.messages is None):
+            raise RequestError("send text_input (a prompt) or messages (a chat), one of them")
+        self.max_new_tokens, self.stop_ids = _values(request, "max_new_tokens"), _values(request, "stop_token_ids")
+        self.parameters = request.parameters()
+        flag = _values(request, "stream")
+        self.stream = bool(flag.reshape(-1)[0]) if flag is not None and flag.size else False
+
+
 class TritonPythonModel:
     def initialize(self, args):
         config = json.loads(args["model_config"])
@@ -107,37 +132,63 @@ class TritonPythonModel:
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
         self.max_positions = int(params["max_positions"])
+        # (a repository exported before this parameter: a bound as generous as any tokenizer's)
+        self.max_prompt_bytes = int(params.get("max_prompt_bytes", 256 * self.max_positions))
         self.streams: dict[str, Stream] = {}
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.incoming: list[Sequence] = []
         self.wake = threading.Condition()
         self.stopping = False
-        self.thread = threading.Thread(target=self._loop, name="dstool-engine", daemon=True)
-        self.thread.start()
+        self.intake = ThreadPoolExecutor(2, thread_name_prefix="dstool-intake")
+        self.thread = self._start()
+
+    def _start(self):
+        thread = threading.Thread(target=self._serve, name="dstool-engine", daemon=True)
+        thread.start()
+        return thread
 
     def execute(self, requests):
+        if not self.thread.is_alive() and not self.stopping:  # never expected (the loop restarts itself): say so
+            pb_utils.Logger.log_error("dstool_llm: the engine thread had stopped; started again")
+            self.thread = self._start()
         for request in requests:
             sender = request.get_response_sender()
             try:
-                sequence, stream, sampler = self._sequence(request)
+                read = Request(self, request, sender)
             except RequestError as e:
                 sender.send(pb_utils.InferenceResponse(
                     error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
                 continue
-            out = Stream(sender, stream)
-            if sampler.logprobs is not None:
-                sequence.choose = _ranking(sampler, out.ranked)
-            with self.wake:
-                out.arrived_step = self.engine.steps_started
-                self.streams[sequence.id] = out
-                self.incoming.append(sequence)
-                self.wake.notify()
+            self.intake.submit(self._admit, read)
         return None
+
+    def _admit(self, read):
+        """Tokenize and check one request (an intake thread), then hand it to the engine."""
+        try:
+            sequence, sampler = self._sequence(read)
+        except RequestError as e:
+            read.sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+            return
+        except Exception as e:  # noqa: BLE001 (a request that cannot be read fails alone)
+            read.sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"could not read the request: {type(e).__name__}: {e}")), flags=FINAL)
+            return
+        out = Stream(read.sender, read.stream)
+        out.arrived = read.arrived
+        if sampler.logprobs is not None:
+            sequence.choose = _ranking(sampler, out.ranked)
+        with self.wake:
+            out.arrived_step = self.engine.steps_started
+            self.streams[sequence.id] = out
+            self.incoming.append(sequence)
+            self.wake.notify()
 
     def finalize(self):
         with self.wake:
             self.stopping = True
             self.wake.notify()
+        self.intake.shutdown(wait=True, cancel_futures=True)
         self.thread.join(30)
         self.metrics.close()
         for out in self.streams.values():  # unloading: what is still generating ends here, said so
@@ -149,50 +200,57 @@ class TritonPythonModel:
         """A response (or the final flag alone) to a request."""
         out.sender.send(response, flags=flags)
 
-    def _text(self, request, name):
-        tensor = pb_utils.get_input_tensor_by_name(request, name)
-        if tensor is None:
-            return None
-        text = tensor.as_numpy().reshape(-1)
-        if text.size != 1:
-            raise RequestError(f"send one {name} per request (got {text.size})")
-        try:
-            return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
-        except UnicodeDecodeError as e:
-            raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
-
     def _chat_prompt(self, messages):
         try:
             chat = json.loads(messages)
-            if not chat or not all(isinstance(m, dict) and isinstance(m.get("role"), str)
-                                   and isinstance(m.get("content"), str) for m in chat):
-                raise ValueError
         except ValueError:
-            raise RequestError('messages must be a JSON list of {"role": ..., "content": ...} with text '
-                               "content") from None
+            chat = None
+        if not isinstance(chat, list) or not chat or not all(
+                isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                and isinstance(m.get("name", ""), str) for m in chat):
+            raise RequestError('messages must be a JSON list of {"role": ..., "content": ..., optional "name": ...} '
+                               "with text content")
+        for i, m in enumerate(chat):
+            extra = sorted(set(m) - {"role", "content", "name"})
+            if extra:
+                raise RequestError(f"messages[{i}] has {extra[0]!r}, which this model does not read: send role, "
+                                   "content and name only")
         if self.tokenizer.chat_template:
-            return self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in chat) + "ASSISTANT:\n"
+            prompt = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            named = [i for i, m in enumerate(chat) if m.get("name")]
+            if named and prompt == self.tokenizer.apply_chat_template(
+                    [{k: v for k, v in m.items() if k != "name"} for m in chat], tokenize=False,
+                    add_generation_prompt=True):
+                raise RequestError(f"messages[{named[0]}].name: this model's chat template does not use a message's "
+                                   "name: leave it out")
+            return prompt
+        return "".join(f"{(m.get('name') or m['role']).upper()}:\n{m['content']}\n\n" for m in chat) + "ASSISTANT:\n"
 
-    def _sequence(self, request):
-        prompt, messages = self._text(request, "text_input"), self._text(request, "messages")
-        if (prompt is None) == (messages is None):
-            raise RequestError("send text_input (a prompt) or messages (a chat), one of them")
-        if messages is not None:
-            prompt = self._chat_prompt(messages)
+    def _sequence(self, read):
+        prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages)
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
         positions = min(self.max_positions, self.engine.max_cache_tokens or self.max_positions)
         try:
             new_tokens, sampler, stop_ids = request_choices(
-                request.parameters(), len(ids), _values(request, "max_new_tokens"), self.default_new_tokens,
-                positions, _values(request, "stop_token_ids"), self.eos)
+                read.parameters, len(ids), read.max_new_tokens, self.default_new_tokens, positions, read.stop_ids,
+                self.eos)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        flag = _values(request, "stream")
-        stream = bool(flag.reshape(-1)[0]) if flag is not None else False
-        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), stream, sampler
+        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), sampler
+
+    def _serve(self):
+        """The engine loop, started again whenever it fails (what it held ends with the error)."""
+        while True:
+            try:
+                self._loop()
+                return
+            except Exception as e:  # noqa: BLE001 (nothing may stop the engine for good)
+                self.metrics.restarts.increment(1)
+                pb_utils.Logger.log_error(f"dstool_llm: the engine loop failed ({type(e).__name__}: {e}); "
+                                          "the sequences it held end with the error, the loop starts again")
+                self._fail_all(f"the engine failed ({type(e).__name__}: {e})")
 
     def _loop(self):
         while True:
@@ -209,15 +267,15 @@ class TritonPythonModel:
                 self.engine.cancel(sequence.id)  # its client has gone; Triton still waits for the final flag
                 self._send(self.streams.pop(sequence.id))
             began, made = time.monotonic(), 0
-            try:
-                for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
-                    for sequence, token in produced:
-                        if len(sequence.output) == 1:
-                            self.metrics.first_token(sequence, self.streams[sequence.id], began)
-                        self._emit(sequence, token)
-                    made += len(produced)
-            except Exception as e:  # the engine failed: every sequence it holds gets the error, the loop goes on
-                self._fail_all(e)
+            for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
+                for sequence, token in produced:
+                    if token is None:
+                        self._fail(sequence)
+                        continue
+                    if len(sequence.output) == 1:
+                        self.metrics.first_token(sequence, self.streams[sequence.id], began)
+                    self._emit(sequence, token)
+                made += len(produced)
             self.metrics.step(self.engine, self.streams, began, made)
 
     def _emit(self, sequence, token):
@@ -252,14 +310,33 @@ class TritonPythonModel:
     def _texts(self, ids):
         return np.array([self.tokenizer.decode([int(i)]).encode("utf-8") for i in ids], dtype=np.object_)
 
+    def _fail(self, sequence, error=None):
+        """End one sequence with its error (it is out of the engine already)."""
+        out = self.streams.pop(sequence.id, None)
+        if out is not None:
+            self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
+                f"generation failed: {error or sequence.error}")))
+
     def _fail_all(self, error):
-        held = self.engine.running + self.engine.prefilling + list(self.engine.waiting)
-        for sequence in held:
-            self.engine.cancel(sequence.id)
-            out = self.streams.pop(sequence.id, None)
-            if out is not None:
-                self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
-                    f"generation failed: {type(error).__name__}: {error}")))
+        for sequence in self.engine.clear():
+            self._fail(sequence, error)
+
+
+def _text(request, name, limit, positions):
+    """A one-element BYTES input as text, None when not sent; refused unread when over `limit` bytes."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    if tensor is None:
+        return None
+    text = tensor.as_numpy().reshape(-1)
+    if text.size != 1:
+        raise RequestError(f"send one {name} per request (got {text.size})")
+    if len(text[0]) > limit:
+        raise RequestError(f"{name} is {len(text[0])} bytes: more than the model's {positions} positions can hold "
+                           f"(at most {limit} bytes); shorten it")
+    try:
+        return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
+    except UnicodeDecodeError as e:
+        raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
 
 
 def _ranking(sampler, ranked):

@@ -2,14 +2,17 @@
 it runs inside Triton's python backend, next to the generation model).
 
 Greedy (argmax) unless sampling is asked for: `temperature` > 0, or `top_k` / `top_p` / `min_p` / `seed` given
-(temperature 1 then); `temperature` 0 is greedy whatever else is set. Applied in the order of transformers'
-`generate`: repetition penalty (over prompt and output, as transformers does), presence and frequency penalties
-(over the output, as OpenAI and vLLM do), then temperature, top-k, top-p, min-p. `seed` makes a request's choices
-its own: the same seed gives the same tokens, whatever other requests share its batch.
+(temperature 1 then); a `temperature` under 1e-5 is greedy whatever else is set (vLLM's rule: dividing by less
+overflows). Applied in the order of transformers' `generate`: repetition penalty (over prompt and output, as
+transformers does), presence and frequency penalties (over the output, as OpenAI and vLLM do), then temperature,
+top-k, top-p, min-p. The arithmetic is float64 and clipped to finite values, so every accepted value chooses a token
+of the vocabulary. `seed` makes a request's choices its own: the same seed gives the same tokens, whatever other
+requests share its batch.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass
@@ -17,6 +20,27 @@ from dataclasses import dataclass
 import numpy as np
 
 MAX_LOGPROBS = 20  # alternatives reported per token, at most (OpenAI's limit)
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
+FINITE = 1e300  # scores are clipped to +-FINITE after each operation, so none overflows to inf or NaN
+SEEDS = 2**63  # seeds are 0 .. SEEDS - 1
+
+
+def _quiet(method):
+    """The method with numpy's overflow warnings off: what overflows is clipped by _finite right after."""
+    @functools.wraps(method)
+    def quiet(*args, **kwargs):
+        with np.errstate(over="ignore", invalid="ignore"):
+            return method(*args, **kwargs)
+    return quiet
+
+
+def shown(value) -> str:
+    """A client's value as an error message quotes it: short, whatever its size or depth."""
+    try:
+        text = repr(value)
+    except RecursionError:
+        text = f"a {type(value).__name__} nested too deep"
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 class SamplingError(ValueError):
@@ -38,7 +62,7 @@ def _optional(params: dict, name: str, low: float, high: float = math.inf, low_o
         bound = f"> {low:g}" if low_open else f">= {low:g}"
         if high != math.inf:
             bound += f" and <= {high:g}"
-        raise SamplingError(f"{name} must be a number {bound}, got {value!r}")
+        raise SamplingError(f"{name} must be a number {bound}, got {shown(value)}")
     return float(value)
 
 
@@ -47,7 +71,7 @@ def _integer(params: dict, name: str, low: int, high: int) -> int | None:
     if value is None:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
-        raise SamplingError(f"{name} must be an integer from {low} to {high}, got {value!r}")
+        raise SamplingError(f"{name} must be an integer from {low} to {high}, got {shown(value)}")
     return value
 
 
@@ -72,8 +96,10 @@ class SamplingParams:
         top_k = _integer(params, "top_k", 0, 2**31 - 1)
         top_p = _optional(params, "top_p", 0.0, 1.0, low_open=True)
         min_p = _optional(params, "min_p", 0.0, 1.0)
-        seed = _integer(params, "seed", 0, 2**63 - 1)
+        seed = _integer(params, "seed", 0, SEEDS - 1)
         sampled = temperature is None and any(v is not None for v in (top_k, top_p, min_p, seed))
+        if temperature is not None and temperature < GREEDY_BELOW:
+            temperature = 0.0
         return cls(temperature=1.0 if sampled else temperature or 0.0, top_k=top_k or 0,
                    top_p=1.0 if top_p is None else top_p, min_p=min_p or 0.0,
                    repetition_penalty=_number(params, "repetition_penalty", 1.0, 0.0, 100.0, low_open=True),
@@ -97,32 +123,37 @@ class Sampler:
     def ranked(self, logits: np.ndarray, token: int) -> tuple[float, np.ndarray, np.ndarray]:
         """Log-probabilities under the model's own distribution (the raw logits, before penalties and temperature:
         vLLM's default), the K most likely first."""
-        scores = np.asarray(logits, np.float64)
+        scores = _finite(np.array(logits, np.float64))
         logp = scores - scores.max()
         logp -= np.log(np.exp(logp).sum())
+        np.maximum(logp, -1e30, out=logp)  # finite in float32 and in JSON
         k = min(self.logprobs or 0, logp.size)
         top = np.argpartition(-logp, k - 1)[:k] if k else np.zeros(0, np.int64)
         top = top[np.argsort(-logp[top], kind="stable")]
         return float(logp[token]), top, logp[top].astype(np.float32)
 
+    @_quiet
     def penalized(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> np.ndarray:
+        """The logits (float64, finite: NaN counts as ruled out) after the repetition, presence and frequency
+        penalties. SamplingError when no token is left (the model's logits are all NaN or infinite)."""
         p = self.params
-        logits = np.asarray(logits, np.float32)
+        logits = _finite(np.array(logits, np.float64))
         if p.repetition_penalty != 1.0 and (prompt or output):
             seen = np.unique(np.asarray(prompt + output, np.int64))
-            logits = logits.copy()
             scores = logits[seen]
-            logits[seen] = np.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty)
+            logits[seen] = _finite(np.where(scores < 0, scores * p.repetition_penalty, scores / p.repetition_penalty))
         if (p.presence_penalty or p.frequency_penalty) and output:
             tokens, counts = np.unique(np.asarray(output, np.int64), return_counts=True)
-            logits = logits.copy()
-            logits[tokens] -= p.presence_penalty + p.frequency_penalty * counts.astype(np.float32)
+            logits[tokens] -= p.presence_penalty + p.frequency_penalty * counts
+        if not logits.max() > -FINITE:
+            raise SamplingError("the model's logits hold no finite value")
         return logits
 
+    @_quiet
     def warped(self, logits: np.ndarray) -> np.ndarray:
         """Temperature, top-k, top-p and min-p on penalized logits (-inf where a token is ruled out)."""
         p = self.params
-        scores = logits.astype(np.float64) / p.temperature
+        scores = _finite(logits / p.temperature)
         if 0 < p.top_k < scores.size:
             kth = np.partition(scores, -p.top_k)[-p.top_k]
             scores = np.where(scores < kth, -np.inf, scores)
@@ -164,11 +195,18 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
     sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS))
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
-        raise SamplingError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        raise SamplingError(f"ignore_eos must be true or false, got {shown(ignore_eos)}")
     stops = set() if ignore_eos else set(eos)
     if stop_token_ids is not None:
         stops |= set(np.asarray(stop_token_ids).reshape(-1).tolist())
     return new_tokens, sampler, stops
+
+
+def _finite(scores: np.ndarray) -> np.ndarray:
+    """Scores clipped to +-FINITE, NaN as -FINITE (a token ruled out), in place."""
+    np.nan_to_num(scores, copy=False, nan=-FINITE)
+    return np.clip(scores, -FINITE, FINITE, out=scores)
+
 
 
 def _softmax(scores: np.ndarray) -> np.ndarray:

@@ -1,0 +1,365 @@
+"""The OpenAI API's request bodies as types (as vLLM's protocol module): a request validates itself — a value of
+the wrong type or out of range, a field OpenAI does not define, or one this server does not serve yet is an
+OpenAIError naming it, in OpenAI's error shape — and turns itself into the generate request its model's NAME_llm
+takes. Sampling values are checked by the engine's own rule (sampling.SamplingParams), before anything goes
+upstream. Fields that do not change the answer (`user`, `metadata`, `store`, ...) are taken and not used."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+
+from dstool.serve.gateway.core import addressable
+from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
+
+MAX_N = 16  # choices per request
+MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
+SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+            "seed")
+
+
+class OpenAIError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
+                 code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
+
+    def body(self) -> bytes:
+        return orjson.dumps({"error": {"message": self.message, "type": self.kind, "param": self.param,
+                                       "code": self.code}})
+
+
+def _integer(name: str, value: Any, low: int, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+        raise ValueError(f"'{name}' must be an integer from {low} to {high}, got {shown(value)}")
+    return value
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ValueError(f"'{name}' must be true or false, got {shown(value)}")
+    return value
+
+
+def _unserved(name: str, value: Any, *asks_nothing: Any) -> None:
+    """A field this server does not serve yet: taken only with a value that asks for nothing."""
+    if value is not None and not any(value == a and type(value) is type(a) for a in asks_nothing):
+        raise ValueError(f"'{name}' is not supported by this server: leave it out")
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+
+
+class _Request(BaseModel):
+    """What completions and chat completions share."""
+
+    model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
+
+    model: str
+    max_tokens: Any = None
+    n: Any = 1
+    stop: Any = None
+    stream: Any = False
+    stream_options: Any = None
+    logprobs: Any = None
+    ignore_eos: Any = False  # vLLM's
+    temperature: Any = 1.0  # OpenAI's default
+    top_p: Any = None
+    top_k: Any = None  # vLLM's, as are min_p and repetition_penalty
+    min_p: Any = None
+    repetition_penalty: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    seed: Any = None
+    logit_bias: Any = None
+    # taken, not used: they do not change the answer
+    user: str | None = None
+    metadata: dict[str, str] | None = None
+    store: bool | None = None
+    service_tier: str | None = None
+
+    @field_validator("model", mode="before")
+    @classmethod
+    def _model(cls, v: Any) -> str:
+        if not isinstance(v, str) or not v:
+            raise ValueError("'model' is required: a model family's name (GET /v1/models lists them)")
+        if not addressable(v + "_llm"):
+            raise ValueError(f"'model' {shown(v)} is not a model name: at most 251 bytes, without spaces, control "
+                             "characters, '/', '?' or '#' (GET /v1/models lists the served ones)")
+        return v
+
+    @field_validator("max_tokens", mode="before")
+    @classmethod
+    def _max_tokens(cls, v: Any) -> int | None:
+        if v is not None:
+            _integer("max_tokens", v, 1, MAX_TOKENS)
+        return v
+
+    @field_validator("n", mode="before")
+    @classmethod
+    def _n(cls, v: Any) -> int:
+        return _integer("n", v, 1, MAX_N)
+
+    @field_validator("stop", mode="before")
+    @classmethod
+    def _stop(cls, v: Any) -> list[str]:
+        stops = [v] if isinstance(v, str) else v if v is not None else []
+        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
+            raise ValueError("'stop' must be a string or a list of up to 4 non-empty strings")
+        return stops
+
+    @field_validator("stream", "ignore_eos", mode="before")
+    @classmethod
+    def _flags(cls, v: Any, info) -> bool:
+        return _flag(info.field_name, v)
+
+    @field_validator("stream_options", mode="before")
+    @classmethod
+    def _stream_options(cls, v: Any) -> StreamOptions | None:
+        if v is None:
+            return None
+        try:
+            return StreamOptions.model_validate(v)
+        except ValidationError:
+            raise ValueError('\'stream_options\' must be {"include_usage": true or false}, got '
+                             f"{shown(v)}") from None
+
+    @field_validator("logit_bias", mode="before")
+    @classmethod
+    def _logit_bias(cls, v: Any) -> None:
+        _unserved("logit_bias", v, {})
+
+    @model_validator(mode="after")
+    def _together(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("'stream_options' is only allowed with 'stream': true")
+        params = {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
+        try:
+            SamplingParams.from_parameters(params)  # the engine's own rule, before anything goes upstream
+        except SamplingError as e:
+            raise ValueError(str(e)) from None
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_tokens
+
+    def fields(self, choice: int) -> dict:
+        """The generate_stream request of choice `choice` (with a seed, choice i uses seed + i, wrapping)."""
+        fields: dict[str, Any] = {**self.prompt_fields(), "stream": True}
+        if self.max_new_tokens is not None:
+            fields["max_new_tokens"] = self.max_new_tokens
+        fields.update({k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None})
+        if self.seed is not None:
+            fields["seed"] = (self.seed + choice) % SEEDS
+        if self.ignore_eos:
+            fields["ignore_eos"] = True
+        if self.top_logprobs_asked is not None:
+            fields["logprobs"] = self.top_logprobs_asked
+        return fields
+
+    def prompt_fields(self) -> dict:
+        raise NotImplementedError
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        raise NotImplementedError
+
+
+class CompletionRequest(_Request):
+    """POST /v1/completions."""
+
+    prompt: Any
+    echo: Any = None
+    suffix: Any = None
+    best_of: Any = None
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _prompt(cls, v: Any) -> str:
+        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
+            v = v[0]
+        if not isinstance(v, str):
+            raise ValueError("'prompt' must be a string (or a list of one string)")
+        return v
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v: Any) -> int | None:
+        return None if v is None else _integer("logprobs", v, 0, MAX_LOGPROBS)
+
+    @field_validator("echo", "suffix", "best_of", mode="before")
+    @classmethod
+    def _unserved(cls, v: Any, info) -> None:
+        _unserved(info.field_name, v, False, "", 1)
+
+    def prompt_fields(self) -> dict:
+        return {"text_input": self.prompt}
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return self.logprobs
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    ROLES: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "assistant")
+
+    role: Any
+    content: Any
+    name: Any = None
+
+    @field_validator("role", mode="before")
+    @classmethod
+    def _role(cls, v: Any) -> str:
+        if v not in cls.ROLES:
+            raise ValueError(f"'role' must be one of {', '.join(cls.ROLES)} (tool messages need tools, which this "
+                             f"server does not serve yet), got {shown(v)}")
+        return v
+
+    @field_validator("content", mode="before")
+    @classmethod
+    def _content(cls, v: Any) -> str:
+        """Text, or a list of text parts (joined by newlines, as vLLM joins them)."""
+        if isinstance(v, str):
+            return v
+        if isinstance(v, list) and v and all(isinstance(p, dict) and p.get("type") == "text" and set(p) ==
+                                             {"type", "text"} and isinstance(p["text"], str) for p in v):
+            return "\n".join(p["text"] for p in v)
+        raise ValueError("'content' must be text or a list of text parts ({\"type\": \"text\", \"text\": ...}): "
+                         "this server serves text only")
+
+    @field_validator("name", mode="before")
+    @classmethod
+    def _name(cls, v: Any) -> str | None:
+        if v is not None and (not isinstance(v, str) or not v):
+            raise ValueError(f"'name' must be a non-empty string, got {shown(v)}")
+        return v
+
+    def wire(self) -> dict:
+        return {"role": self.role, "content": self.content, **({"name": self.name} if self.name else {})}
+
+
+class ChatCompletionRequest(_Request):
+    """POST /v1/chat/completions."""
+
+    messages: list[ChatMessage]
+    max_completion_tokens: Any = None
+    top_logprobs: Any = None
+    tools: Any = None
+    functions: Any = None
+    tool_choice: Any = None
+    function_call: Any = None
+    parallel_tool_calls: bool | None = None  # without tools it asks for nothing
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+
+    @field_validator("messages", mode="before")
+    @classmethod
+    def _messages(cls, v: Any) -> Any:
+        if not isinstance(v, list) or not v:
+            raise ValueError("'messages' must be a non-empty list of {role, content} with text content")
+        return v
+
+    @field_validator("max_completion_tokens", mode="before")
+    @classmethod
+    def _max_completion_tokens(cls, v: Any) -> int | None:
+        return None if v is None else _integer("max_completion_tokens", v, 1, MAX_TOKENS)
+
+    @field_validator("logprobs", mode="before")
+    @classmethod
+    def _logprobs(cls, v: Any) -> bool | None:
+        return None if v is None else _flag("logprobs", v)
+
+    @field_validator("top_logprobs", mode="before")
+    @classmethod
+    def _top_logprobs(cls, v: Any) -> int | None:
+        return None if v is None else _integer("top_logprobs", v, 0, MAX_LOGPROBS)
+
+    @field_validator("tools", "functions", mode="before")
+    @classmethod
+    def _tools(cls, v: Any, info) -> None:
+        _unserved(info.field_name, v, [])
+
+    @field_validator("tool_choice", "function_call", mode="before")
+    @classmethod
+    def _tool_choice(cls, v: Any, info) -> None:
+        _unserved(info.field_name, v, "none")  # "none" asks for what this server does anyway: no tool calls
+
+    @field_validator("response_format", mode="before")
+    @classmethod
+    def _response_format(cls, v: Any) -> None:
+        _unserved("response_format", v, {"type": "text"})
+
+    @field_validator("modalities", mode="before")
+    @classmethod
+    def _modalities(cls, v: Any) -> None:
+        _unserved("modalities", v, ["text"])
+
+    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options", mode="before")
+    @classmethod
+    def _others(cls, v: Any, info) -> None:
+        _unserved(info.field_name, v)
+
+    @model_validator(mode="after")
+    def _logprobs_together(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("'top_logprobs' needs 'logprobs': true")
+        return self
+
+    @property
+    def max_new_tokens(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_fields(self) -> dict:
+        return {"messages": orjson.dumps([m.wire() for m in self.messages]).decode()}
+
+    @property
+    def top_logprobs_asked(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+
+def parse(body: bytes, kind: type[_Request]) -> _Request:
+    """The request in `body`, validated; OpenAIError (400) naming the first thing wrong."""
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise OpenAIError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    try:
+        return kind.model_validate(value)
+    except ValidationError as e:
+        raise _error(e) from None
+
+
+def _error(e: ValidationError) -> OpenAIError:
+    """The first validation error, in OpenAI's words and shape: the field it concerns as `param`."""
+    first = e.errors(include_url=False)[0]
+    loc = [part for part in first["loc"] if isinstance(part, int) or "[" not in part]
+    param = "".join(f"[{p}]" if isinstance(p, int) else (f".{p}" if i else p) for i, p in enumerate(loc)) or None
+    if first["type"] == "extra_forbidden":
+        return OpenAIError(400, f"Unrecognized request argument supplied: {param}", param)
+    if first["type"] == "missing":
+        hint = ": a model family's name (GET /v1/models lists them)" if param == "model" else ""
+        return OpenAIError(400, f"'{param}' is required{hint}", param)
+    message = first["msg"].removeprefix("Value error, ")
+    if first["type"] != "value_error":
+        message = f"'{param}': {message}, got {shown(first.get('input'))}"
+    return OpenAIError(400, message, _param_of(message, param))
+
+
+def _param_of(message: str, param: str | None) -> str | None:
+    """The field a model-level check names at the start of its message ("top_p must be ...")."""
+    if param:
+        return param
+    head = message.split(" ", 1)[0].strip("'")
+    return head if head.isidentifier() else None

@@ -1,0 +1,107 @@
+"""What the LLM-surface tests share: raw HTTP against the gateway or Triton, the engine's counters from Triton's
+/metrics and statistics, and the python-backend process that holds a model."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import socket
+import time
+import urllib.request
+
+import psutil
+
+
+def post(port: int, path: str, body, headers: dict | None = None, timeout: float = 120) -> tuple[int, dict, bytes]:
+    """(status, lower-cased headers, body) of one POST; `body` a dict/list (sent as JSON) or bytes."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=timeout)
+    try:
+        conn.request("POST", path, data, {"Content-Type": "application/json", **(headers or {})})
+        r = conn.getresponse()
+        return r.status, {k.lower(): v for k, v in r.getheaders()}, r.read()
+    finally:
+        conn.close()
+
+
+def error_of(body: bytes) -> str:
+    """The message of an error answer, KServe's {"error": "..."} or OpenAI's {"error": {"message": ...}}."""
+    try:
+        e = json.loads(body)["error"]
+    except (ValueError, KeyError, TypeError):
+        return body.decode(errors="replace")
+    return e["message"] if isinstance(e, dict) else str(e)
+
+
+def sse_events(body: bytes) -> list[dict | str]:
+    """The JSON objects of a server-sent event stream ("[DONE]" as the string)."""
+    out: list[dict | str] = []
+    for event in body.split(b"\n\n"):
+        if event.startswith(b"data: "):
+            payload = event[len(b"data: "):]
+            out.append(payload.decode() if payload == b"[DONE]" else json.loads(payload))
+    return out
+
+
+def raw_request(port: int, path: str, body: dict) -> socket.socket:
+    """A POST written on a raw socket (the caller reads, or hangs up, as it likes)."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port))
+    s.sendall(b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: %d\r\n\r\n"
+              % (path.encode(), len(data)) + data)
+    return s
+
+
+def metric(server, name: str) -> float:
+    """A counter or gauge of dstool_lm_llm on Triton's /metrics."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name + "{") and 'model="dstool_lm_llm"' in line)
+
+
+def generated(server) -> float:
+    return metric(server, "dstool_llm_generated_tokens_total")
+
+
+def settled_generated(server, quiet: float = 0.6, limit: float = 60) -> float:
+    """The engine's generated-token count once it stops moving (nothing left running)."""
+    deadline = time.monotonic() + limit
+    last = generated(server)
+    while time.monotonic() < deadline:
+        time.sleep(quiet)
+        now = generated(server)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError(f"the engine kept generating for {limit} s")
+
+
+def executions(server, model: str) -> int:
+    """Requests Triton's `model` has taken (those it answered and those it failed)."""
+    conn = http.client.HTTPConnection(*server.http_url.split(":"), timeout=30)
+    conn.request("GET", f"/v2/models/{model}/stats")
+    stats = json.loads(conn.getresponse().read())["model_stats"][0]["inference_stats"]
+    conn.close()
+    return int(stats["success"]["count"]) + int(stats["fail"]["count"])
+
+
+def stub_process(server, model: str) -> psutil.Process:
+    """The python-backend stub process that runs `model` inside `server`."""
+    for child in psutil.Process(server.proc.pid).children(recursive=True):
+        try:
+            if any(f"{model}_0_0" in part for part in child.cmdline()):
+                return child
+        except psutil.NoSuchProcess:
+            continue
+    raise AssertionError(f"no python-backend process runs {model}")
+
+
+def timed_chat(port: int, content: str = "Speak, Juliet.", headers: dict | None = None) -> float:
+    """Seconds a short greedy chat takes (asked not to come from the cache)."""
+    started = time.monotonic()
+    status, _, body = post(port, "/v1/chat/completions",
+                           {"model": "dstool_lm", "messages": [{"role": "user", "content": content}],
+                            "max_tokens": 8, "temperature": 0},
+                           {"Cache-Control": "no-cache", **(headers or {})})
+    assert status == 200, body
+    return time.monotonic() - started

@@ -1,0 +1,331 @@
+"""The eight classes of attack on the LLM surface (issue 23), each on the real Triton + gateway + Redis: sampling
+values that used to kill the engine, request smuggling through a model name, random answers and errors in the
+cache, work for clients that are gone, memory held for slow readers, work before limits, client mistakes answered
+as 5xx or wrapped silently, and parameters that change the answer but were ignored."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+import urllib.request
+
+import numpy as np
+import psutil
+import pytest
+from llmlib import (
+    error_of,
+    executions,
+    generated,
+    post,
+    raw_request,
+    settled_generated,
+    sse_events,
+    stub_process,
+    timed_chat,
+)
+
+from gatewaylib import GatewayProcess
+
+CHAT = "/v1/chat/completions"
+LLM = "/v2/models/dstool_lm_llm"
+GEN = "/v2/models/dstool_lm_generate"
+
+
+@pytest.fixture(scope="module")
+def stack(server, redis_server, session_tmp):
+    """A gateway with the Redis cache in front of the session's Triton (every exported model)."""
+    gw = GatewayProcess(session_tmp / "gateway-llm-attacks.log",
+                        config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
+                                "cache": redis_server.url})
+    yield gw
+    gw.stop()
+
+
+def _chat(content: str = "hi", **fields) -> dict:
+    return {"model": "dstool_lm", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
+
+
+def _long_stream(port: int, out: dict) -> threading.Thread:
+    """A 600-token stream through the gateway, in the background: out["events"] and out["status"] at its end."""
+    def run():
+        status, _, body = post(port, LLM + "/generate_stream",
+                               {"text_input": "ROMEO:", "max_new_tokens": 600, "ignore_eos": True, "stream": True},
+                               {"Cache-Control": "no-cache"})
+        out["status"], out["events"] = status, sse_events(body)
+
+    t = threading.Thread(target=run)
+    t.start()
+    return t
+
+
+# ---- 1. one request cannot stop the engine -----------------------------------------------------------------------
+EXTREME_SAMPLING = [
+    ("chat", {"temperature": 5e-324}), ("chat", {"temperature": 1e-300, "top_p": 5e-324}),
+    ("chat", {"temperature": 100, "top_k": 1}), ("chat", {"temperature": 1e-30, "min_p": 1.0}),
+    ("chat", {"temperature": 2, "presence_penalty": 2, "frequency_penalty": 2, "seed": 3}),
+    ("chat", {"temperature": 1e-300, "repetition_penalty": 100, "seed": 1}),
+    ("llm", {"temperature": 1, "repetition_penalty": 1e-300, "seed": 1}),
+    ("llm", {"parameters": {"temperature": 1, "repetition_penalty": 1e-300, "seed": 2}}),
+    ("llm", {"temperature": 5e-324, "seed": 9}), ("llm", {"temperature": 1e-320, "top_k": 1, "seed": 9}),
+    ("generate", {"temperature": 5e-324, "seed": 4}), ("generate", {"repetition_penalty": 1e-300, "seed": 4}),
+]
+
+
+def test_sampling_at_the_edges_never_stops_the_engine(stack, server):
+    """Every accepted extreme value samples a real token (or is refused), the stream running beside them ends
+    whole, and the engine serves afterwards at once."""
+    beside: dict = {}
+    t = _long_stream(stack.http_port, beside)
+    time.sleep(0.3)
+    wrong = []
+    for route, fields in EXTREME_SAMPLING * 2:
+        if route == "chat":
+            status, _, body = post(stack.http_port, CHAT, _chat(**fields), {"Cache-Control": "no-cache"})
+            ok = status == 200 and isinstance(json.loads(body)["choices"][0]["message"]["content"], str)
+        else:
+            path = (LLM if route == "llm" else GEN) + "/generate"
+            status, _, body = post(stack.http_port, path, {"text_input": "ROMEO:", "max_new_tokens": 8, **fields},
+                                   {"Cache-Control": "no-cache"})
+            ok = status == 200 and all(0 <= i < 4096 for i in np.ravel(json.loads(body)["output_ids"]))
+        if not (ok or 400 <= status < 500):
+            wrong.append((route, fields, status, body[:200]))
+    t.join(120)
+    assert not wrong, wrong
+    events = beside["events"]
+    assert beside["status"] == 200 and len(events) == 600 and not any("error" in e for e in events), events[-2:]
+    assert timed_chat(stack.http_port) < 5
+    for path in ("/v2/health/ready", LLM + "/ready"):
+        assert urllib.request.urlopen(f"http://{stack.http_url}{path}", timeout=10).status == 200
+
+
+# ---- 2. no request smuggled through a name; a response always belongs to its request ------------------------------
+def test_a_model_name_cannot_smuggle_a_request(stack, server):
+    inner = json.dumps({"text_input": "KING:", "max_new_tokens": 600, "ignore_eos": True})
+    smuggled = (f"dstool_lm_llm/generate HTTP/1.1\r\nHost: x\r\nContent-Length: {len(inner)}\r\n\r\n{inner}"
+                f"POST /v2/models/dstool_lm")
+    innocent = {"text_input": "JULIET:\nO Romeo", "max_new_tokens": 6}
+    truth = post(server.http_port, LLM + "/generate", innocent)[2]
+    before = executions(server, "dstool_lm_llm")
+    for name in (smuggled, "dstool_lm\r\nX-Evil: 1", "dstool lm", "dstool_lm?x=1", "dstool_lm#x", "../dstool_lm",
+                 "dstool_lm%2Fx", "dstool_lm/versions/1", "\x00", "x" * 300):
+        status, _, body = post(stack.http_port, "/v1/completions", {"model": name, "prompt": "x", "max_tokens": 600,
+                                                                    "temperature": 0})
+        assert 400 <= status < 500, (name, status, body)
+        answers = [json.loads(post(stack.http_port, LLM + "/generate", innocent)[2]) for _ in range(3)]
+        assert all(a["text_output"] == json.loads(truth)["text_output"] for a in answers), (name, answers)
+    time.sleep(1)
+    assert executions(server, "dstool_lm_llm") <= before + 1  # the innocent request once (then cached); no smuggled
+
+
+# ---- 3. only deterministic answers are cached; errors never -------------------------------------------------------
+@pytest.mark.parametrize("model", ["dstool_lm_llm", "dstool_lm_generate"])
+def test_random_draws_and_errors_are_never_cached(stack, server, model):
+    path = f"/v2/models/{model}/generate"
+    for fields in ({"parameters": {"temperature": 1.0}}, {"parameters": {"top_p": 0.9}},
+                   {"top_k": 5}, {"parameters": {"min_p": 0.1, "temperature": 0.7}}):
+        body = {"text_input": f"BRUTUS {time.time_ns()}:", "max_new_tokens": 4, **fields}
+        before = executions(server, model)
+        assert post(stack.http_port, path, body)[0] == 200 and post(stack.http_port, path, body)[0] == 200
+        assert executions(server, model) == before + 2, fields  # a new draw each time
+    seeded = {"text_input": f"BRUTUS {time.time_ns()}:", "max_new_tokens": 4,
+              "parameters": {"temperature": 1.0, "seed": 3}}
+    before = executions(server, model)
+    assert post(stack.http_port, path, seeded)[2] == post(stack.http_port, path, seeded)[2]
+    assert executions(server, model) == before + 1  # a seeded draw is a function of the request: cached
+
+    if model == "dstool_lm_llm":  # `stream` on generate: Triton answers 200 with an error body
+        erring = {"text_input": f"CASCA {time.time_ns()}:", "max_new_tokens": 4, "stream": True}
+        first, second = post(stack.http_port, path, erring), post(stack.http_port, path, erring)
+        assert "error" in json.loads(first[2]) and "error" in json.loads(second[2])
+        before = executions(server, model)
+        post(stack.http_port, path, erring)
+        assert executions(server, model) == before + 1  # the error was not kept
+
+
+# ---- 4. a client that hangs up costs no more work -------------------------------------------------------------------
+def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
+    settled_generated(server)
+    s = raw_request(stack.http_port, CHAT, _chat(max_tokens=900, n=16, ignore_eos=True, temperature=0))
+    time.sleep(0.3)
+    s.close()
+    time.sleep(0.5)
+    stopped = generated(server)
+    assert settled_generated(server) - stopped < 16 * 5, "the unstreamed chat went on after its client left"
+    assert timed_chat(stack.http_port) < 5
+
+    ran_on = []
+    for i in range(24):  # streams closed after their first chunk, on every route that streams
+        before = settled_generated(server, quiet=0.3)
+        route = i % 3
+        if route == 0:
+            s = raw_request(stack.http_port, LLM + "/generate_stream",
+                            {"text_input": f"HAMLET {i}:", "max_new_tokens": 900, "ignore_eos": True, "stream": True})
+        elif route == 1:
+            s = raw_request(stack.http_port, CHAT, _chat(f"x{i}", max_tokens=900, ignore_eos=True, stream=True, n=4,
+                                                         temperature=0))
+        else:
+            s = raw_request(stack.http_port, "/v1/completions",
+                            {"model": "dstool_lm", "prompt": f"x{i}", "max_tokens": 900, "ignore_eos": True,
+                             "stream": True, "temperature": 0})
+        s.recv(200)
+        s.close()
+        spent = settled_generated(server, quiet=0.3) - before
+        if spent > 200:
+            ran_on.append((i, route, spent))
+    assert not ran_on, ran_on
+
+
+def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
+    import tritonclient.grpc as grpcclient
+
+    ran_on = []
+    for i in range(8):
+        before = settled_generated(server, quiet=0.3)
+        client = grpcclient.InferenceServerClient(stack.grpc_url)
+        got = threading.Event()
+        client.start_stream(callback=lambda result, error, got=got: got.set())
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([f"OTHELLO {i}:".encode()], dtype=np.object_))
+        n = grpcclient.InferInput("max_new_tokens", [1], "INT32")
+        n.set_data_from_numpy(np.array([900], np.int32))
+        flag = grpcclient.InferInput("stream", [1], "BOOL")
+        flag.set_data_from_numpy(np.array([True]))
+        client.async_stream_infer("dstool_lm_llm", [text, n, flag], parameters={"ignore_eos": True})
+        assert got.wait(30)
+        client.stop_stream(cancel_requests=True)
+        client.close()
+        spent = settled_generated(server, quiet=0.3) - before
+        if spent > 200:
+            ran_on.append((i, spent))
+    assert not ran_on, ran_on
+
+
+# ---- 5. a slow reader holds bounded memory ------------------------------------------------------------------------
+def test_slow_readers_hold_bounded_memory(stack, server):
+    gateway = psutil.Process(stack.proc.pid)
+    timed_chat(stack.http_port)
+    baseline = gateway.memory_info().rss
+    readers = []
+    for i in range(4):
+        body = _chat(f"slow {i}", stream=True, n=16, logprobs=True, top_logprobs=20, max_tokens=500, temperature=0,
+                     ignore_eos=True)
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        s.connect(("127.0.0.1", stack.http_port))
+        data = json.dumps(body).encode()
+        s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+        readers.append(s)
+    peak = baseline
+    for _ in range(20):  # 10 s of reading 1 byte a second
+        time.sleep(0.5)
+        for s in readers:
+            s.setblocking(False)
+            try:
+                s.recv(1)
+            except BlockingIOError:
+                pass
+        peak = max(peak, gateway.memory_info().rss)
+    assert peak - baseline < 24 << 20, f"the gateway grew by {(peak - baseline) >> 20} MB for four slow readers"
+    for s in readers:
+        s.close()
+    settled_generated(server)
+    time.sleep(1)
+    assert gateway.memory_info().rss - baseline < 16 << 20
+    assert timed_chat(stack.http_port) < 5
+
+
+# ---- 6. limits before work --------------------------------------------------------------------------------------
+def test_a_huge_prompt_is_refused_before_it_is_tokenized(stack, server):
+    llm = stub_process(server, "dstool_lm_llm")
+    rss = llm.memory_info().rss
+    huge = "To be or not to be. " * ((8 << 20) // 20)
+    result: dict = {}
+
+    def send(port, path, body):
+        started = time.monotonic()
+        result[path, port] = (post(port, path, body), time.monotonic() - started)
+
+    senders = [threading.Thread(target=send, args=(stack.http_port, "/v1/completions",
+                                                   {"model": "dstool_lm", "prompt": huge, "max_tokens": 4})),
+               threading.Thread(target=send, args=(server.http_port, LLM + "/generate",
+                                                   {"text_input": huge, "max_new_tokens": 4}))]
+    for t in senders:
+        t.start()
+    time.sleep(0.2)
+    beside = timed_chat(stack.http_port)
+    for t in senders:
+        t.join(60)
+    for (path, _), ((status, _, body), seconds) in result.items():
+        assert 400 <= status < 500 and seconds < 2, (path, status, error_of(body)[:200], seconds)
+    assert beside < 1.5, f"a chat beside the huge prompts took {beside:.2f} s"
+    assert llm.memory_info().rss - rss < 64 << 20
+
+
+# ---- 7. every client mistake is a 4xx naming the field ----------------------------------------------------------
+MISTAKES = [
+    ("/v1/completions", {"model": "dstool_lm", "prompt": "x", "max_tokens": 4294967300}, "max_tokens"),
+    ("/v1/completions", {"model": "dstool_lm", "prompt": "x", "max_tokens": 2**63}, "max_tokens"),
+    ("/v1/completions", {"model": "dstool_lm", "prompt": "x", "max_tokens": 1.5}, "max_tokens"),
+    (CHAT, _chat(stream=True, stream_options="x"), "stream_options"),
+    (CHAT, json.dumps(_chat()).encode()[:-1] + b', "top_p": ' + b"[" * 1000 + b"]" * 1000 + b"}", "top_p"),
+    (CHAT, _chat(temperature="hot"), "temperature"),
+    (CHAT, _chat(seed=-1), "seed"),
+    (CHAT, _chat(n=True), "n"),
+    (CHAT, _chat(stop={"a": 1}), "stop"),
+    (LLM + "/generate_stream", {"text_input": "x", "max_new_tokens": "abc"}, "max_new_tokens"),
+    (LLM + "/generate_stream", {"text_input": "x", "max_new_tokens": 4.7}, "max_new_tokens"),
+    (LLM + "/generate_stream", {"text_input": "x", "max_new_tokens": 4294967300}, "max_new_tokens"),
+    (LLM + "/generate", {"text_input": "x", "stop_token_ids": "13"}, "stop_token_ids"),
+    (LLM + "/generate_stream", {"text_input": "x", "stream": "yes"}, "stream"),
+    (LLM + "/generate", {"text_input": 5}, "text_input"),
+    (GEN + "/generate", {"text_input": "x", "max_new_tokens": 2**40}, "max_new_tokens"),
+    (LLM + "/generate_stream", b"not json", "JSON"),
+    (LLM + "/generate", b"[1, 2]", "JSON object"),
+    (GEN + "/generate", b"[]", "JSON object"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", MISTAKES, ids=[f"{p.rsplit('/', 1)[1]}-{f}-{i}" for i, (p, _, f)
+                                                             in enumerate(MISTAKES)])
+def test_client_mistakes_are_4xx_naming_the_field(stack, path, body, field):
+    status, _, answer = post(stack.http_port, path, body)
+    assert 400 <= status < 500 and field in error_of(answer), (status, answer[:300])
+
+
+def test_a_seed_near_the_top_of_its_range_serves_every_choice(stack):
+    status, _, body = post(stack.http_port, "/v1/completions",
+                           {"model": "dstool_lm", "prompt": "x", "max_tokens": 3, "n": 2, "seed": 2**63 - 1})
+    assert status == 200 and len(json.loads(body)["choices"]) == 2, body
+
+
+# ---- 8. a parameter that changes the answer is served or refused, never ignored -----------------------------------
+REFUSED = [
+    (_chat(response_format={"type": "json_object"}), "response_format"),
+    (_chat(response_format="nonsense"), "response_format"),
+    (_chat(tool_choice="auto"), "tool_choice"),
+    (_chat(modalities=["text", "audio"]), "modalities"),
+    (_chat(logit_bias={"13": 100}), "logit_bias"),
+    (_chat(no_such_field=1), "no_such_field"),
+    ({**_chat(), "messages": [{"role": "user", "content": "hi", "weight": 2}]}, "weight"),
+    ({**_chat(), "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
+     "content"),
+]
+
+
+@pytest.mark.parametrize("body, field", REFUSED, ids=[f for _, f in REFUSED])
+def test_parameters_not_served_are_refused_by_name(stack, body, field):
+    status, _, answer = post(stack.http_port, CHAT, body)
+    assert status == 400 and field in error_of(answer), answer
+
+
+def test_a_message_name_is_served(stack):
+    """Without a chat template a message's name is its speaker's label, as the corpus lays out a play."""
+    named = {**_chat(temperature=0), "messages": [{"role": "user", "name": "ROMEO", "content": "Juliet!"}]}
+    plain = {**_chat(temperature=0), "messages": [{"role": "user", "content": "Juliet!"}]}
+    a, b = post(stack.http_port, CHAT, named), post(stack.http_port, CHAT, plain)
+    assert a[0] == b[0] == 200
+    usage = json.loads(a[2])["usage"]["prompt_tokens"], json.loads(b[2])["usage"]["prompt_tokens"]
+    assert usage[0] != usage[1], usage  # "ROMEO:" is not "USER:"
