@@ -67,6 +67,8 @@ def read_request(body: bytes) -> dict:
         raise GatewayError(400, "the request body must be a JSON object of inputs and parameters")
     if "id" in request and not isinstance(request["id"], str):
         raise GatewayError(400, f"'id' must be a string, got {shown(request['id'])}")
+    if "parameters" in request and not isinstance(request["parameters"], dict):
+        raise GatewayError(400, f"'parameters' must be a JSON object, got {shown(request['parameters'])}")
     for key, value in request.items():
         for name, number in _numbers(key, value):
             if isinstance(number, float) and not math.isfinite(number):
@@ -168,10 +170,10 @@ class GenerationCache:
                 self.metrics.observe(model, protocol, "hit", time.perf_counter() - started,
                                      sum(len(t.raw) for t in entry.result.outputs))
                 return Generation(200, list(entry.result.parameters["headers"]), _replay(entry.result))
-        ours = "id" not in request
+        ours = not request.get("id")  # Triton echoes no empty id: the gateway's own is taken out again
         ident = request_nonce() if ours else request["id"]
         path = model_path(model) + (f"/versions/{version}" if version else "") + "/" + route
-        r = await self.core.upstreams.open("POST", path, orjson.dumps({"id": ident, **request}), headers)
+        r = await self.core.upstreams.open("POST", path, orjson.dumps({**request, "id": ident}), headers)
         passed = [("Content-Type", r.headers["content-type"])] if "content-type" in r.headers else []
         outcome = "error" if r.status != 200 else "miss" if key else "bypass"
         self.metrics.observe(model, protocol, outcome, time.perf_counter() - started)

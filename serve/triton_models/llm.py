@@ -203,7 +203,7 @@ class TritonPythonModel:
     def _chat_prompt(self, messages):
         try:
             chat = json.loads(messages)
-        except ValueError:
+        except (ValueError, RecursionError):
             chat = None
         if not isinstance(chat, list) or not chat or not all(
                 isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
