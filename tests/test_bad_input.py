@@ -141,3 +141,16 @@ def test_packed_data_changed_since_the_run_began(trained, tmp_path):
                         "train.bin changed since the run packed it", tmp_path)
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}
+
+
+@pytest.mark.parametrize("command", ["batch", "infer"])
+@pytest.mark.parametrize("args,needle", [
+    (["--repetition-penalty", "1000"], "--repetition-penalty must be a number > 0 and <= 100"),
+    (["--seed", str(2**64)], "--seed must be an integer from 0 to 9223372036854775807"),
+    (["--top-k", str(2**32)], "--top-k must be an integer from 0 to 2147483647"),
+    (["--max-new-tokens", str(2**32 + 4)], "max_new_tokens"),
+])
+def test_sampling_the_models_would_refuse_is_refused_by_their_rule(command, args, needle, tmp_path):
+    """What reaches the models' sampler is checked by its own rule before any work (`dstool batch --engine triton`
+    would otherwise fail every row, and an INT32 would wrap)."""
+    _expect_usage_error([command, *(["hi"] if command == "infer" else []), *args], needle, tmp_path)

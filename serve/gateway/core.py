@@ -283,7 +283,8 @@ class GatewayCore:
             (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream"),
              *request.headers))
         if response.status != 200:
-            raise GatewayError(response.status, error_message(response.status, response.body))
+            raise GatewayError(response.status, untagged(error_message(response.status, response.body), ident,
+                                                         request.id))
         return parse_binary_response(response.body, response.headers.get("inference-header-content-length"), ident)
 
 
@@ -294,6 +295,12 @@ _NONCE_PREFIX = f"dstool-{os.getpid():x}-{time.monotonic_ns() & 0xffffffff:x}-"
 def request_nonce() -> str:
     """An id for one request to Triton, which Triton echoes in its answer: never the same twice in a process."""
     return f"{_NONCE_PREFIX}{next(_NONCES)}"
+
+
+def untagged(message: str, nonce: str, client_id: str) -> str:
+    """Triton's error message as it would read had the client's request gone as sent: with the client's id, or
+    Triton's "<id_unknown>" for none, where Triton quotes the gateway's `nonce`."""
+    return message.replace(f"[request id: {nonce}]", f"[request id: {client_id or '<id_unknown>'}]")
 
 
 def parse_binary_response(body: bytes, header_length: str | None, ident: str) -> InferResult:

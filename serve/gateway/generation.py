@@ -246,6 +246,8 @@ class Answer:
         d = _json(body)
         if d is None or "error" in d:  # Triton's own error answers carry no id: passed on, never kept
             self.intact = False
+            if self.ours:  # as Triton words it for a request without an id
+                return body.replace(f"[request id: {self.ident}]".encode(), b"[request id: <id_unknown>]")
             return body
         if d.get("id") != self.ident:
             self.intact = False

@@ -128,7 +128,7 @@ class Engine:
             try:
                 yield self._decode()
             except _RunFailed as e:  # the batch's cache is gone with it: every running sequence ends
-                failed = [s._fail(e.cause) for s in self.running]
+                failed: list[tuple[Sequence, int | None]] = [s._fail(e.cause) for s in self.running]
                 self.running, self.cache, self.mask = [], self._empty(0), np.zeros((0, 0), np.int64)
                 yield failed
         self._append([j for j in joining if not j[0].finished])
