@@ -5,7 +5,8 @@
 
 Files: tensors (the protocol-neutral request/result), keys (cache keys), cache (front LRU + Redis),
 upstream (HTTP pool to Triton), core (versions, lookup, misses), http / grpc (the two protocols),
-metrics (Prometheus), launch (`dstool serve --cache`: Triton behind the gateway).
+generation (Triton's generate extension, cached), protocol + openai (the OpenAI API: typed requests, serving),
+metrics (Prometheus), workers (several gateway processes on the same ports).
 """
 
 from __future__ import annotations

@@ -79,10 +79,11 @@ def logprobs_field(chat: bool, rows: list[Ranked], offset: int = 0) -> dict:
 
 
 class Choice:
-    """One choice's text as it comes from the model, cut at the first stop string, and its tokens' logprobs."""
+    """One choice's text as it comes from the model, cut at the first stop string, and (for an answer sent whole,
+    `whole`) its tokens' logprobs; a stream's go out as they come and are not kept."""
 
-    def __init__(self, index: int, stops: list[str]):
-        self.index, self.stops, self.text, self.sent, self.tokens = index, stops, "", 0, 0
+    def __init__(self, index: int, stops: list[str], whole: bool = True):
+        self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
         self.ranked: list[Ranked] = []
         self.prompt_tokens = 0
         self.finish_reason: str | None = None
@@ -141,7 +142,7 @@ class OpenAIFrontend:
     async def _complete(self, req: HttpRequest, chat: bool):
         request = parse(req.body, ChatCompletionRequest if chat else CompletionRequest)
         max_tokens = request.max_new_tokens or self.default_max_tokens
-        choices = [Choice(i, request.stop) for i in range(request.n)]
+        choices = [Choice(i, request.stop, whole=not request.stream) for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         opt_out = opts_out(req)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
@@ -260,7 +261,8 @@ class OpenAIFrontend:
                     choice.tokens += 1
                     choice.prompt_tokens = int(d.get("prompt_tokens", 0))
                     rows = ranked(d)
-                    choice.ranked += rows
+                    if choice.whole:
+                        choice.ranked += rows
                     text = choice.add(d.get("text_output", ""))
                     await events.put((choice, text, rows))
                     if choice.finish_reason == "stop":  # a stop string: the rest is not wanted
