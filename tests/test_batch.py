@@ -153,7 +153,7 @@ def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
     with pytest.raises(UsageError, match="is empty"):
         _batch(input=str(tmp_path / "empty.jsonl"), repository=str(repo), output=str(tmp_path / "o1"))
     rows = [{"prompt": "ROMEO:\nHello"}, {"prompt": "word " * 1100}, {"prompt": ""}, {"other": 1},
-            {"prompt": "JULIET:\nGood night"}]
+            {"prompt": "JULIET:\nGood night"}, {"prompt": "To be. " * 50_000}]  # the last refused untokenized
     (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     with pytest.raises(UsageError, match="no column 'text'.*--column"):
         _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o2"), column="text")
@@ -161,12 +161,13 @@ def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
         _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1)
     m = _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1,
                on_error="record")  # the same job, resumed: the failed run wrote nothing
-    assert m.figures.rows == 2 and m.figures.failed == 3
+    assert m.figures.rows == 2 and m.figures.failed == 4
     assert _rows(tmp_path / "o3")["row"].tolist() == [0, 4]
     failures = [json.loads(line) for line in (tmp_path / "o3" / "failures.jsonl").read_text().splitlines()]
-    assert [f["row"] for f in failures] == [1, 2, 3]
+    assert [f["row"] for f in failures] == [1, 2, 3, 5]
     assert "exceed the model's" in failures[0]["error"] and "empty" in failures[1]["error"]
     assert "missing" in failures[2]["error"] and failures[2]["other"] == 1
+    assert "more than the model's 1024 positions can hold" in failures[3]["error"]
     with pytest.raises(UsageError, match="another batch job.*--overwrite"):
         _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1,
                max_new_tokens=3)
