@@ -154,3 +154,15 @@ def gateway(gateway_server, redis_server, session_tmp):
                               "--version-check-interval", "0.5"])
     yield gw
     gw.stop()
+
+
+@pytest.fixture(scope="session")
+def llm_gateway(server, redis_server, session_tmp):
+    """`dstool gateway` with the Redis cache in front of `server` (every exported model): the LLM routes' tests."""
+    from gatewaylib import GatewayProcess
+
+    gw = GatewayProcess(session_tmp / "gateway-llm.log",
+                        config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
+                                "cache": redis_server.url})
+    yield gw
+    gw.stop()

@@ -26,21 +26,14 @@ from llmlib import (
     timed_chat,
 )
 
-from gatewaylib import GatewayProcess
-
 CHAT = "/v1/chat/completions"
 LLM = "/v2/models/dstool_lm_llm"
 GEN = "/v2/models/dstool_lm_generate"
 
 
 @pytest.fixture(scope="module")
-def stack(server, redis_server, session_tmp):
-    """A gateway with the Redis cache in front of the session's Triton (every exported model)."""
-    gw = GatewayProcess(session_tmp / "gateway-llm-attacks.log",
-                        config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
-                                "cache": redis_server.url})
-    yield gw
-    gw.stop()
+def stack(llm_gateway):
+    return llm_gateway
 
 
 def _chat(content: str = "hi", **fields) -> dict:

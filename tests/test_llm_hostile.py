@@ -14,8 +14,6 @@ import psutil
 import pytest
 from llmlib import error_of, post, sse_events, stub_process, timed_chat
 
-from gatewaylib import GatewayProcess
-
 VOCAB = 4096
 ODD = [None, True, False, 0, -1, 1.5, 2**31, 2**63, 2**64 + 1, 1e308, 5e-324, -1e-300, "", "x", "1", [], [1],
        [[[]]], {}, {"a": 1}]
@@ -26,12 +24,8 @@ SAMPLING = ["temperature", "top_p", "top_k", "min_p", "repetition_penalty", "pre
 
 
 @pytest.fixture(scope="module")
-def stack(server, redis_server, session_tmp):
-    gw = GatewayProcess(session_tmp / "gateway-llm-hostile.log",
-                        config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
-                                "cache": redis_server.url})
-    yield gw
-    gw.stop()
+def stack(llm_gateway):
+    return llm_gateway
 
 
 def _openai_kinds() -> list[tuple[str, str, dict | bytes]]:
