@@ -102,7 +102,7 @@ def same_graph(a: Path, b: Path) -> bool:
     return content(a) == content(b)
 
 
-MODES = {"int8": ["--bits", "8"], "int4": ["--bits", "4", "--allow-slower"],
+MODES = {"int8": ["--bits", "8"], "int4": ["--bits", "4"],
          "prune 0.4 (default: fastest within 50 %) + recovery": ["--prune", "0.4"],
          "prune 0.4 (default) + distilled recovery": ["--prune", "0.4", "--distill"],
          "prune 0.4 (lowest-loss layout, --prune-ppl-tolerance 0) + recovery": ["--prune", "0.4",

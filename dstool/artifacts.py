@@ -400,7 +400,8 @@ class Figures(_Model):
     decode_speedup: dict[str, float] = Field(description="generation: batch size -> decoding tokens/s after / before")
     decode_prompt_len: int = Field(description="prompt tokens prefilled before the timed decoding steps")
     decode_new_tokens: int = Field(description="decoding steps timed per generation")
-    speed_target: SpeedTarget = Field(description="the figure the speed gate compares (--speed-target)")
+    speed_target: SpeedTarget | None = Field(None, description="the figure the opt-in speed gate compared "
+                                             "(--speed-gate); null: no gate")
     latency_seq_len: int
     heldout: str = Field(description="which tokens the perplexity is measured on")
     machine: str

@@ -126,9 +126,8 @@ class _Run:
         from dstool.compress import CompressConfig, compress
 
         c, model = self.cfg, str(self.model_dir)
-        # the int8 model is served by NAME_llm's continuous batching: its gate is decoding at batch 16
         variants = {"int8": CompressConfig(model=model, output=str(self.out / "int8"), bits=8,
-                                           speed_target="batched-decode", latency_repeats=c.latency_repeats),
+                                           latency_repeats=c.latency_repeats),
                     f"prune {c.prune:g}": CompressConfig(model=model, output=str(self.out / "pruned"), prune=c.prune,
                                                          recover_steps=c.recover_steps, recover_lr=c.recover_lr,
                                                          latency_repeats=c.latency_repeats)}

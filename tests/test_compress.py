@@ -67,7 +67,7 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
     assert 0.9 < f.top1_agreement < 1.0  # int8 moves some of the 64 x 127 held-out argmaxes, few of them
     assert f.zero_shot_choices == 4 and f.zero_shot_items >= 150
     assert abs(f.after.zero_shot_accuracy - f.before.zero_shot_accuracy) <= 0.05
-    assert f.speed_target == "decode" and "(--speed-target decode)" in (int8_output / "report.md").read_text()
+    assert f.speed_target is None and "Speed gate: none" in (int8_output / "report.md").read_text()
     assert "held-out split" in f.heldout  # the training run's own split, named by the model's manifest
     assert m.source.kind == "hf-model" and len(m.source.weights_sha256) == 64
     cached, recomputed = _greedy(int8_output, m, [5, 17, 300, 42, 7, 99], 8)
@@ -76,7 +76,7 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
 
 def test_int4_cli(trained, tmp_path):
     out = tmp_path / "int4"
-    proc = dstool("compress", str(trained), "--bits", "4", "--allow-slower", "--latency-repeats", "3",
+    proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3",
                   "--output", str(out))
     m = _manifest(out)
     assert str(out / m.graphs["logits"].path) in proc.stdout
@@ -192,7 +192,7 @@ def test_explicit_ratios_then_torchao_int8_in_one_recipe(trained, tmp_path):
     ([], "nothing to do"),
     (["--bits", "8", "--distill"], "--distill needs --recover-steps"),
     (["--bits", "8", "--prune-ppl-tolerance", "5"], "give --prune RATIO with it"),
-    (["--bits", "8", "--speed-target", "fast"], "--speed-target"),
+    (["--bits", "8", "--speed-gate", "fast"], "--speed-gate"),
 ])
 def test_bad_options(trained, tmp_path, args, needle):
     one_line_usage_error(cli("compress", str(trained), *args, "--output", str(tmp_path / "o")), needle)
@@ -216,18 +216,17 @@ def test_bad_folders(trained, tmp_path):
     assert not (tmp_path / "o").exists() and [p.name for p in theirs.iterdir()] == ["keep.txt"]
 
 
-def test_speed_gate(int8_output):
-    """The gate compares the figure --speed-target names: here a model faster at prefill and at batch-1 decoding,
-    slower at batch-16 decoding."""
+def test_speed_gate_is_opt_in(int8_output):
+    """No gate by default (a slower model is written, its speeds reported); --speed-gate FIGURE compares that figure:
+    here a model faster at prefill and at batch-1 decoding, slower at batch-16 decoding."""
     figures = CompressedModel.read(int8_output).figures.model_copy(
-        update={"speedup": {"1": 2.0, "8": 1.5}, "decode_speedup": {"1": 1.2, "16": 0.9}})
-    for target, passes in (("decode", True), ("prefill", True), ("batched-decode", False)):
-        cfg = CompressConfig(model="m", output="o", bits=4, speed_target=target)
-        refused = speed_gate(cfg, figures)
+        update={"speedup": {"1": 2.0, "8": 1.5}, "decode_speedup": {"1": 0.96, "16": 0.9}})
+    assert speed_gate(CompressConfig(model="m", output="o", bits=8), figures) is None  # the design card's command
+    for target, passes in (("prefill", True), ("decode", False), ("batched-decode", False)):
+        refused = speed_gate(CompressConfig(model="m", output="o", bits=4, speed_gate=target), figures)
         assert (refused is None) == passes
-        assert speed_gate(cfg.model_copy(update={"allow_slower": True}), figures) is None
-    assert "slower than fp32 in decoding tokens/s at batch 16 (0.90x, --speed-target batched-decode)" in refused
-    assert speed_gate(CompressConfig(model="m", output="o", prune=0.3, speed_target="batched-decode"), figures) is None
+    assert "slower than fp32 in decoding tokens/s at batch 16 (0.90x, --speed-gate batched-decode)" in refused
+    assert speed_gate(CompressConfig(model="m", output="o", prune=0.3, speed_gate="batched-decode"), figures) is None
 
 
 def test_fp32_layers_stay_fp32_in_both_graphs(repo, trained, tmp_path):
