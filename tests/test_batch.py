@@ -171,6 +171,12 @@ def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
     with pytest.raises(UsageError, match="another batch job.*--overwrite"):
         _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o3"), partitions=1,
                max_new_tokens=3)
+    numbers = [{"id": 1, "prompt": "KING:"}, {"id": 2, "prompt": "QUEEN:"}]
+    (tmp_path / "numbers.jsonl").write_text("".join(json.dumps(r) + "\n" for r in numbers))
+    for flag, column, needle in (("--ids-column", "id", "column 'id' holds bigint values, not lists of token ids"),
+                                 ("--column", "id", "column 'id' holds bigint values, not text")):
+        one_line_usage_error(cli("batch", str(tmp_path / "numbers.jsonl"), "--repository", str(repo), flag, column,
+                                 "--output", str(tmp_path / "o5")), needle)
     ids = [{"ids": [5, 6, 7]}, {"ids": [1, 10 ** 9]}]
     (tmp_path / "ids.jsonl").write_text("".join(json.dumps(r) + "\n" for r in ids))
     m = _batch(input=str(tmp_path / "ids.jsonl"), repository=str(repo), output=str(tmp_path / "o4"),

@@ -161,6 +161,7 @@ def test_bad_openai_requests_get_openai_errors(api, path, body, status, needle):
     answer = json.loads(r.read())
     conn.close()
     assert r.status == status and needle in answer["error"]["message"] and "type" in answer["error"], answer
+    assert answer["error"]["code"] is None, answer  # a missing route is no missing model
 
 
 def _llm_requests(server) -> int:

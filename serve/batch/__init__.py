@@ -256,6 +256,7 @@ def _read(spark, cfg: BatchConfig):
         flag = "--ids-column" if cfg.ids_column else "--column"
         raise UsageError(f"input {cfg.input} has no column '{wanted}' (it has: {', '.join(df.columns) or 'none'}): "
                          f"pass {flag} NAME")
+    _check_column_type(cfg, df.schema[wanted].dataType)
     digest = hashlib.sha256()
     for p in files if local else []:
         digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{sha256_file(p)}\n".encode())
@@ -263,6 +264,23 @@ def _read(spark, cfg: BatchConfig):
         digest.update(cfg.input.encode())
     source = BatchInput.model_validate({"path": where, "format": fmt, "fingerprint": digest.hexdigest(), "rows": 0})
     return (df.limit(cfg.max_rows) if cfg.max_rows else df), source
+
+
+def _check_column_type(cfg: BatchConfig, kind) -> None:
+    """--column names text, --ids-column lists of token ids (or their text, as csv holds them): one line otherwise,
+    before any row runs."""
+    from pyspark.sql.types import ArrayType, IntegralType, StringType
+
+    if cfg.ids_column is not None:
+        if isinstance(kind, StringType) or (isinstance(kind, ArrayType) and isinstance(kind.elementType,
+                                                                                        IntegralType)):
+            return
+        raise UsageError(f"input {cfg.input}: column '{cfg.ids_column}' holds {kind.simpleString()} values, not "
+                         "lists of token ids: --ids-column names a column like [5, 17, 300] (a text column is "
+                         "--column)")
+    if not isinstance(kind, StringType):
+        raise UsageError(f"input {cfg.input}: column '{cfg.column}' holds {kind.simpleString()} values, not text: "
+                         "--column names a text column (lists of token ids are --ids-column)")
 
 
 def _job_digest(cfg: BatchConfig, source: BatchInput, d: Deployment, partitions: int) -> str:
