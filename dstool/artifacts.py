@@ -129,6 +129,26 @@ def kind_of(folder: Path) -> str | None:
         return None
 
 
+def model_hint(folder: Path) -> str:
+    """For a folder given where a model was expected: what it is and what to pass instead (from its manifest, or its
+    parent's: a run's checkpoints/ or tokenizer/), as the end of a one-line error; "" when nothing is known."""
+    folder = Path(folder)
+    for where, inside in ((folder, False), (folder.parent, True)):
+        kind = kind_of(where)
+        if kind == "train-run":
+            model = where / str(_load(where).get("model", "model"))
+            what = f"{folder} is inside the dstool train run {where}" if inside else f"{folder} is a dstool train run"
+            return (f": {what}; pass its model folder {model}" if model.is_dir() else
+                    f": {what}, whose training has not finished (no {model.name}/ yet)")
+        if kind is not None and not inside:
+            return {"model-repository": f": {folder} is a Triton model repository; pass the model folder it was "
+                                        "exported from",
+                    "edge-package": f": {folder} is an edge package; run it with `dstool infer --edge {folder}`",
+                    "batch-output": f": {folder} is a dstool batch output, not a model",
+                    }.get(kind, f": {folder} is a {kind}, not a model")
+    return ""
+
+
 # ---- dstool train --------------------------------------------------------------------------------------
 
 class DataSplit(_Model):

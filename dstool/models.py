@@ -6,6 +6,7 @@ from pathlib import Path
 
 from transformers import AutoConfig, DeepseekV3Config, LlamaConfig, PretrainedConfig
 
+from dstool.artifacts import model_hint
 from dstool.errors import UsageError
 
 
@@ -55,7 +56,8 @@ def check_model_ref(ref: str) -> None:
     if not p.exists():
         raise UsageError(f"unknown model '{ref}': use a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
     if not (p / "config.json").is_file():
-        raise UsageError(f"model folder {ref} has no config.json: pass a Hugging Face model folder")
+        hint = model_hint(p) or ": pass a Hugging Face model folder"
+        raise UsageError(f"model folder {ref} has no config.json{hint}")
     if any(p.glob("*.sparse.safetensors")):
         raise UsageError(f"model folder {ref} holds sparse weights (bitmask + values, from `dstool compress "
                          "--sparsity F`) that transformers does not load: pass that compress output folder to dstool "

@@ -51,8 +51,8 @@ def _input(source: Path) -> CompressedModel | None:
     if (source / "onnx").is_dir() or (source / "report.json").is_file():
         raise UsageError(f"{source} looks like the output of an older dstool compress, which wrote no manifest: "
                          "re-run `dstool compress` on its model to redo it")
-    raise UsageError(f"model {source} is neither a Hugging Face folder (no config.json) nor a dstool compress output "
-                     f"(no {artifacts.MANIFEST})")
+    raise UsageError(f"model {source} is neither a Hugging Face folder (no config.json) nor a dstool compress output"
+                     + (artifacts.model_hint(source) or f" (no {artifacts.MANIFEST})"))
 
 
 def export(cfg: ExportConfig) -> Deployment:

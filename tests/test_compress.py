@@ -211,6 +211,8 @@ def test_bad_folders(trained, tmp_path):
                          ([str(tmp_path / "noweights"), "--bits", "8", "--output", str(tmp_path / "o")],
                           "has no weights"),
                          ([str(trained), "--bits", "8", "--output", str(theirs)], "did not write"),
+                         ([str(trained.parent), "--bits", "8", "--output", str(tmp_path / "o")],
+                          f"is a dstool train run; pass its model folder {trained}"),
                          (["--bits", "8", "--output", str(tmp_path / "o")], "missing MODEL_DIR")):
         one_line_usage_error(cli("compress", *args), needle)
     assert not (tmp_path / "o").exists() and [p.name for p in theirs.iterdir()] == ["keep.txt"]

@@ -140,7 +140,9 @@ def test_bad_export_inputs(trained, int8_output, tmp_path):
                          ([str(old), *r], "older dstool compress"),
                          ([str(tampered), *r], "fails its sha256 check"),
                          ([str(tmp_path / "file"), *r], "not a folder"),
-                         ([str(tmp_path), *r], "neither a Hugging Face folder")):
+                         ([str(tmp_path), *r], "neither a Hugging Face folder"),
+                         ([str(trained.parent), *r], f"is a dstool train run; pass its model folder {trained}"),
+                         ([str(trained.parent / "checkpoints"), *r], f"pass its model folder {trained}")):
         one_line_usage_error(cli("export", *args), needle)
     assert not (tmp_path / "r").exists()
 
