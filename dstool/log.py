@@ -12,6 +12,7 @@ import contextlib
 import contextvars
 import importlib.abc
 import importlib.util
+import io
 import logging
 import os
 import sys
@@ -34,16 +35,21 @@ _state: dict = {"verbose": False, "console": None, "held": None, "file": None}
 
 
 class _Console(logging.Handler):
-    """dstool's own lines: INFO on stdout as they are, warnings/errors on stderr prefixed `dstool: `."""
+    """dstool's own lines: INFO on stdout as they are, warnings/errors on stderr prefixed `dstool: ` (the streams of
+    when logging was set up, so that `prints_to_log` can take sys.stdout from the libraries)."""
+
+    def __init__(self, level: int):
+        super().__init__(level)
+        self.out, self.err = sys.stdout, sys.stderr
 
     def emit(self, record: logging.LogRecord) -> None:
         try:
             prefix = _indent.get()
             text = "\n".join(prefix + line for line in record.getMessage().splitlines() or [""])
-            stream = sys.stdout
+            stream = self.out
             if record.levelno >= logging.WARNING:
                 label = "warning: " if record.levelno == logging.WARNING else ""
-                text, stream = f"dstool: {label}{text}", sys.stderr
+                text, stream = f"dstool: {label}{text}", self.err
             tqdm = sys.modules.get("tqdm")
             if tqdm is not None and getattr(tqdm.tqdm, "_instances", None):
                 tqdm.tqdm.write(text, file=stream)  # above the progress bar, which stays at the bottom
@@ -249,11 +255,39 @@ def console_shows_info() -> bool:
     return console is None or console.level <= logging.INFO
 
 
+class _PrintsToLog(io.TextIOBase):
+    """A stdout whose lines go to a logger (the log file; the console with -v)."""
+
+    def __init__(self, name: str):
+        super().__init__()
+        self.logger, self.pending = logging.getLogger(name), ""
+
+    def write(self, text: str) -> int:
+        *lines, self.pending = (self.pending + text).split("\n")
+        for line in lines:
+            if line.strip():
+                self.logger.info(line)
+        return len(text)
+
+    def isatty(self) -> bool:
+        return False
+
+
+def prints_to_log(name: str = "stdout") -> None:
+    """From now on what libraries print (DeepSpeed's pipeline partitioning, for one) goes to logger `name`; dstool's
+    own lines keep the console (a training rank: only dstool's lines on the console)."""
+    sys.stdout = _PrintsToLog(name)
+
+
+def console_stream():
+    """The stream dstool's INFO lines go to (stdout as it was when logging was set up)."""
+    console = _state.get("console")
+    return console.out if console is not None else sys.stdout
+
+
 @contextlib.contextmanager
 def captured_stdout(name: str) -> Iterator[None]:
     """Lines a library prints (not logs) inside this block go to logger `name` (the log file; the console with -v)."""
-    import io
-
     buffer = io.StringIO()
     with contextlib.redirect_stdout(buffer):
         try:

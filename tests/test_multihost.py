@@ -114,7 +114,9 @@ def test_training_over_ssh_equals_one_host(cluster, reference, tmp_path):
     stdout, stderr = _finish(_on(cluster, "node0", "train", "--hostfile", str(hostfile), "--output", str(out),
                                  *ON_CLUSTER, *MH))
     assert "2 rank(s) (2 node(s) x 1, deepspeed, CPU/gloo)" in stdout, (stdout, stderr)
-    assert "node1: " in (out / "logs" / "launcher.log").read_text()  # pdsh's prefix on what node1 printed
+    launcher_log = (out / "logs" / "launcher.log").read_text()
+    assert "node1: " in launcher_log  # pdsh's prefix on what node1 printed
+    assert "[INFO]" not in stdout and "[INFO] [launch.py" in launcher_log  # each host's launcher: in its log
     a = losses(out)
     assert sorted(a) == sorted(reference) and all(a[s] == pytest.approx(reference[s], abs=1e-5) for s in a), a
     _nothing_left(cluster)

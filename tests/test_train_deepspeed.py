@@ -256,6 +256,7 @@ def test_hostfile_with_the_deepspeed_launcher(zero1_single_node, tmp_path):
     proc = dstool("train", "--output", str(out), "--hostfile", str(tmp_path / "hostfile"), "--zero", "1",
                   "--max-steps", "4", "--save-every", "4", *FAST)
     assert "deepspeed, CPU/gloo" in proc.stdout
+    assert "[INFO]" not in proc.stdout  # the launcher's lines: with -v only
     a, b = losses(out), losses(zero1_single_node)
     assert all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b)
 

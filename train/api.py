@@ -10,8 +10,11 @@ from __future__ import annotations
 import fcntl
 import json
 import math
+import re
 import signal
 import subprocess
+import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -222,9 +225,17 @@ def _run_ranks(cmd: list[str], env: dict[str, str], out: Path, grace_s: float) -
     and stop (train/preempt.py); wait. The ranks print dstool's lines on stdout; what the launcher and the libraries
     write on stderr (tracebacks, C++ warnings) goes to logs/launcher.log, unless -v."""
     (out / "logs").mkdir(exist_ok=True)
+    # DeepSpeed's pdsh runner starts each host's launcher at INFO whatever its own --log_level: those lines are
+    # sifted out of what the hosts print (the ranks' stdout is no terminal there anyway)
+    remote = "deepspeed.launcher.runner" in cmd and "--no_ssh" not in cmd and not dlog.verbose()
     with open(out / "logs" / "launcher.log", "ab") as launcher_log:
         proc = subprocess.Popen(cmd, env=env, stderr=None if dlog.verbose() else launcher_log,
+                                stdout=subprocess.PIPE if remote else None,
                                 preexec_fn=lambda: die_with_parent(signal.SIGTERM))
+    sifting = threading.Thread(target=_sift, args=(proc.stdout, out / "logs" / "launcher.log"), daemon=True) \
+        if remote else None
+    if sifting is not None:
+        sifting.start()
     watch = preempt.Watch(out, proc, grace_s)
     try:
         rc = proc.wait()
@@ -233,6 +244,8 @@ def _run_ranks(cmd: list[str], env: dict[str, str], out: Path, grace_s: float) -
         raise
     finally:
         watch.restore()
+        if sifting is not None:
+            sifting.join(10)
     if (out / preempt.PREEMPTED).is_file():
         done = json.loads((out / preempt.PREEMPTED).read_text())
         raise preempt.Preempted(f"preempted ({done['reason']}): the ranks stopped after step {done['step']} with "
@@ -248,6 +261,21 @@ def _run_ranks(cmd: list[str], env: dict[str, str], out: Path, grace_s: float) -
             reason = json.loads(failure.read_text())["message"]
             raise TrainingFailed(f"training stopped: {reason}", log=out / "logs")
         raise TrainingFailed(f"training ranks exited with code {rc}", log=out / "logs", exit_code=rc if rc > 0 else 1)
+
+
+_LAUNCHER_INFO = re.compile(rb"^(\S+: )?\[[\d:, -]+\] \[INFO\] \[(launch|runner|multinode_runner)\.py:\d+:")
+
+
+def _sift(stream, log_path: Path) -> None:
+    """The hosts' output: DeepSpeed launchers' INFO lines to the launcher log, the rest (dstool's lines) on."""
+    with open(log_path, "ab") as log_file:
+        for line in iter(stream.readline, b""):
+            if _LAUNCHER_INFO.match(line):
+                log_file.write(line)
+                log_file.flush()
+            else:
+                sys.stdout.write(line.decode("utf-8", "replace"))
+                sys.stdout.flush()
 
 
 def _result(out: Path, cfg: TrainConfig) -> TrainResult:

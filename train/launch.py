@@ -11,6 +11,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dstool import log as dlog
 from dstool.errors import UsageError
 from dstool.proc import free_port
 from dstool.train.config import TrainConfig
@@ -99,7 +100,8 @@ def command(cfg: TrainConfig, topo: Topology, run_file: Path) -> list[str]:
     worker = ["dstool.train.worker", str(run_file)]
     if topo.launcher == "deepspeed":
         cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--master_addr", topo.master_addr,
-               "--master_port", str(topo.master_port), "--no_local_rank", "--module"]
+               "--master_port", str(topo.master_port), "--no_local_rank", "--module",
+               "--log_level", "info" if dlog.verbose() else "warning"]  # its INFO lines: with -v only
         if cfg.hostfile:
             cmd += ["--hostfile", cfg.hostfile, "--num_nodes", str(topo.nodes)]
             if cfg.node_rank is not None or _single_local_host(topo.hosts):

@@ -46,6 +46,7 @@ def main(run_file: str) -> None:
     os.environ.update(cfg.env)  # NCCL_* etc. must be set before the communicator is created
     dlog.setup()  # this rank's own voice: dstool's lines on the console, the libraries' in its log file
     dlog.to_file(out / "logs" / f"rank{os.environ.get('RANK', '0')}.log")
+    dlog.prints_to_log()  # and what they print ("stage=1 layers=3") too
 
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -452,7 +453,7 @@ class _progress:
 
     def __init__(self, rank: int, start: int, total: int):
         # stdout: the launcher's stderr goes to a log file, its stdout is the terminal dstool was started from
-        self.bar = dlog.progress(total, "train", initial=start, stream=sys.stdout) if rank == 0 else None
+        self.bar = dlog.progress(total, "train", initial=start, stream=dlog.console_stream()) if rank == 0 else None
 
     def update(self) -> None:
         if self.bar:
@@ -487,7 +488,7 @@ def _run(run_file: str) -> None:
             write_json_atomic(out / "failure.json", {"message": f"rank {rank}: {type(e).__name__}: {e}"})
         code = 1
     logging.shutdown()
-    sys.stdout.flush()
+    dlog.console_stream().flush()
     sys.stderr.flush()
     os._exit(code)
 
