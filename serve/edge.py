@@ -18,6 +18,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import json
+import math
 import resource
 import sys
 import time
@@ -152,25 +153,14 @@ class EdgeModel:
         _release_freed()  # freed heap still resident now would hide what the package adds
         self.baseline = rss_bytes()
         self.tokenizer = Tokenizer.from_file(str(self.folder / self.manifest.tokenizer / "tokenizer.json"))
-        largest = max(b.bytes for b in self.manifest.blocks)
-        resident = self.manifest.resident_bytes
-        if self.cap is not None and resident + largest > self.cap:
-            raise UsageError(f"--memory-cap-mb {memory_cap_mb:g} is below the package's own size: "
-                             f"{resident / MB:.1f} MB resident (embedding, head) + {largest / MB:.1f} MB for its "
-                             f"largest block; give at least {(resident + OPEN_PEAK * largest) / MB * 1.5:.0f}")
         self.embed = self._open(self.manifest.embed)
         self.head = self._open(self.manifest.head)
         self._trim()  # what opening them freed (the files read whole): resident memory then says what they hold
         self.resident = rss_bytes() - self.baseline
-        if self._over_cap(OPEN_PEAK * largest):
-            held = self.resident / MB
-            raise UsageError(f"--memory-cap-mb {memory_cap_mb:g} leaves no room for a block: the embedding and the "
-                             f"head hold {held:.1f} MB once open, and opening the largest block takes up to "
-                             f"{OPEN_PEAK * largest / MB:.1f} MB more; give at least "
-                             f"{(held * MB + OPEN_PEAK * largest) / MB * 1.2:.0f}")
         self.last_position_head = self.manifest.head_last_position
         self.open_blocks: dict[int, object] = {}
         self.loads = 0
+        self.need = 0  # MB the current generation was estimated to need (needs_mb)
 
     def _open(self, part: EdgePart, prepack: bool = True):
         """An ORT-format session as a minimal build runs it: the optimizations were applied at export, none now."""
@@ -193,6 +183,19 @@ class EdgeModel:
             # as fast), at the cost of a long prompt's prefill running such blocks on one core
             opts.intra_op_num_threads = 1
         return self.ort.InferenceSession(str(self.folder / part.path), opts, providers=["CPUExecutionProvider"])
+
+    def needs_mb(self, prompt_tokens: int, new_tokens: int) -> tuple[int, str]:
+        """The memory a generation adds to this process at its peak, at most (MB, rounded up), and of what: the
+        embedding and the head as they hold now, open; the largest block while it opens; the key/value cache of
+        every position, twice (a block's input and its grown output exist at once); the prompt's logits. Plus 10 %
+        and 2 MB for what Python and onnxruntime allocate besides. The one figure every memory hint gives."""
+        largest = OPEN_PEAK * max(b.bytes for b in self.manifest.blocks)
+        cache = 2 * (prompt_tokens + new_tokens) * 4 * sum(h * d for h, d in self.manifest.cache.values())
+        logits = (1 if self.last_position_head else prompt_tokens) * self.tokenizer.get_vocab_size() * 4
+        total = (self.resident + largest + cache + logits) * 1.1 + 2 * MB
+        return math.ceil(total / MB), (f"the embedding and head open {self.resident / MB:.1f} MB, the largest block "
+                                       f"while it opens {largest / MB:.1f} MB, the key/value cache "
+                                       f"{cache / MB:.1f} MB")
 
     def _over_cap(self, extra: float) -> bool:
         return self.cap is not None and rss_bytes() - self.baseline + extra > self.cap
@@ -231,7 +234,8 @@ class EdgeModel:
                 raise UsageError(f"block {part.path} ({part.bytes / MB:.1f} MB) does not fit under the memory cap "
                                  f"of {self.cap / MB:g} MB: the process holds "
                                  f"{(rss_bytes() - self.baseline) / MB:.1f} MB more than before the package was "
-                                 "opened; give a larger --memory-cap-mb")
+                                 f"opened, beyond this generation's estimate of {self.need} MB; give a larger "
+                                 "--memory-cap-mb")
         self.loads += 1
         self.open_blocks[index] = self._open(part, self.prepack_blocks)
         return self.open_blocks[index]
@@ -272,6 +276,10 @@ class EdgeModel:
         if len(prompt_ids) + max_new_tokens > self.manifest.max_positions:
             raise UsageError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceed the "
                              f"model's {self.manifest.max_positions} positions")
+        self.need, parts = self.needs_mb(len(prompt_ids), max_new_tokens)
+        if self.cap is not None and self.cap < self.need * MB:
+            raise UsageError(f"--memory-cap-mb {self.cap / MB:g} is below what this generation needs: give at least "
+                             f"{self.need} ({parts}; {len(prompt_ids)} + {max_new_tokens} positions)")
         stops = set(self.manifest.eos_token_ids) if stop_ids is None else stop_ids
         choose = choose or (lambda logits, _p, _o: int(np.argmax(logits)))
         reset = reset_peak()
