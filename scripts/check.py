@@ -1,4 +1,5 @@
-"""The static checks the test suite runs: ruff over the tree, and mypy over the dstool.* packages.
+"""The static checks the test suite runs: ruff over the tree, mypy over the dstool.* packages, and import-linter's
+layer contract (pyproject.toml: the roof over the stages over the core).
 
     .venv/bin/python scripts/check.py
 
@@ -54,9 +55,20 @@ def run_mypy() -> int:
         return proc.returncode
 
 
+def run_import_linter() -> int:
+    """The layer contract of pyproject.toml ([tool.importlinter]) over the same tree of links."""
+    with tempfile.TemporaryDirectory(prefix="dstool-layers-") as tmp:
+        package_tree(Path(tmp))
+        proc = subprocess.run([str(BIN / "lint-imports"), "--no-cache", str(ROOT / "pyproject.toml")], cwd=tmp,
+                              capture_output=True, text=True, env={**os.environ, "PYTHONPATH": tmp})
+        if proc.returncode:
+            print(proc.stdout + proc.stderr, end="")
+        return proc.returncode
+
+
 def main() -> int:
     ruff = subprocess.run([str(BIN / "ruff"), "check", "."], cwd=ROOT)
-    return max(ruff.returncode, run_mypy())
+    return max(ruff.returncode, run_mypy(), run_import_linter())
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ import urllib.request
 import numpy as np
 import psutil
 import pytest
+
 from llmlib import (
     error_of,
     executions,

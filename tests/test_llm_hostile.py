@@ -12,6 +12,7 @@ import time
 import numpy as np
 import psutil
 import pytest
+
 from llmlib import error_of, post, sse_events, stub_process, timed_chat
 
 VOCAB = 4096
