@@ -53,7 +53,7 @@ from dstool.artifacts import (
 from dstool.compress import measure, quality, quantize, report
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
-from dstool.files import sha256_file
+from dstool.files import replace_folder, sha256_file
 from dstool.onnx_export import OnnxExport, export_decoder_model, export_logits_model
 from dstool.steps import Step, run_steps
 
@@ -118,9 +118,7 @@ def compress(cfg: CompressConfig) -> CompressedModel:
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(stage, out)
+    replace_folder(stage, out)
     return job.manifest
 
 

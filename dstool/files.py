@@ -1,10 +1,12 @@
-"""File helpers every stage shares: sha256 digests and atomic writes (temp file, fsync, rename)."""
+"""File helpers every stage shares: sha256 digests and atomic writes (temp file, fsync, rename; a folder written
+whole beside its place, then renamed into it)."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -30,6 +32,18 @@ def write_atomic(path: Path, write: Callable[[Path], object]) -> None:
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
+
+
+def replace_folder(staging: Path, target: Path) -> None:
+    """Put `staging` (a folder written whole beside `target`) in `target`'s place: the old folder, if any, is moved
+    aside first and removed after, so `target` is never a mix of the two (only missing for the moment between)."""
+    staging, target = Path(staging), Path(target)
+    old = target.with_name(f".{target.name}.old{os.getpid()}")
+    shutil.rmtree(old, ignore_errors=True)
+    if target.exists():
+        os.replace(target, old)
+    os.replace(staging, target)
+    shutil.rmtree(old, ignore_errors=True)
 
 
 def write_text_atomic(path: Path, text: str) -> None:

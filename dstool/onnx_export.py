@@ -21,6 +21,7 @@ import torch
 
 from dstool import log as dlog
 from dstool.errors import StageFailed
+from dstool.files import replace_folder
 
 
 class ParityError(StageFailed):
@@ -50,8 +51,7 @@ def _export(model, sample: dict, dynamic_shapes: dict | None, out_dir: Path, che
     if not diff <= tolerance:
         raise ParityError(f"ONNX export disagrees with PyTorch: max |logit diff| {diff:.3g} > {tolerance}")
     session = ort_session(tmp / "model.onnx")
-    shutil.rmtree(out_dir, ignore_errors=True)
-    tmp.rename(out_dir)
+    replace_folder(tmp, out_dir)
     return OnnxExport(out_dir / "model.onnx", diff, [i.name for i in session.get_inputs()],
                       [o.name for o in session.get_outputs()])
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import json
 import math
 import resource
 import sys
@@ -309,7 +308,3 @@ def stats_line(stats: Stats) -> str:
             f"memory {stats.peak_rss_mb:.1f} MB, {stats.peak_over_baseline_mb:.1f} MB over the process before the "
             f"package{cap}; {stats.blocks_kept_open} of {stats.blocks} blocks kept open, {stats.block_loads} block "
             "loads")
-
-
-def to_json(stats: Stats) -> str:
-    return json.dumps(stats.__dict__)

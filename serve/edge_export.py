@@ -22,6 +22,7 @@ from dstool import artifacts
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
 from dstool.errors import StageFailed, UsageError
+from dstool.files import replace_folder
 from dstool.serve.config import ExportConfig
 
 log = dlog.log
@@ -70,8 +71,7 @@ def export_edge(cfg: ExportConfig) -> EdgePackage:
         raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    shutil.rmtree(out, ignore_errors=True)
-    staging.rename(out)
+    replace_folder(staging, out)
     blocks = manifest.blocks
     log.info(f"dstool export: {out}: {manifest.resident_bytes / 2**20:.1f} MB resident (embedding, head) and "
              f"{len(blocks)} blocks of {manifest.layers_per_block} layer(s), "

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dstool.errors import EngineFailed, UsageError
+from dstool.files import replace_folder
 from dstool.proc import die_with_parent, stop_process
 
 
@@ -55,8 +56,7 @@ def _prepare_from_wheel(root: Path, work: Path) -> TritonBinary:
             shutil.copytree(root / part, tmp / part, symlinks=True)
         shutil.copy2(stub, tmp / "backends" / "python" / "triton_python_backend_stub")
         (tmp / ".prepared").write_text(str(root))
-        shutil.rmtree(work, ignore_errors=True)
-        os.replace(tmp, work)
+        replace_folder(tmp, work)
     libs = root.parent.parent / "nvidia_pytriton.libs"
     libdir = sysconfig.get_config_var("LIBDIR") or ""
     env = {"PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dstool import log as dlog
 from dstool.artifacts import Checkpoint, ManifestError, UniversalCheckpoint
 from dstool.errors import EngineFailed, UsageError
-from dstool.files import write_text_atomic
+from dstool.files import replace_folder, write_text_atomic
 
 log = dlog.log
 PARTIAL = ".partial-"
@@ -45,9 +45,7 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: d
     if dist.get_rank() == 0:
         Checkpoint(step=step, world_size=dist.get_world_size(), zero_stage=engine.zero_optimization_stage(),
                    model_shapes=shapes).write(root / partial)
-        if final.exists():
-            shutil.rmtree(final)
-        (root / partial).rename(final)
+        replace_folder(root / partial, final)
         write_text_atomic(root / "latest", tag)
         for old in complete_tags(root)[:-keep]:
             shutil.rmtree(root / old, ignore_errors=True)
@@ -136,8 +134,7 @@ def universal(tag_dir: Path) -> Path:
         raise EngineFailed(f"ds_to_universal failed on {tag_dir}: {tail[0]}")
     UniversalCheckpoint(**manifest(tag_dir).model_dump(include={"step", "world_size", "zero_stage",
                                                                  "model_shapes"})).write(tmp)
-    shutil.rmtree(target, ignore_errors=True)
-    tmp.rename(target)
+    replace_folder(tmp, target)
     return target
 
 

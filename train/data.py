@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -13,7 +12,7 @@ import torch
 
 from dstool.corpus import read_documents
 from dstool.errors import UsageError
-from dstool.files import sha256_file
+from dstool.files import replace_folder, sha256_file
 
 __all__ = ["read_documents", "train_tokenizer", "load_or_train_tokenizer", "prepare_dataset", "open_split",
            "corpus_fingerprint", "packed_sha256", "GlobalOrder", "TokenSplit"]
@@ -48,7 +47,7 @@ def load_or_train_tokenizer(model_ref: str, docs: list[str], vocab_size: int, sa
         tok.pad_token = tok.eos_token
     tmp = save_dir.with_name(save_dir.name + ".tmp")
     tok.save_pretrained(tmp)
-    os.replace(tmp, save_dir)
+    replace_folder(tmp, save_dir)
     return tok
 
 
@@ -84,7 +83,7 @@ def prepare_dataset(docs: list[str], tokenizer, out_dir: Path, val_fraction: flo
     meta = {"dtype": np.dtype(dtype).name, "train_tokens": int(len(arr) - n_val), "val_tokens": int(n_val),
             "documents": len(docs)}
     (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-    os.replace(tmp, out_dir)
+    replace_folder(tmp, out_dir)
     return meta
 
 

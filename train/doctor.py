@@ -23,7 +23,6 @@ from pathlib import Path
 
 import psutil
 
-from dstool.errors import UsageError
 from dstool.train import launch
 
 # Run on every node (here too): one marker line of JSON. Versions come from the installed packages' metadata, so
@@ -297,16 +296,6 @@ def run(hostfile: str | None, master_addr: str | None, master_port: int, output:
     failed = [c for c in checks if not c.ok]
     echo(f"doctor: {len(checks) - len(failed)}/{len(checks)} checks pass" + (f", {len(failed)} fail" if failed else ""))
     return 1 if failed else 0
-
-
-def parse_env(pairs: list[str] | None) -> dict[str, str]:
-    out = {}
-    for item in pairs or []:
-        if "=" not in item:
-            raise UsageError(f"--env takes KEY=VALUE, got '{item}'")
-        k, v = item.split("=", 1)
-        out[k] = v
-    return out
 
 
 if __name__ == "__main__":

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
-from dstool.files import write_json_atomic
+from dstool.files import replace_folder, write_json_atomic
 from dstool.proc import die_with_parent
 from dstool.train import checkpoint, data, pipeline_parallel, preempt, watchdog
 from dstool.train.config import TrainConfig
@@ -343,9 +343,7 @@ def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Pat
 
 def _heartbeat(out: Path, step: int) -> None:
     """Rank 0's last finished step and its wall time (a restarted run measures its recovery from it)."""
-    tmp = out / ".heartbeat.tmp"
-    tmp.write_text(json.dumps({"step": step, "time": time.time()}))
-    os.replace(tmp, out / "heartbeat.json")
+    write_json_atomic(out / "heartbeat.json", {"step": step, "time": time.time()})
 
 
 def _last_heartbeat(out: Path) -> dict | None:
@@ -442,9 +440,7 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
     HFModel(step=step, precision=precision, run="..",
             data=split.model_copy(update={"folder": f"../{split.folder}"}) if split else None,
             parity=Parity(max_abs_logit_diff=diff, tolerance=tolerance, probe_shape=list(probe.shape))).write(tmp)
-    if target.exists():
-        shutil.rmtree(target)
-    os.replace(tmp, target)
+    replace_folder(tmp, target)
     log.info(f"dstool: wrote {target} (transformers reload matches the engine: max |logit diff| {diff:.2e})")
 
 
