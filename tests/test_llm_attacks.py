@@ -149,24 +149,28 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
     assert settled_generated(server) - stopped < 16 * 5, "the unstreamed chat went on after its client left"
     assert timed_chat(stack.http_port) < 5
 
+    # Streams closed after their first chunk, on every route that streams: what the engine makes after the close is
+    # counted. A missed cancellation runs on to 900 tokens a choice; one noticed late (the gateway waits for a core
+    # while ONNX Runtime's threads spin: up to ~0.15 s here, docs/export-serve.md) makes tens.
     ran_on = []
-    for i in range(24):  # streams closed after their first chunk, on every route that streams
-        before = settled_generated(server, quiet=0.3)
-        route = i % 3
+    for i in range(24):
+        settled_generated(server, quiet=0.3)
+        route, n = i % 3, 4 if i % 3 == 1 else 1
         if route == 0:
             s = raw_request(stack.http_port, LLM + "/generate_stream",
                             {"text_input": f"HAMLET {i}:", "max_new_tokens": 900, "ignore_eos": True, "stream": True})
         elif route == 1:
-            s = raw_request(stack.http_port, CHAT, _chat(f"x{i}", max_tokens=900, ignore_eos=True, stream=True, n=4,
+            s = raw_request(stack.http_port, CHAT, _chat(f"x{i}", max_tokens=900, ignore_eos=True, stream=True, n=n,
                                                          temperature=0))
         else:
             s = raw_request(stack.http_port, "/v1/completions",
                             {"model": "dstool_lm", "prompt": f"x{i}", "max_tokens": 900, "ignore_eos": True,
                              "stream": True, "temperature": 0})
         s.recv(200)
+        at_close = generated(server)
         s.close()
-        spent = settled_generated(server, quiet=0.3) - before
-        if spent > 200:
+        spent = settled_generated(server, quiet=0.3) - at_close
+        if spent > 300 * n:
             ran_on.append((i, route, spent))
     assert not ran_on, ran_on
 
@@ -175,8 +179,8 @@ def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
     import tritonclient.grpc as grpcclient
 
     ran_on = []
-    for i in range(8):
-        before = settled_generated(server, quiet=0.3)
+    for i in range(8):  # what the engine makes after the cancel is counted (as for HTTP above)
+        settled_generated(server, quiet=0.3)
         client = grpcclient.InferenceServerClient(stack.grpc_url)
         got = threading.Event()
         client.start_stream(callback=lambda result, error, got=got: got.set())
@@ -188,10 +192,11 @@ def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
         flag.set_data_from_numpy(np.array([True]))
         client.async_stream_infer("dstool_lm_llm", [text, n, flag], parameters={"ignore_eos": True})
         assert got.wait(30)
+        at_cancel = generated(server)
         client.stop_stream(cancel_requests=True)
         client.close()
-        spent = settled_generated(server, quiet=0.3) - before
-        if spent > 200:
+        spent = settled_generated(server, quiet=0.3) - at_cancel
+        if spent > 300:
             ran_on.append((i, spent))
     assert not ran_on, ran_on
 

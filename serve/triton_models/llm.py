@@ -27,6 +27,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from engine import Engine, Sequence
+from ort_options import session_options
 from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
 
@@ -122,8 +123,7 @@ class TritonPythonModel:
         folder = os.path.join(args["model_repository"], args["model_version"])
         decoder = os.path.join(os.path.dirname(args["model_repository"]), params["decoder"], args["model_version"],
                                "model.onnx")
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
+        opts = session_options(ort)
         session = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
         shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
         self.engine = Engine(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]),

@@ -14,6 +14,7 @@ import os
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
+from ort_options import session_options
 
 
 class TritonPythonModel:
@@ -21,8 +22,7 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         onnx_file = config["parameters"]["onnx_file"]["string_value"]
         path = os.path.join(args["model_repository"], args["model_version"], onnx_file)
-        opts = ort.SessionOptions()
-        opts.intra_op_num_threads = int(os.environ.get("DSTOOL_ORT_THREADS", "0"))
+        opts = session_options(ort)
         self.session = ort.InferenceSession(path, opts, providers=["CPUExecutionProvider"])
         self.input_names = [i.name for i in self.session.get_inputs()]
         self.output_names = [o.name for o in self.session.get_outputs()]
