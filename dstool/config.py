@@ -51,6 +51,7 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None
         if extra.get("hidden"):
             continue
         base = _base_type(field.annotation)
+        argtype = getattr(base, "cli_type", base)  # a parsed type takes its text, the model parses it
         required = field.is_required()
         default = None if required else _default(field)
         help_ = (field.description or "").replace("%", "%%")
@@ -73,10 +74,10 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None
             parser.add_argument(flag, action="append", type=item, metavar=extra.get("metavar") or name.upper(),
                                 **kwargs)
         elif "const" in extra:
-            parser.add_argument(flag, nargs="?", const=extra["const"], type=base,
+            parser.add_argument(flag, nargs="?", const=extra["const"], type=argtype,
                                 metavar=extra.get("metavar") or name.upper(), **kwargs)
         else:
-            parser.add_argument(flag, type=base, metavar=extra.get("metavar") or name.upper(), **kwargs)
+            parser.add_argument(flag, type=argtype, metavar=extra.get("metavar") or name.upper(), **kwargs)
 
 
 def overrides(ns: argparse.Namespace, model: type[BaseModel]) -> dict[str, Any]:

@@ -23,11 +23,12 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from dstool import log as dlog
 from dstool.config import CommandConfig
 from dstool.errors import StageFailed
+from dstool.serve.cache_url import AUTO, CacheURL
 from dstool.steps import Step, run_steps
 
 log = dlog.log
@@ -47,8 +48,8 @@ class PipelineConfig(CommandConfig):
     # peak lr 1e-3 undoes its training's final low-lr steps: held-out perplexity after 30 recovery steps was
     # -0.16 % at 2e-4, +1.04 % at 5e-4, +4.49 % at 1e-3 (measured 2026-11-30).
     recover_lr: float = Field(2e-4, gt=0, description="recovery peak learning rate")
-    cache: str | None = Field(None, description="gateway cache URL (default: local Redis if it answers, else an "
-                              "in-process LRU)", json_schema_extra={"cli": {"metavar": "URL"}})
+    cache: CacheURL = Field(AUTO, description="gateway cache URL, or auto: $DSTOOL_REDIS_URL or the local Redis if "
+                            "it answers, else an in-process LRU", json_schema_extra={"cli": {"metavar": "URL"}})
     http_port: int = Field(8000, ge=1, le=65535)
     grpc_port: int = Field(8001, ge=1, le=65535)
     metrics_port: int = Field(8002, ge=1, le=65535)
@@ -59,12 +60,6 @@ class PipelineConfig(CommandConfig):
     latency_repeats: int = Field(20, ge=1, description="timed runs per latency figure in the compression reports")
     ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for the served models")
 
-    @field_validator("cache")
-    @classmethod
-    def _cache(cls, v: str | None) -> str | None:
-        from dstool.serve.config import check_cache_url
-
-        return None if v is None else check_cache_url(v)
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -159,7 +154,8 @@ class _Run:
         c, serve_log = self.cfg, self.out / "serve.log"
         command = [sys.executable, "-m", "dstool.cli", "serve", "--repository", c.repository, "--http-port",
                    str(c.http_port), "--grpc-port", str(c.grpc_port), "--metrics-port", str(c.metrics_port),
-                   "--log-file", str(self.out / "tritonserver.log"), "--cache", *([c.cache] if c.cache else [])]
+                   "--log-file", str(self.out / "tritonserver.log"), "--cache",
+                   *([str(c.cache)] if c.cache != AUTO else [])]
         with open(serve_log, "w") as sink:
             self.server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                            env=dict(os.environ, PYTHONUNBUFFERED="1"))

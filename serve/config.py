@@ -6,18 +6,17 @@ import os
 import re
 from pathlib import Path
 from typing import Literal
-from urllib.parse import unquote, urlsplit
 
 from pydantic import Field, field_validator, model_validator
 
 from dstool import __version__
 from dstool.config import CommandConfig, positional
+from dstool.serve.cache_url import AUTO, CacheURL
 
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 QUANTITY_RE = re.compile(r"^\d+(\.\d+)?([mkMGTPE]|[KMGTPE]i)?$")
-CACHE_SCHEMES = ("redis", "rediss", "redis+cluster", "rediss+cluster", "unix", "memory")
 
 
 def model_names(name: str) -> dict[str, str]:
@@ -82,55 +81,6 @@ class ExportConfig(RepositorySettings):
 
     def settings(self) -> RepositorySettings:
         return RepositorySettings(**{k: getattr(self, k) for k in RepositorySettings.model_fields})
-
-
-def is_cluster_url(url: str) -> bool:
-    """Whether `url` names a Redis Cluster (redis+cluster:// or rediss+cluster://)."""
-    return url.split("://", 1)[0].endswith("+cluster")
-
-
-def cluster_nodes(url: str) -> tuple[str | None, str | None, list[tuple[str, int]]]:
-    """A redis+cluster://[USER:PASSWORD@]HOST:PORT,HOST:PORT... URL's (user, password, startup nodes); ValueError
-    naming what is wrong."""
-    parts = urlsplit(url)
-    auth, _, hosts = parts.netloc.rpartition("@")
-    user, _, password = auth.partition(":")
-    nodes = []
-    for node in hosts.split(","):
-        host, _, port = node.strip().rpartition(":")
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
-            raise ValueError(f"'{url}': '{node}' is not HOST:PORT (a cluster URL lists nodes as HOST:PORT,HOST:PORT)")
-        nodes.append((host.strip("[]"), int(port)))
-    if parts.path.strip("/") not in ("", "0"):
-        raise ValueError(f"'{url}': a Redis Cluster has database 0 only: drop '{parts.path}'")
-    return unquote(user) or None, unquote(password) or None, nodes
-
-
-def check_cache_url(url: str) -> str:
-    """`url` if the gateway can use it as a cache, else ValueError naming what is wrong."""
-    if url == "memory":
-        return url
-    parts = urlsplit(url)
-    if parts.scheme not in CACHE_SCHEMES:
-        raise ValueError(f"'{url}': unknown scheme '{parts.scheme}' (use redis://, rediss://, redis+cluster://, "
-                         "unix:// or memory)")
-    if is_cluster_url(url):
-        cluster_nodes(url)
-        return url
-    if parts.scheme == "unix":
-        if not parts.path:
-            raise ValueError(f"'{url}' names no socket path")
-        return url
-    try:
-        _ = parts.port  # urllib checks the port when it is read
-    except ValueError:
-        raise ValueError(f"'{url}': the port is not a number from 0 to 65535") from None
-    if not parts.hostname:
-        raise ValueError(f"'{url}' names no host")
-    db = parts.path.strip("/")
-    if db and not db.isdigit():
-        raise ValueError(f"'{url}': the database '{db}' is not a number")
-    return url
 
 
 def _host_port(address: str) -> str:
@@ -216,11 +166,10 @@ class GatewayConfig(GatewayOptions):
     upstreams_grpc: list[str] = Field(default_factory=list, description="the matching Triton gRPC endpoints "
                                       "(default: each HTTP port + 1)",
                                       json_schema_extra={"cli": {"flag": "--upstream-grpc", "metavar": "HOST:PORT"}})
-    cache: str | None = Field(None, description="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., a Redis Cluster "
-                              "redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT (a redis:// URL of a cluster node works "
-                              "too), unix://PATH or "
-                              "memory (default: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0 if it answers, else an "
-                              "in-process LRU)", json_schema_extra={"cli": {"metavar": "URL"}})
+    cache: CacheURL = Field(AUTO, description="redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., a Redis Cluster "
+                            "redis+cluster://[:PASSWORD@]HOST:PORT,HOST:PORT (a redis:// URL of a cluster node works "
+                            "too), unix://PATH, memory, or auto: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0 if it "
+                            "answers, else an in-process LRU", json_schema_extra={"cli": {"metavar": "URL"}})
     http_port: int = Field(8000, ge=0, le=65535)
     grpc_port: int = Field(8001, ge=0, le=65535)
     repository: str | None = Field(None, description="the upstream's model repository, if readable here: version "
@@ -230,11 +179,6 @@ class GatewayConfig(GatewayOptions):
     @classmethod
     def _addresses(cls, v: list[str]) -> list[str]:
         return [_host_port(a) for a in v]
-
-    @field_validator("cache")
-    @classmethod
-    def _cache(cls, v: str | None) -> str | None:
-        return None if v is None else check_cache_url(v)
 
     @model_validator(mode="after")
     def _pairs(self) -> GatewayConfig:
@@ -269,11 +213,11 @@ class ServeConfig(GatewayOptions):
     cache_config: str | None = Field(None, description="Triton's own response cache, passed to tritonserver "
                                      "--cache-config, e.g. local,size=268435456 (for models exported with "
                                      "--response-cache)", json_schema_extra={"cli": {"metavar": "SPEC"}})
-    cache: str | None = Field(None, description="put the caching gateway on --http-port/--grpc-port and Triton on "
-                              "internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., "
-                              "redis+cluster://HOST:PORT,HOST:PORT, unix://PATH, memory, or no value (auto): local "
-                              "Redis if it answers, else an in-process LRU",
-                              json_schema_extra={"cli": {"const": "auto", "metavar": "URL"}})
+    cache: CacheURL | None = Field(None, description="put the caching gateway on --http-port/--grpc-port and Triton "
+                                   "on internal ports: redis://[:PASSWORD@]HOST:PORT/DB, rediss://..., "
+                                   "redis+cluster://HOST:PORT,HOST:PORT, unix://PATH, memory, or no value (auto): "
+                                   "$DSTOOL_REDIS_URL or the local Redis if it answers, else an in-process LRU",
+                                   json_schema_extra={"cli": {"const": "auto", "metavar": "URL"}})
     emit: Literal["k8s"] | None = Field(None, description="print the Kubernetes objects (YAML) of this serving tier "
                                         "instead of starting it: Deployment, Service, HorizontalPodAutoscaler and, "
                                         "without --cache URL, a Redis StatefulSet")
@@ -300,11 +244,6 @@ class ServeConfig(GatewayOptions):
     redis_maxmemory_mb: int = Field(1024, ge=16, description="maxmemory (allkeys-lru) of the emitted Redis "
                                     "(--emit k8s)", json_schema_extra={"cli": {"metavar": "MB"}})
 
-    @field_validator("cache")
-    @classmethod
-    def _cache(cls, v: str | None) -> str | None:
-        return v if v in (None, "auto") else check_cache_url(v)
-
     @model_validator(mode="after")
     def _k8s(self) -> ServeConfig:
         if self.emit is None:
@@ -324,7 +263,7 @@ class ServeConfig(GatewayOptions):
         for flag, value in (("--cpu", self.cpu), ("--memory", self.memory)):
             if not QUANTITY_RE.match(value):
                 raise ValueError(f"{flag} '{value}' is not a Kubernetes quantity (e.g. 2, 500m, 8Gi)")
-        if self.cache and self.cache.startswith("unix:"):
+        if self.cache is not None and self.cache.kind == "unix":
             raise ValueError("--cache unix://... is a socket on this machine, which a pod cannot reach: give a "
                              "redis:// URL or leave --cache out for an emitted Redis")
         return self
@@ -333,7 +272,7 @@ class ServeConfig(GatewayOptions):
         """The gateway in front of a Triton listening on these internal addresses."""
         shared = {k: getattr(self, k) for k in GatewayOptions.model_fields}
         return GatewayConfig(**shared, upstreams=[upstream_http], upstreams_grpc=[upstream_grpc],
-                             cache=None if self.cache == "auto" else self.cache, http_port=self.http_port,
+                             cache=self.cache or AUTO, http_port=self.http_port,
                              grpc_port=self.grpc_port, repository=str(Path(self.repository).resolve()))
 
 

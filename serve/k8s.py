@@ -85,8 +85,8 @@ def _redis(name: str, mb: int) -> list[dict]:
 def serving_manifests(cfg: ServeConfig) -> list[dict]:
     """The objects (dicts ready for YAML, in `kubectl apply` order) that run `cfg`'s serving tier."""
     name = cfg.k8s_name
-    own_redis = cfg.cache in (None, "auto")
-    cache_url = f"redis://{name}-redis:{REDIS_PORT}/0" if own_redis else cfg.cache
+    own_redis = cfg.cache is None or cfg.cache.kind == "auto"
+    cache_url = f"redis://{name}-redis:{REDIS_PORT}/0" if own_redis else str(cfg.cache)
     selector = {"app.kubernetes.io/name": "dstool-serve", "app.kubernetes.io/instance": name}
 
     def meta() -> dict:

@@ -67,7 +67,7 @@ def test_every_command_takes_a_config_file_and_flags_from_its_model(command, tmp
     import yaml
 
     for key, value in yaml.safe_load(YAML[command]).items():
-        assert getattr(cfg, key) == value, key
+        assert cfg.model_dump(mode="json")[key] == value, key  # typed fields (a cache URL) dump as given
     parser_flags = {a.dest for a in next(a for a in build_parser()._actions if hasattr(a, "choices") and a.choices
                                          and command in a.choices).choices[command]._actions}
     visible = {name for name, f in model.model_fields.items() if not cli_extra(f).get("hidden")}
@@ -109,3 +109,39 @@ def test_a_failure_is_one_line_naming_its_log_and_the_traceback_is_in_the_log(mo
     assert "-v shows the traceback" in result.stderr and "Traceback" not in result.stderr
     assert "Traceback" in (tmp_path / "run.log").read_text()
     assert "Traceback" in cli("infer", "hello", "-v").stderr
+
+
+def test_a_cache_url_is_parsed_once_and_none_given_means_auto(monkeypatch, tmp_path):
+    """--cache is a typed URL in every command's config (the text in YAML and on the flag, the parsed value in the
+    model); a cache not given is `auto` everywhere, resolved by one rule: $DSTOOL_REDIS_URL or the local Redis."""
+    from dstool.config import dump_yaml
+    from dstool.pipeline import PipelineConfig
+    from dstool.serve.cache_url import AUTO, DEFAULT_REDIS, CacheURL
+    from dstool.serve.config import GatewayConfig, ServeConfig
+
+    assert GatewayConfig(upstreams=["127.0.0.1:9000"]).cache == AUTO and PipelineConfig().cache == AUTO
+    assert ServeConfig().cache is None  # no gateway; `--cache` alone is auto
+    ns = build_parser().parse_args(["serve", "--cache"])
+    serve = load_config(ServeConfig, None, overrides(ns, ServeConfig))
+    assert serve.cache == AUTO and serve.gateway("127.0.0.1:1", "127.0.0.1:2").cache == AUTO
+    secret = "redis://:s3cret@10.1.2.3:6380/2"
+    gw = load_config(GatewayConfig, None, {"upstreams": ["127.0.0.1:9000"], "cache": secret})
+    assert gw.cache.kind == "redis" and str(gw.cache) == secret and "s3cret" not in gw.cache.redacted()
+    assert f"cache: {secret}" in dump_yaml(gw)  # the run's config file keeps what was given
+    assert load_config(ServeConfig, None, {"cache": "memory"}).gateway("h:1", "h:2").cache.kind == "memory"
+
+    monkeypatch.delenv("DSTOOL_REDIS_URL", raising=False)
+    assert AUTO.chosen() == (CacheURL.parse(DEFAULT_REDIS), False)
+    monkeypatch.setenv("DSTOOL_REDIS_URL", "unix:///run/redis.sock")
+    assert AUTO.chosen() == (CacheURL.parse("unix:///run/redis.sock"), False)
+    assert gw.cache.chosen() == (gw.cache, True)
+    monkeypatch.setenv("DSTOOL_REDIS_URL", "http://x")
+    with pytest.raises(UsageError, match=r"\$DSTOOL_REDIS_URL: 'http://x': unknown scheme"):
+        AUTO.chosen()
+    for bad, needle in (("bogus://x", "unknown scheme 'bogus'"), ("redis://h:99999", "port"),
+                        ("redis://h/x", "database")):
+        result = cli("gateway", "--upstream", "127.0.0.1:9000", "--cache", bad)
+        assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1
+    (tmp_path / "c.yaml").write_text("upstreams: [127.0.0.1:9000]\ncache: 5\n")
+    with pytest.raises(UsageError, match="cache URL is text"):
+        load_config(GatewayConfig, str(tmp_path / "c.yaml"), {})

@@ -69,13 +69,17 @@ def test_keys_spread_over_the_cluster_and_a_master_failover_under_load_fails_no_
 def test_cluster_urls_are_checked():
     import pytest
 
-    from dstool.serve.config import check_cache_url, cluster_nodes
+    from dstool.serve.cache_url import CacheURL
 
-    assert cluster_nodes("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001") == (None, "pw", [("10.0.0.1", 7000),
-                                                                                          ("10.0.0.2", 7001)])
-    assert check_cache_url("rediss+cluster://h:7000/0") == "rediss+cluster://h:7000/0"
+    url = CacheURL.parse("redis+cluster://:pw@10.0.0.1:7000,10.0.0.2:7001")
+    assert (url.kind, url.username, url.password, url.nodes) == ("cluster", None, "pw", (("10.0.0.1", 7000),
+                                                                                       ("10.0.0.2", 7001)))
+    assert url.redacted() == "redis+cluster://***@10.0.0.1:7000,10.0.0.2:7001" and "pw" not in url.redacted()
+    tls = CacheURL.parse("rediss+cluster://h:7000/0")
+    assert tls.kind == "cluster" and tls.tls and str(tls) == "rediss+cluster://h:7000/0"
+    assert str(CacheURL.parse("redis://:pw@h:7001/0").as_cluster()) == "redis+cluster://:pw@h:7001"
     for bad, needle in (("redis+cluster://h:7000,h", "'h' is not HOST:PORT"),
                         ("redis+cluster://h:7000/2", "database 0"), ("redis+cluster://h:99999", "not HOST:PORT"),
                         ("cluster://h:1", "unknown scheme")):
         with pytest.raises(ValueError, match=needle):
-            check_cache_url(bad)
+            CacheURL.parse(bad)

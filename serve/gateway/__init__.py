@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import errno
-import os
 import signal
 from collections.abc import Callable
 from pathlib import Path
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
 
 __all__ = ["Gateway", "GatewayConfig", "run_gateway"]
 log = dlog.log
-DEFAULT_REDIS = "redis://127.0.0.1:6379/0"
 
 
 class Gateway:
@@ -41,30 +39,28 @@ class Gateway:
         self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
-        from dstool.serve.config import is_cluster_url
-        from dstool.serve.gateway.cache import RedisStore, ResultCache, as_cluster_url
+        from dstool.serve.gateway.cache import RedisStore, ResultCache
 
         c = self.config
-        url, explicit = c.cache, c.cache is not None
-        if url is None:
-            url = os.environ.get("DSTOOL_REDIS_URL", DEFAULT_REDIS)
+        url, asked = c.cache.chosen()
         store = None
-        if url != "memory":
+        if url.is_redis:
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping() and await store.cluster_node():
                 await store.close()
-                url = as_cluster_url(url)
+                url = url.as_cluster()
                 store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping():
-                kind = "Redis Cluster" if is_cluster_url(url) else "Redis"
-                log.info(f"dstool gateway: cache: {kind} {_safe(url)} (front: in-process LRU)")
-            elif explicit:
-                log.warning(f"gateway: Redis {_safe(url)} does not answer; requests go to Triton until it does")
+                kind = "Redis Cluster" if url.kind == "cluster" else "Redis"
+                log.info(f"dstool gateway: cache: {kind} {url.redacted()} (front: in-process LRU)")
+            elif asked:
+                log.warning(f"gateway: Redis {url.redacted()} does not answer; requests go to Triton until it does")
             else:
                 await store.close()
                 store = None
-                log.warning(f"gateway: no --cache given and no Redis answering at {_safe(url)}: using an "
+                log.warning(f"gateway: no --cache given and no Redis answering at {url.redacted()}: using an "
                             "in-process LRU cache (not shared, lost on exit)")
+
         def held(nbytes: int, entries: int) -> None:
             self.metrics.memory_bytes.set(nbytes)
             self.metrics.memory_entries.set(entries)
@@ -149,12 +145,6 @@ def _bind_error(host: str, port: int, e: OSError) -> str:
     if e.errno == errno.EADDRINUSE:
         return f"port {port} on {host} is already in use"
     return f"cannot listen on {host}:{port}: {e.strerror or e}"
-
-
-def _safe(url: str) -> str:
-    from dstool.serve.gateway.cache import _redacted
-
-    return _redacted(url)
 
 
 def event_loop_policy():

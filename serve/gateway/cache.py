@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 import orjson
 
+from dstool.serve.cache_url import CacheURL
 from dstool.serve.gateway.tensors import InferResult, Tensor
 
 log = logging.getLogger("dstool.gateway")
@@ -136,7 +137,7 @@ class RedisStore:
     """GET/SET on Redis with a per-call timeout; after a failure Redis is skipped for a back-off that doubles
     up to `max_backoff` while it keeps failing."""
 
-    def __init__(self, url: str, timeout: float, on_error=lambda kind: None, max_backoff: float = 5.0):
+    def __init__(self, url: CacheURL, timeout: float, on_error=lambda kind: None, max_backoff: float = 5.0):
         self.client = _client(url, timeout)
         self.url = url
         self.on_error = on_error
@@ -154,7 +155,7 @@ class RedisStore:
         # one warning per outage, and at most one a WARN_EVERY seconds (a cluster's failover fails some calls, not all)
         if self.backoff == 0.0 and not self.warned and now - self.warned_at > WARN_EVERY:
             log.warning("redis %s failed (%s: %s): serving from Triton until it answers again",
-                        _redacted(self.url), type(e).__name__, e)
+                        self.url.redacted(), type(e).__name__, e)
             self.warned, self.warned_at = True, now
         self.backoff = min(self.max_backoff, max(0.1, self.backoff * 2))
         self.down_until = now + self.backoff
@@ -162,7 +163,7 @@ class RedisStore:
 
     def _succeeded(self) -> None:
         if self.warned:
-            log.warning("redis %s answers again", _redacted(self.url))
+            log.warning("redis %s answers again", self.url.redacted())
             self.warned = False
         self.backoff = 0.0
 
@@ -183,9 +184,7 @@ class RedisStore:
 
     async def cluster_node(self) -> bool:
         """Whether a redis:// URL names a node of a Redis Cluster (then keys must go by the cluster's slot map)."""
-        from dstool.serve.config import is_cluster_url
-
-        if is_cluster_url(self.url):
+        if self.url.kind == "cluster":
             return False
         info = await self.call("info", "cluster")
         return bool(info and info.get("cluster_enabled"))
@@ -194,46 +193,21 @@ class RedisStore:
         await self.client.aclose()
 
 
-def _client(url: str, timeout: float):
+def _client(url: CacheURL, timeout: float):
     """A redis-py asyncio client of `url`: a RedisCluster for redis+cluster:// (keys go to their slot's master; after
     a failover the slot map is read again), else a plain client."""
     import redis.asyncio as redis
+    from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.retry import Retry
     from redis.backoff import NoBackoff
 
     # No redis-py retries: a request must not wait for several timeouts before going to Triton.
     common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
-    from dstool.serve.config import cluster_nodes, is_cluster_url
-
-    if not is_cluster_url(url):
-        return redis.from_url(url, **common)
-    from urllib.parse import parse_qs, urlsplit
-
-    from redis.asyncio.cluster import ClusterNode, RedisCluster
-
-    scheme = url.split("://", 1)[0]
-
-    user, password, nodes = cluster_nodes(url)
-    ca = parse_qs(urlsplit(url).query).get("ssl_ca_certs")
-    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes], username=user, password=password,
-                        ssl=scheme == "rediss+cluster", ssl_ca_certs=ca[0] if ca else None,
-                        cluster_error_retry_attempts=0, **common)
-
-
-def as_cluster_url(url: str) -> str:
-    """redis://[AUTH@]HOST:PORT[/0] of a cluster node as the cluster's URL, with that node to start from."""
-    scheme, rest = url.split("://", 1)
-    netloc, _, query = rest.partition("?")
-    netloc = netloc.split("/", 1)[0]
-    return f"{scheme}+cluster://{netloc}" + (f"?{query}" if query else "")
-
-
-def _redacted(url: str) -> str:
-    """The URL without its password."""
-    if "@" not in url:
-        return url
-    scheme, rest = url.split("://", 1)
-    return f"{scheme}://***@{rest.rsplit('@', 1)[1]}"
+    if url.kind != "cluster":
+        return redis.from_url(url.text, **common)
+    return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes], username=url.username,
+                        password=url.password, ssl=url.tls, ssl_ca_certs=url.ca_certs, cluster_error_retry_attempts=0,
+                        **common)
 
 
 class ResultCache:
