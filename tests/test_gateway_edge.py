@@ -352,7 +352,9 @@ def test_hostile_clients_cannot_exhaust_the_gateway(guarded_gateway):
             sent += 1 << 20
     except (BrokenPipeError, ConnectionResetError):
         pass
-    assert sent < 16 << 20, sent  # dropped unread, then the connection closes
+    # dropped unread, then the connection closes: what the client got out before the close is what the kernels'
+    # buffers took meanwhile (16-17 MB seen under load), far from the 64 MB sent
+    assert sent < 32 << 20, sent
     assert big.recv(4096).startswith(b"HTTP/1.1 431")
     assert _http(gw.http_port, "GET", "/v2/health/ready", timeout=5)[0] == 200
     big.close()

@@ -48,7 +48,7 @@ def test_repository_layout_and_schema(repo, trained):
                                   for role in ("logits", "decoder")}
     model = repo / "dstool_lm"
     assert sorted(p.name for p in (model / "1").iterdir() if p.name != "__pycache__") == [
-        "model.onnx", "model.onnx.data", "model.py"]  # (Python's own cache appears once Triton has loaded it)
+        "model.onnx", "model.onnx.data", "model.py", "ort_options.py"]  # (and __pycache__ once Triton loaded it)
     cfg = repository.validate(model / "config.pbtxt", model / "1" / "model.onnx")
     assert cfg.backend == "python" and cfg.max_batch_size == 8
     assert cfg.instance_group[0].kind == model_config_pb2.ModelInstanceGroup.KIND_CPU
