@@ -61,7 +61,6 @@ class PipelineConfig(CommandConfig):
     ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for the served models")
 
 
-
 def run_pipeline(cfg: PipelineConfig) -> dict:
     """Run every step; returns a summary (the answers, the compression table, the cache hit rate)."""
     from dstool.proc import check_port_free
@@ -155,7 +154,7 @@ class _Run:
         command = [sys.executable, "-m", "dstool.cli", "serve", "--repository", c.repository, "--http-port",
                    str(c.http_port), "--grpc-port", str(c.grpc_port), "--metrics-port", str(c.metrics_port),
                    "--log-file", str(self.out / "tritonserver.log"), "--cache",
-                   *([str(c.cache)] if c.cache != AUTO else [])]
+                   *([str(c.cache)] if c.cache.kind != "auto" else [])]
         with open(serve_log, "w") as sink:
             self.server = subprocess.Popen(command, stdout=sink, stderr=subprocess.STDOUT,
                                            env=dict(os.environ, PYTHONUNBUFFERED="1"))
