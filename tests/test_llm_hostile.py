@@ -178,4 +178,8 @@ def test_hundreds_of_hostile_llm_requests(stack, server):
     assert stack.proc.poll() is None
     assert gateway.memory_info().rss - rss[0] < 96 << 20 and llm.memory_info().rss - rss[1] < 160 << 20
     after = statistics.median(timed_chat(stack.http_port, f"after {i}") for i in range(5))
+    print(f"\nhostile LLM suite: {len(kinds)} HTTP kinds + {len(grpc_cases)} gRPC cases x2, {len(wrong)} wrong; RSS "
+          f"gateway {(gateway.memory_info().rss - rss[0]) / 2**20:+.1f} MB, NAME_llm "
+          f"{(llm.memory_info().rss - rss[1]) / 2**20:+.1f} MB; chat {before * 1e3:.0f} ms before, "
+          f"{after * 1e3:.0f} ms after")
     assert after < max(2 * before, before + 0.2), f"a chat took {after:.3f} s after the suite, {before:.3f} s before"
