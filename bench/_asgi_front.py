@@ -9,7 +9,7 @@ import os
 
 from dstool.serve.config import GatewayConfig
 from dstool.serve.gateway import Gateway
-from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse
+from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse
 
 
 class App:

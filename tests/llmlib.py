@@ -76,8 +76,19 @@ def settled_generated(server, quiet: float = 0.6, limit: float = 60) -> float:
     raise AssertionError(f"the engine kept generating for {limit} s")
 
 
-def executions(server, model: str) -> int:
-    """Requests Triton's `model` has taken (those it answered and those it failed)."""
+def executions(server, model: str, expect: int | None = None) -> int:
+    """Requests Triton's `model` has taken (those it answered and those it failed). Triton counts a request when it
+    releases it, which can be just after its answer reached the client: with `expect`, the count is read again for up
+    to 2 s until it is that number (more never becomes fewer, so a count above it is returned at once)."""
+    deadline = time.monotonic() + 2
+    while True:
+        count = _executions(server, model)
+        if expect is None or count >= expect or time.monotonic() > deadline:
+            return count
+        time.sleep(0.02)
+
+
+def _executions(server, model: str) -> int:
     conn = http.client.HTTPConnection(*server.http_url.split(":"), timeout=30)
     conn.request("GET", f"/v2/models/{model}/stats")
     stats = json.loads(conn.getresponse().read())["model_stats"][0]["inference_stats"]

@@ -117,7 +117,7 @@ def test_the_memory_bound_counts_renderings_too():
     """A hit keeps its JSON or gRPC rendering for the next one: that counts against the bound, and evicts."""
     from dstool.serve.gateway.cache import ENTRY_OVERHEAD, ResultCache
     from dstool.serve.gateway.grpc import render_infer as render_grpc
-    from dstool.serve.gateway.http import render_infer as render_http
+    from dstool.serve.gateway.kserve import render_infer as render_http
     from dstool.serve.gateway.tensors import InferResult, Tensor
 
     bound = 1 << 20

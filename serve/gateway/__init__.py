@@ -4,7 +4,8 @@
     run_gateway(GatewayConfig(upstreams=["127.0.0.1:8000"], cache="redis://127.0.0.1:6379/0"))
 
 Files: tensors (the protocol-neutral request/result), keys (cache keys), cache (front LRU + Redis),
-upstream (HTTP pool to Triton), core (versions, lookup, misses), http / grpc (the two protocols),
+upstream (HTTP pool to Triton), core (versions, lookup, misses), grpc (the gRPC protocol), transport (the HTTP/1.1
+server), kserve (KServe v2's JSON codec), http (the HTTP routes),
 generation (Triton's generate extension, cached), protocol + openai (the OpenAI API: typed requests, serving),
 metrics (Prometheus), workers (several gateway processes on the same ports).
 """
@@ -72,8 +73,9 @@ class Gateway:
 
         from dstool.serve.gateway.core import GatewayCore
         from dstool.serve.gateway.grpc import GrpcFrontend
-        from dstool.serve.gateway.http import HttpConnection, HttpFrontend, HttpLimits
+        from dstool.serve.gateway.http import HttpFrontend
         from dstool.serve.gateway.metrics import Metrics
+        from dstool.serve.gateway.transport import HttpConnection, HttpLimits
         from dstool.serve.gateway.upstream import Upstreams
 
         c = self.config

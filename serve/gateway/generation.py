@@ -32,6 +32,7 @@ import orjson
 
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, request_nonce, served_version
 from dstool.serve.gateway.keys import PREFIX, generation_parameters, is_draw, key_fingerprint
+from dstool.serve.gateway.kserve import parse_json
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
 from dstool.serve.triton_models.sampling import shown
@@ -60,8 +61,6 @@ def data(event: bytes) -> dict | None:
 def read_request(body: bytes) -> dict:
     """A generate body as Triton reads it (its JSON dialect), checked: an object, `id` a string, no number that is
     not finite. GatewayError (400) naming what is wrong."""
-    from dstool.serve.gateway.http import parse_json
-
     request = parse_json(body)
     if not isinstance(request, dict):
         raise GatewayError(400, "the request body must be a JSON object of inputs and parameters")

@@ -24,9 +24,9 @@ from dataclasses import dataclass
 import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
-from dstool.serve.gateway.http import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
 from dstool.serve.gateway.tensors import GatewayError
+from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
 # Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
