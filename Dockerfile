@@ -64,7 +64,7 @@ COPY --from=source /src/ ./
 # go into the system interpreter.
 # (-I: the check imports the installed package, not the source folder ./dstool beside it)
 RUN python3 -m pip install --no-cache-dir "./[serve]" \
-    && python3 -I -c "import dstool.serve.server, dstool.serve.gateway, tritonclient.grpc, redis"
+    && python3 -I -c "import dstool.serve.runtime.server, dstool.serve.gateway, tritonclient.grpc, redis"
 COPY model_repository/ /models/
 # out of the source folder, whose ./dstool would shadow the installed package for `python3 -c` and the like
 WORKDIR /

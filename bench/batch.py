@@ -71,8 +71,8 @@ class Loop:
         import onnxruntime as ort
         from transformers import AutoTokenizer
 
-        from dstool.serve import repository as repos
         from dstool.serve.config import model_names
+        from dstool.serve.export import repository as repos
 
         names = model_names(d.name)
         opts = ort.SessionOptions()
@@ -144,7 +144,7 @@ def run_dstool_batch(repo: Path, d, work: Path, rows: int, new_tokens: int, inpu
 
 
 def run_infer(url: str, name: str, prompts: list[str], new_tokens: int) -> dict:
-    from dstool.serve.client import generate_text
+    from dstool.serve.runtime.client import generate_text
 
     started = time.perf_counter()
     made = sum(len(generate_text(url, "grpc", name, p, new_tokens)[1]) for p in prompts)
@@ -172,8 +172,8 @@ def main() -> int:
 
     from dstool.corpus import heldout_prompts
     from dstool.proc import free_port
-    from dstool.serve import triton
     from dstool.serve.config import model_names
+    from dstool.serve.runtime import triton
 
     d = deployment(repo, a.model)
     # more rows than the 1,000 embedded prompts: those again, in turn (a jsonl file for dstool batch)

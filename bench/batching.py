@@ -140,7 +140,7 @@ def wrk_load(url: str, model: str, concurrency: int, seq_len: int, seconds: int,
 
 
 def generation(url: str, model: str, prompt: str, new_tokens: int, use_kv_cache: bool, rounds: int) -> dict:
-    from dstool.serve.client import generate_text
+    from dstool.serve.runtime.client import generate_text
 
     generate_text(url, "grpc", model, prompt, 4, use_kv_cache)  # warm-up
     times, tokens = [], 0
@@ -166,9 +166,9 @@ def main() -> None:
     args = parser.parse_args()
 
     from dstool.proc import free_port
-    from dstool.serve import repository, triton
     from dstool.serve.config import ExportConfig, RepositorySettings
-    from dstool.serve.export import export
+    from dstool.serve.export import export, repository
+    from dstool.serve.runtime import triton
 
     work = Path(tempfile.mkdtemp(prefix="dstool-bench-serve-"))
     try:

@@ -34,7 +34,7 @@ from pathlib import Path
 import numpy as np
 
 from dstool.proc import free_port
-from dstool.serve import triton
+from dstool.serve.runtime import triton
 
 BENCH = Path(__file__).resolve().parent
 DSTOOL = [sys.executable, "-m", "dstool.cli"]

@@ -106,7 +106,7 @@ def main() -> int:
     from dstool.artifacts import EdgePackage
     from dstool.onnx_export import export_decoder_model
     from dstool.serve import edge
-    from dstool.serve.edge_export import write_package
+    from dstool.serve.export.edge_package import write_package
 
     work = args.work or Path(tempfile.mkdtemp(prefix="dstool-bench-edge-"))
     print(f"[model] the 40 M model, its decoder graph and its edge package in {work}", flush=True)

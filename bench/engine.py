@@ -39,7 +39,7 @@ def prepare(a, work: Path) -> Path:
 def main() -> int:
     import onnxruntime as ort
 
-    from dstool.serve.repository import cache_shapes
+    from dstool.serve.export.repository import cache_shapes
     from dstool.serve.triton_models.engine import Engine, Sequence
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 

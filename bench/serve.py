@@ -147,7 +147,7 @@ class Loop:
         import onnxruntime as ort
         from transformers import AutoTokenizer
 
-        from dstool.serve.repository import cache_shapes
+        from dstool.serve.export.repository import cache_shapes
 
         self.session = ort.InferenceSession(str(repo / f"{name}_decoder" / "1" / "model.onnx"),
                                             providers=["CPUExecutionProvider"])
@@ -197,7 +197,7 @@ class Peer:
 
 def main() -> int:
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rounds", type=int, default=4)

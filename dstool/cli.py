@@ -92,7 +92,7 @@ def _compress(cfg) -> int:
 
 def _export(cfg) -> int:
     if cfg.target == "edge":
-        from dstool.serve.edge_export import export_edge
+        from dstool.serve.export.edge_package import export_edge
 
         export_edge(cfg)
         return 0
@@ -106,11 +106,11 @@ def _serve(cfg) -> int:
     if cfg.emit == "k8s":
         import yaml
 
-        from dstool.serve.k8s import serving_manifests
+        from dstool.serve.runtime.k8s import serving_manifests
 
         print(yaml.safe_dump_all(serving_manifests(cfg), sort_keys=False), end="")
         return 0
-    from dstool.serve.server import serve
+    from dstool.serve.runtime.server import serve
 
     return serve(cfg)
 
@@ -124,7 +124,7 @@ def _gateway(cfg) -> int:
 def _infer(cfg) -> int:
     if cfg.edge is not None:
         return _infer_edge(cfg)
-    from dstool.serve import client
+    from dstool.serve.runtime import client
 
     if cfg.prompt is not None and (cfg.stream or cfg.openai):
         pieces = client.openai_text(cfg.address, cfg.model, cfg.prompt, cfg.max_new_tokens, cfg.sampling(),

@@ -179,7 +179,7 @@ class _Run:
         raise StageFailed(f"the served models were not ready after {c.ready_timeout:.0f} s", log=serve_log)
 
     def infer(self):
-        from dstool.serve.client import generate_text
+        from dstool.serve.runtime.client import generate_text
 
         answers = []
         for prompt in self.cfg.prompts:

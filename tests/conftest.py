@@ -97,7 +97,7 @@ def repo(trained, session_tmp) -> Path:
 def server(repo, session_tmp):
     """A real Triton 2.51 serving `repo` (all five models)."""
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
                        session_tmp / "triton.log")
@@ -122,7 +122,7 @@ def gateway_repo(repo, session_tmp) -> Path:
 def gateway_server(gateway_repo, session_tmp):
     """A real Triton on `gateway_repo`, models loaded explicitly (so tests can load new versions)."""
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     srv = triton.start(gateway_repo, triton.find_tritonserver(), free_port(), free_port(), free_port(),
                        session_tmp / "gateway-triton.log",

@@ -81,7 +81,7 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
 
 def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache(repo, server, redis_server,
                                                                                  tmp_path):
-    from dstool.serve import client
+    from dstool.serve.runtime import client
 
     from gatewaylib import GatewayProcess
 

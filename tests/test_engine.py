@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstool.serve.repository import cache_shapes
+from dstool.serve.export.repository import cache_shapes
 from dstool.serve.triton_models.engine import Engine, Sequence
 from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 

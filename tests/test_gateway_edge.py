@@ -184,7 +184,7 @@ def lone_triton(gateway_repo, tmp_path):
     import shutil
 
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     repo = tmp_path / "repo"
     for name in ("echo_fp32", "echo_bytes"):
@@ -474,7 +474,7 @@ def test_what_a_killed_triton_leaves_behind_is_removed(gateway_repo, tmp_path):
     import psutil
 
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     repo = tmp_path / "repo"
     shutil.copytree(gateway_repo / "echo_fp32", repo / "echo_fp32")
@@ -679,7 +679,7 @@ def test_files_changed_under_a_loaded_version_never_mix(gateway_repo, redis_serv
     import tritonclient.http as httpclient
 
     from dstool.proc import free_port
-    from dstool.serve import triton
+    from dstool.serve.runtime import triton
 
     repo = tmp_path / "repo"
     shutil.copytree(gateway_repo / "scaled", repo / "scaled")

@@ -11,7 +11,7 @@ import yaml
 
 from dstool.cli import main
 from dstool.serve.config import ServeConfig
-from dstool.serve.k8s import REQUESTS_METRIC, serving_manifests
+from dstool.serve.runtime.k8s import REQUESTS_METRIC, serving_manifests
 
 K8S_VERSION = "1.32.0"
 

@@ -92,7 +92,7 @@ def test_sparsity_output_zeros_storage_and_graphs(sparse_output):
 
 
 def test_export_deploys_the_sparse_graphs(sparse_output, tmp_path):
-    from dstool.serve import repository
+    from dstool.serve.export import repository
 
     m = CompressedModel.read(sparse_output)
     result = cli("export", str(sparse_output), "--repository", str(tmp_path / "r"), "--name", "sp")

@@ -132,8 +132,8 @@ def _ranges(spark, numbered, rows: int, partitions: int, done: set[int]):
 
 def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
     """The deployment to use (the repository manifest's entry) and what a task needs of it."""
-    from dstool.serve import repository
     from dstool.serve.config import model_names
+    from dstool.serve.export import repository
 
     repo = Path(cfg.repository)
     if kind_of(repo) != "model-repository":

@@ -24,6 +24,8 @@ from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config import ExportConfig
+from dstool.serve.export.repository import TOKENIZER_FILES
+from dstool.serve.export.source import generation_facts, onnx_graphs, read_source
 
 log = dlog.log
 TOLERANCE = 1e-3  # max |logit diff| to the unsplit graph (measured: 0 for fp32 and int8 graphs of both presets)
@@ -39,8 +41,6 @@ POSITION_MIXING = {"DynamicQuantizeLinear", "DynamicQuantizeMatMul", "DynamicQua
 
 def export_edge(cfg: ExportConfig) -> EdgePackage:
     """Write the edge package of `cfg.model` to `cfg.output` (an earlier package there is replaced)."""
-    from dstool.serve.export import _input
-
     out = Path(cfg.output)
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output {out} is a file: pass a folder for the edge package")
@@ -48,7 +48,7 @@ def export_edge(cfg: ExportConfig) -> EdgePackage:
         raise UsageError(f"--output {out} holds other files: pass a new folder (or an earlier edge package, which is "
                          "replaced)")
     source = Path(cfg.model)
-    compressed = _input(source)
+    compressed = read_source(source)
     layers = int(json.loads(((source / compressed.model) if compressed else source).joinpath("config.json")
                             .read_text()).get("num_hidden_layers", 0))
     if cfg.layers_per_block > layers:
@@ -65,7 +65,8 @@ def export_edge(cfg: ExportConfig) -> EdgePackage:
             manifest = write_package(source / compressed.graphs["decoder"].path, source / compressed.model, staging,
                                      cfg.layers_per_block, compressed, str(source.resolve()))
         else:
-            manifest = write_package(_export_decoder(source, work), source, staging, cfg.layers_per_block)
+            decoder = onnx_graphs(source, work, ("decoder",))["decoder"]
+            manifest = write_package(decoder, source, staging, cfg.layers_per_block)
     except UsageError:
         shutil.rmtree(staging, ignore_errors=True)  # nothing to look into: the message says it all
         raise
@@ -85,11 +86,9 @@ def write_package(decoder: Path, hf_dir: Path, folder: Path, layers_per_block: i
                   compressed: CompressedModel | None = None, compressed_path: str | None = None) -> EdgePackage:
     """The edge package of the decoder graph `decoder` (its tokenizer and generation facts from `hf_dir`) written
     into `folder`, checked against that graph, its manifest last."""
-    from dstool.serve.export import _generation_facts
-
     with tempfile.TemporaryDirectory(prefix="dstool-edge-parts-") as work:
         facts = _package(decoder, Path(work), folder, layers_per_block)
-    eos, positions = _generation_facts(hf_dir)
+    eos, positions = generation_facts(hf_dir)
     _tokenizer(hf_dir, folder / "tokenizer")
     draft = EdgePackage(**facts, source=compressed.source if compressed else artifacts.source_model(hf_dir),
                         compressed=compressed_path, recipe=compressed.recipe if compressed else None,
@@ -102,25 +101,13 @@ def write_package(decoder: Path, hf_dir: Path, folder: Path, layers_per_block: i
     return manifest
 
 
-def _export_decoder(hf_dir: Path, work: Path) -> Path:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from dstool.onnx_export import export_decoder_model
-
-    model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
-    dlog.adopt_libraries()
-    log.info("dstool export: ONNX decoder with key/value cache (parity-checked on prefill and decoding steps)")
-    return export_decoder_model(model, work / "decoder").path
-
-
 def _package(decoder: Path, work: Path, staging: Path, layers_per_block: int) -> dict:
     """Cut `decoder` into parts, convert them to ORT format into `staging`; what the manifest says of them."""
     import onnx
     import onnxruntime as ort
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
-    from dstool.serve import edge_split
+    from dstool.serve.export import edge_split  # onnx at import: the export extra
 
     model = onnx.load(str(decoder))
     four_bit = [t.name for t in model.graph.initializer if t.data_type in UNSUPPORTED_BY_ORT_FORMAT]
@@ -190,8 +177,6 @@ def _tokenizer(hf_dir: Path, folder: Path) -> None:
     on the device; checked to encode as AutoTokenizer does."""
     from tokenizers import Tokenizer
     from transformers import AutoTokenizer
-
-    from dstool.serve.repository import TOKENIZER_FILES
 
     folder.mkdir()
     auto = AutoTokenizer.from_pretrained(hf_dir)

@@ -11,8 +11,8 @@ from pathlib import Path
 from dstool import log as dlog
 from dstool.errors import EngineFailed, UsageError
 from dstool.proc import check_port_free, free_port
-from dstool.serve import triton
 from dstool.serve.config import ServeConfig
+from dstool.serve.runtime import triton
 
 log = dlog.log
 

@@ -21,7 +21,7 @@ from dstool.serve.config import RepositorySettings, model_names
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: mc.TYPE_FP32, onnx.TensorProto.FLOAT16: mc.TYPE_FP16,
                   onnx.TensorProto.INT64: mc.TYPE_INT64, onnx.TensorProto.INT32: mc.TYPE_INT32,
                   onnx.TensorProto.BFLOAT16: mc.TYPE_BF16}
-MODELS_PY = Path(__file__).with_name("triton_models")
+MODELS_PY = Path(__file__).parent.parent / "triton_models"
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
