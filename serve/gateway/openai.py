@@ -107,6 +107,63 @@ class Choice:
         return new
 
 
+@dataclass
+class Reply:
+    """One answer being written: its identity, its choices, and what the request asked of its shape (logprobs, a
+    usage chunk); renders the whole answer or a stream's chunks."""
+
+    chat: bool
+    model: str
+    choices: list[Choice]
+    max_tokens: int
+    logprobs: bool  # top_logprobs or logprobs asked
+    include_usage: bool = False
+    ident: str = ""
+    created: int = 0
+
+    def __post_init__(self):
+        self.ident = self.ident or ("chatcmpl-" if self.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = self.created or int(time.time())
+        self.offsets = {c.index: 0 for c in self.choices}  # each choice's text offset so far (completions' logprobs)
+
+    def usage(self) -> dict:
+        completion = sum(c.tokens for c in self.choices)
+        prompt = self.choices[0].prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    def whole(self) -> dict:
+        rows = []
+        for c in self.choices:
+            c.end(self.max_tokens)
+            lp = logprobs_field(self.chat, c.ranked) if self.logprobs else None
+            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+                         "finish_reason": c.finish_reason} if self.chat else
+                        {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+        return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
+                "created": self.created, "model": self.model, "choices": rows, "usage": self.usage()}
+
+    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
+              rows: list[Ranked] | None = None) -> bytes:
+        lp = None
+        if self.logprobs and rows:
+            lp = logprobs_field(self.chat, rows, self.offsets[index])
+            self.offsets[index] += sum(len(r.token) for r in rows)
+        if self.chat:
+            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
+        else:
+            row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
+        return self._event({"choices": [row]})
+
+    def usage_chunk(self) -> bytes:
+        return self._event({"choices": [], "usage": self.usage()})
+
+    def _event(self, fields: dict) -> bytes:
+        kind = "chat.completion.chunk" if self.chat else "text_completion"
+        return b"data: " + orjson.dumps({"id": self.ident, "object": kind, "created": self.created,
+                                         "model": self.model, **fields}) + b"\n\n"
+
+
 class OpenAIFrontend:
     def __init__(self, upstreams, generation: GenerationCache, default_max_tokens: int = 16):
         self.upstreams = upstreams
@@ -161,15 +218,12 @@ class OpenAIFrontend:
             first = await events.get()  # the first event, or an error before anything was generated
             if isinstance(first, OpenAIError):
                 raise first
-            ident = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-            created = int(time.time())
-            asked = request.top_logprobs_asked is not None
+            reply = Reply(chat, request.model, choices, max_tokens, request.top_logprobs_asked is not None,
+                          request.stream_options is not None and request.stream_options.include_usage)
             if request.stream:
-                include_usage = request.stream_options is not None and request.stream_options.include_usage
                 handed_over = True  # the stream's end (or the client's) stops the choices
                 return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")],
-                                         self._sse(first, events, choices, max_tokens, chat, ident, created,
-                                                   request.model, include_usage, asked), stop)
+                                         self._sse(first, events, reply), stop)
             done, event = 0, first
             while True:
                 if isinstance(event, OpenAIError):
@@ -182,45 +236,16 @@ class OpenAIFrontend:
         finally:
             if not handed_over:
                 stop()  # also when the client hung up (this task cancelled): the choices end on Triton too
-        rows = []
-        for c in choices:
-            c.end(max_tokens)
-            lp = logprobs_field(chat, c.ranked) if asked else None
-            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
-                         "finish_reason": c.finish_reason} if chat else
-                        {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
-        body = {"id": ident, "object": "chat.completion" if chat else "text_completion", "created": created,
-                "model": request.model, "choices": rows, "usage": self._usage(choices)}
-        return HttpResponse(200, [orjson.dumps(body)], [("Content-Type", "application/json")])
+        return HttpResponse(200, [orjson.dumps(reply.whole())], [("Content-Type", "application/json")])
 
     @staticmethod
-    def _usage(choices: list[Choice]) -> dict:
-        completion = sum(c.tokens for c in choices)
-        prompt = choices[0].prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
-
-    async def _sse(self, event, events, choices, max_tokens, chat, ident, created, model,
-                   include_usage, asked) -> AsyncIterator[bytes]:
-        kind = "chat.completion.chunk" if chat else "text_completion"
-        offsets = {c.index: 0 for c in choices}  # each choice's text offset so far, for completions' logprobs
-
-        def chunk(index: int, text: str | None, finish: str | None, role: bool = False,
-                  rows: list[Ranked] | None = None) -> bytes:
-            lp = None
-            if asked and rows:
-                lp = logprobs_field(chat, rows, offsets[index])
-                offsets[index] += sum(len(r.token) for r in rows)
-            if chat:
-                delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
-                row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-            else:
-                row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
-            return b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                             "choices": [row]}) + b"\n\n"
-
-        if chat:
-            for c in choices:
-                yield chunk(c.index, None, None, role=True)
+    async def _sse(event, events: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
+        """The stream of `reply` from its first event on: a role chunk per choice (chat), the text as it comes, each
+        choice's finish, the usage chunk when asked, [DONE]; an error after the first event ends it as an error
+        event."""
+        if reply.chat:
+            for c in reply.choices:
+                yield reply.chunk(c.index, None, None, role=True)
         done = 0
         while True:
             if isinstance(event, OpenAIError):
@@ -229,19 +254,18 @@ class OpenAIFrontend:
                 break
             choice, text, rows = event
             if text is None:
-                rest = choice.end(max_tokens)
+                rest = choice.end(reply.max_tokens)
                 if rest:
-                    yield chunk(choice.index, rest, None)
-                yield chunk(choice.index, None if chat else "", choice.finish_reason)
+                    yield reply.chunk(choice.index, rest, None)
+                yield reply.chunk(choice.index, None if reply.chat else "", choice.finish_reason)
                 done += 1
-                if done == len(choices):
+                if done == len(reply.choices):
                     break
-            elif text or (asked and rows):
-                yield chunk(choice.index, text, None, rows=rows)
+            elif text or (reply.logprobs and rows):
+                yield reply.chunk(choice.index, text, None, rows=rows)
             event = await events.get()
-        if include_usage:
-            yield b"data: " + orjson.dumps({"id": ident, "object": kind, "created": created, "model": model,
-                                             "choices": [], "usage": self._usage(choices)}) + b"\n\n"
+        if reply.include_usage:
+            yield reply.usage_chunk()
         yield b"data: [DONE]\n\n"
 
     async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool) -> None:
