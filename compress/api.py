@@ -82,21 +82,19 @@ def _check_modes(cfg: CompressConfig, src: Path) -> None:
     on the meta device, nothing loaded)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dstool.compress import prune, prune_moe
+    from dstool.compress import prune, sparse
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))
-    if cfg.prune_experts and not prune_moe.is_deepseek_v3(model):
-        raise UsageError(f"--prune-experts removes routed experts, and {type(model).__name__} has none: use "
-                         "--prune-heads/--prune-mlp or --prune")
     try:
-        if cfg.prunes:
-            prune.check_prunable(model)
+        if cfg.prunes and not prune.family_of(model).has_experts and cfg.prune_experts:
+            raise ValueError(f"--prune-experts removes routed experts, and {type(model).__name__} has none: use "
+                             "--prune-heads/--prune-mlp or --prune")
         if cfg.prune and not prune.candidate_layouts(model, cfg.prune):
             raise ValueError(prune.no_layout_message(cfg.prune))
         if cfg.sparsity and ":" in cfg.sparsity:
             n, m = map(int, cfg.sparsity.split(":"))
-            prune.check_n_m_fits(model, n, m)
+            sparse.check_n_m_fits(model, n, m)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -214,16 +212,16 @@ class _Compression:
                  f"({p.total_fraction_removed:.1%} of all): per layer " + report.layout_text(p) + f" ({rule} layout)")
 
     def sparsify(self) -> None:
-        from dstool.compress import prune
+        from dstool.compress import sparse
 
         pattern = self.cfg.sparsity or "2:4"  # this step runs only with --sparsity
         n, m = map(int, pattern.split(":"))
         try:  # a width pruning left that M does not divide (the input's were checked up front)
-            self.masks = prune.apply_n_m_sparsity(self.model, n, m)
+            self.masks = sparse.apply_n_m_sparsity(self.model, n, m)
         except ValueError as e:
             raise UsageError(f"{e} (after pruning)") from None
         try:
-            prune.check_n_m(self.model, self.masks, n, m)
+            sparse.check_n_m(self.model, self.masks, n, m)
         except AssertionError as e:
             raise StageFailed(f"N:M masks: {e}") from None
         self.recipe.sparsity = Sparsity(pattern=pattern, n=n, m=m, weights=len(self.masks),

@@ -19,7 +19,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from dstool.compress.prune import Layout, PruneResult, _complement, _round_channels, _rows, _shrink, calibrate
+from dstool.compress.family import Layout, PruneResult
+from dstool.compress.surgery import calibrate, check_calibration, complement, round_channels, rows, shrink
 
 
 @dataclass(frozen=True)
@@ -55,8 +56,34 @@ class MoeScores:
 EXPERT_WIDTH_MIN = 8
 
 
-def is_deepseek_v3(model) -> bool:
-    return getattr(getattr(model, "config", None), "model_type", None) == "deepseek_v3"
+class DeepSeekV3:
+    """The DeepSeek-V3 family (multi-head latent attention; dense layers, then MoE layers with routed and shared
+    experts)."""
+
+    name = "DeepSeek-V3"
+    has_experts = True
+
+    def check(self, model) -> None:
+        if getattr(getattr(model, "config", None), "model_type", None) != "deepseek_v3":
+            raise ValueError(f"{type(model).__name__} is not a DeepSeek-V3 model (config.model_type deepseek_v3)")
+
+    def structured_layout(self, model, heads_ratio: float, mlp_ratio: float, kv_ratio: float,
+                          experts_ratio: float) -> MoeLayout:
+        if kv_ratio:
+            raise ValueError("multi-head latent attention has no key/value groups to remove: prune heads instead")
+        return _structured_layout(model, heads_ratio, mlp_ratio, experts_ratio)
+
+    def layouts_for_ratio(self, model, ratio: float) -> list[MoeLayout]:
+        return _layouts_for_ratio(model, ratio)
+
+    def importance_scores(self, model, calibration: torch.Tensor | None) -> list:
+        return _importance_scores(model, calibration)
+
+    def apply_layout(self, model, layout, scores: list) -> PruneResult:
+        return _apply_layout(model, layout, scores)
+
+
+DEEPSEEK_V3 = DeepSeekV3()
 
 
 def layers(model) -> nn.ModuleList:
@@ -87,13 +114,13 @@ def layout_of(model) -> MoeLayout:
                      experts=c.n_routed_experts, expert_channels=c.moe_intermediate_size)
 
 
-def structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_ratio: float) -> MoeLayout:
+def _structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_ratio: float) -> MoeLayout:
     """The layout that removes these shares of heads, of every MLP's channels and of each group's experts (every
     expert keeping at least EXPERT_WIDTH_MIN channels)."""
     now = layout_of(model)
 
     def width(channels: int) -> int:
-        return channels if mlp_ratio == 0 else _round_channels(round((1 - mlp_ratio) * channels))
+        return channels if mlp_ratio == 0 else round_channels(round((1 - mlp_ratio) * channels))
 
     wanted = now.experts - round(experts_ratio * now.experts)  # the nearest valid count at or above it
     experts = min((k for k in expert_counts(model.config) if k >= wanted), default=expert_counts(model.config)[-1])
@@ -102,7 +129,7 @@ def structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_ratio
                      expert_channels=max(width(now.expert_channels), min(EXPERT_WIDTH_MIN, now.expert_channels)))
 
 
-def layouts_for_ratio(model, ratio: float) -> list[MoeLayout]:
+def _layouts_for_ratio(model, ratio: float) -> list[MoeLayout]:
     """Every (heads, experts) pair, each with the dense and expert widths that bring the removed share of the decoder
     layers' parameters to at least `ratio`: the same share of channels comes out of every MLP (dense, routed and
     shared experts), rounded down to a multiple of 8. Pairs whose heads and experts alone remove more than 5 % over
@@ -119,8 +146,8 @@ def layouts_for_ratio(model, ratio: float) -> list[MoeLayout]:
             fixed = (now.kv_groups - heads) * per_head + (now.experts - experts) * per_expert
             every_channel = now.channels * per_channel + now.expert_channels * (experts + shared) * per_expert_channel
             share = max(0.0, target - fixed) / every_channel  # of every MLP's channels
-            channels = now.channels if not dense else _round_channels(now.channels - math.ceil(share * now.channels))
-            expert_channels = now.expert_channels if not moe else _round_channels(
+            channels = now.channels if not dense else round_channels(now.channels - math.ceil(share * now.channels))
+            expert_channels = now.expert_channels if not moe else round_channels(
                 now.expert_channels - math.ceil(share * now.expert_channels))
             if fixed > target * 1.05 or share >= 1 or expert_channels < min(EXPERT_WIDTH_MIN, now.expert_channels):
                 continue
@@ -147,7 +174,7 @@ def _unit_sizes(model) -> tuple[int, int, int, int]:
     return head, channel, expert_channel, expert
 
 
-def importance_scores(model, calibration: torch.Tensor | None) -> list[DenseScores | MoeScores]:
+def _importance_scores(model, calibration: torch.Tensor | None) -> list[DenseScores | MoeScores]:
     """Activations on `calibration` token ids [batch, seq] (one no-grad, eval-mode forward) x output-projection
     norms, as for Llama: heads by the norm of their output (o_proj input), channels by their mean |activation|
     (down-projection input), a routed expert's channels over the tokens routed to it, weighted by their routing
@@ -160,9 +187,7 @@ def importance_scores(model, calibration: torch.Tensor | None) -> list[DenseScor
                           _expert_weight_scores(layer.mlp.experts), None) if _is_moe(layer) else
                 DenseScores(_head_weight_scores(layer.self_attn, heads), _mlp_weight_scores(layer.mlp))
                 for layer in decoder]
-    if calibration.dim() != 2 or calibration.dtype not in (torch.int32, torch.int64):
-        raise ValueError(f"calibration must be integer token ids [batch, seq], got {calibration.dtype} "
-                         f"{tuple(calibration.shape)}")
+    check_calibration(calibration)
     inputs: dict[nn.Module, torch.Tensor] = {}
     routed: dict[nn.Module, tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -218,7 +243,7 @@ def _expert_channel_activity(experts: nn.Module, x: torch.Tensor, index: torch.T
     return activity, load
 
 
-def apply_layout(model, layout: MoeLayout, scores: list[DenseScores | MoeScores]) -> PruneResult:
+def _apply_layout(model, layout: MoeLayout, scores: list[DenseScores | MoeScores]) -> PruneResult:
     """Shrink every layer to `layout`, keeping the highest-scoring heads and channels and the most-routed experts."""
     decoder, config = layers(model), model.config
     now = layout_of(model)
@@ -239,21 +264,21 @@ def apply_layout(model, layout: MoeLayout, scores: list[DenseScores | MoeScores]
         kept_heads = layer_scores.heads.topk(layout.kv_groups).indices.sort().values
         if layout.kv_groups < now.kv_groups:
             if attn.q_b_proj is not None:
-                attn.q_b_proj = _shrink(attn.q_b_proj, _rows(kept_heads, qk_head), dim=0)
+                attn.q_b_proj = shrink(attn.q_b_proj, rows(kept_heads, qk_head), dim=0)
             else:
-                attn.q_proj = _shrink(attn.q_proj, _rows(kept_heads, qk_head), dim=0)
-            attn.kv_b_proj = _shrink(attn.kv_b_proj, _rows(kept_heads, kv_head), dim=0)
-            attn.o_proj = _shrink(attn.o_proj, _rows(kept_heads, v_head), dim=1)
+                attn.q_proj = shrink(attn.q_proj, rows(kept_heads, qk_head), dim=0)
+            attn.kv_b_proj = shrink(attn.kv_b_proj, rows(kept_heads, kv_head), dim=0)
+            attn.o_proj = shrink(attn.o_proj, rows(kept_heads, v_head), dim=1)
             attn.num_heads = layout.kv_groups
-        record: dict[str, list] = {"kv_groups": _complement(kept_heads, now.kv_groups),
-                                   "query_heads": _complement(kept_heads, now.kv_groups), "mlp_channels": []}
+        record: dict[str, list] = {"kv_groups": complement(kept_heads, now.kv_groups),
+                                   "query_heads": complement(kept_heads, now.kv_groups), "mlp_channels": []}
         if isinstance(layer_scores, MoeScores):
             record.update(_shrink_moe(layer.mlp, layout, layer_scores, config))
         else:
             channels = layer_scores.channels.topk(layout.channels).indices.sort().values
             if layout.channels < now.channels:
                 _shrink_mlp(layer.mlp, channels)
-            record["mlp_channels"] = _complement(channels, now.channels)
+            record["mlp_channels"] = complement(channels, now.channels)
         removed.append(record)
 
     config.num_attention_heads = config.num_key_value_heads = layout.kv_groups
@@ -299,15 +324,15 @@ def _shrink_moe(moe: nn.Module, layout: MoeLayout, scores: MoeScores, config) ->
     shared = scores.shared.topk(shared_width).indices.sort().values
     if shared_width < moe.shared_experts.intermediate_size:
         _shrink_mlp(moe.shared_experts, shared)
-    return {"experts": _complement(kept, count), "expert_load": [round(float(x), 6) for x in load],
-            "expert_channels": [_complement(c, width) for c in channels],
-            "shared_expert_channels": _complement(shared, len(scores.shared))}
+    return {"experts": complement(kept, count), "expert_load": [round(float(x), 6) for x in load],
+            "expert_channels": [complement(c, width) for c in channels],
+            "shared_expert_channels": complement(shared, len(scores.shared))}
 
 
 def _shrink_mlp(mlp: nn.Module, channels: torch.Tensor) -> None:
-    mlp.gate_proj = _shrink(mlp.gate_proj, channels, dim=0)
-    mlp.up_proj = _shrink(mlp.up_proj, channels, dim=0)
-    mlp.down_proj = _shrink(mlp.down_proj, channels, dim=1)
+    mlp.gate_proj = shrink(mlp.gate_proj, channels, dim=0)
+    mlp.up_proj = shrink(mlp.up_proj, channels, dim=0)
+    mlp.down_proj = shrink(mlp.down_proj, channels, dim=1)
     mlp.intermediate_size = len(channels)
 
 

@@ -1,8 +1,12 @@
-"""Unstructured magnitude sparsity, and storage that holds only the nonzero weights.
+"""Sparsity, N:M and unstructured, and storage that holds only the nonzero weights. Both cover the same weights
+(`covered_weights`: the nn.Linear weights inside the decoder layers and the routed experts' stacked matrices);
+embeddings, lm_head, norms and the MoE router stay dense.
 
-`apply_unstructured(model, fraction)` zeroes the `fraction` smallest-magnitude entries of every weight N:M sparsity
-covers (`prune.n_m_weights`: the nn.Linear weights inside the decoder layers and the routed experts' stacked
-matrices), each matrix on its own, and returns the masks; embeddings, lm_head, norms and the MoE router stay dense.
+`apply_n_m_sparsity(model, n, m)` zeroes the m - n smallest-magnitude weights in every group of m along the input
+dimension (2:4 by default) and returns the masks (recovery keeps the zeros: dstool train --keep-zero-weights);
+`check_n_m_fits` refuses a pattern whose M does not divide every covered layer's input width.
+`apply_unstructured(model, fraction)` zeroes the `fraction` smallest-magnitude entries of each covered matrix on its
+own, and returns the masks.
 Stored, a tensor that is at least 1/16 zeros becomes a bitmask of its nonzeros (one bit per entry, row-major, least
 significant bit first) and its nonzero values (fp32, in the same order):
 
@@ -26,6 +30,7 @@ and 1.05x with int64 ones (measured: docs/compress.md).
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import numpy as np
@@ -34,20 +39,80 @@ import torch
 from onnx import TensorProto, helper, numpy_helper
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 FORMAT = "bitmask-values"
 SUFFIX = ".sparse.safetensors"
 MIN_ZERO_SHARE = 1 / 16  # bitmask + values are smaller than dense fp32 from 1/32 zeros on; from 1/16, 3 % smaller
 
 
+def apply_n_m_sparsity(model, n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:
+    """Zero the m - n smallest-magnitude weights in every group of m along the input dimension.
+
+    Covers the weights `covered_weights` names (decoder Linear layers and routed experts; not embeddings, lm_head or
+    the MoE router) and returns {parameter name: bool mask}. Raises ValueError, before changing anything, if a
+    covered weight's input width is not a multiple of m.
+    """
+    if not 0 < n < m:
+        raise ValueError(f"N:M sparsity needs 0 < n < m, got n={n}, m={m}")
+    check_n_m_fits(model, n, m)
+    masks = {}
+    with torch.no_grad():
+        for name, weight in covered_weights(model).items():
+            groups = weight.abs().unflatten(-1, (-1, m))
+            keep = groups.topk(n, dim=-1).indices
+            mask = torch.zeros_like(groups, dtype=torch.bool).scatter_(-1, keep, True).view_as(weight)
+            weight.mul_(mask)
+            masks[name] = mask
+    return masks
+
+
+def covered_weights(model) -> dict[str, nn.Parameter]:
+    """{parameter name: weight} of what N:M sparsity covers, the input dimension last: every nn.Linear weight inside
+    the decoder layers (model.model.layers) and the routed experts' stacked [experts, out, in] weights."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        raise ValueError(f"{type(model).__name__} is not a Llama-style or DeepSeek-V3 causal LM (no "
+                         "model.model.layers), so N:M sparsity does not apply to it: --bits 8 or 4 does")
+    inside = set()
+    for module in layers.modules():
+        if isinstance(module, nn.Linear):
+            inside.add(id(module.weight))
+        elif not getattr(module, "is_transposed", False):  # transformers' experts: [experts, out, in]
+            inside |= {id(p) for p in module.parameters(recurse=False) if p.dim() == 3}
+    return {name: p for name, p in model.named_parameters() if id(p) in inside}
+
+
+def check_n_m_fits(model, n: int, m: int) -> None:
+    """Raise ValueError (one line: the first layer whose input width M does not divide, and a pattern that fits
+    every layer) unless every weight `covered_weights` covers has an input width that is a multiple of m."""
+    widths = {name: w.shape[-1] for name, w in covered_weights(model).items()}
+    for name, width in widths.items():
+        if width % m:
+            common = math.gcd(*widths.values())
+            fits = [f"{k // 2}:{k}" for k in (4, 8, 2) if common % k == 0][:1] or ["none (widths share no factor)"]
+            raise ValueError(f"N:M sparsity {n}:{m}: {name} has input width {width}, not a multiple of M={m} "
+                             f"(input widths here: {', '.join(map(str, sorted(set(widths.values()))))}); a pattern "
+                             f"whose M divides them all works, e.g. {fits[0]}")
+
+
+def check_n_m(model, masks: dict[str, torch.Tensor], n: int = 2, m: int = 4) -> None:
+    """Raise AssertionError naming the first masked layer with a group of m holding fewer than m - n zeros."""
+    params = dict(model.named_parameters())
+    for name in masks:
+        weight = params[name]
+        zeros = (weight == 0).unflatten(-1, (-1, m)).sum(dim=-1)
+        bad = int((zeros < m - n).sum())
+        if bad:
+            raise AssertionError(f"{name}: {bad} of {zeros.numel()} groups of {m} have fewer than {m - n} zeros")
+
+
 @torch.no_grad()
 def apply_unstructured(model, fraction: float) -> dict[str, torch.Tensor]:
     """Zero the round(fraction x size) smallest-magnitude entries of each covered matrix (of every expert's, in a
     stacked [experts, out, in] weight), in place; returns {weight name: bool mask of the kept entries}."""
-    from dstool.compress.prune import n_m_weights
-
     masks = {}
-    for name, w in n_m_weights(model).items():
+    for name, w in covered_weights(model).items():
         rows = w.abs().reshape(-1, w.shape[-2] * w.shape[-1])  # one row per matrix
         drop = rows.topk(round(fraction * rows.shape[1]), dim=1, largest=False).indices
         mask = torch.ones_like(rows, dtype=torch.bool).scatter_(1, drop, False).view_as(w)

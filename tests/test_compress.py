@@ -15,7 +15,7 @@ import torch
 from dstool.artifacts import CompressedModel
 from dstool.compress import CompressConfig
 from dstool.compress.api import speed_gate
-from dstool.compress.prune import check_n_m
+from dstool.compress.sparse import check_n_m
 
 from conftest import cli, dstool, one_line_usage_error
 
