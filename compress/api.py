@@ -50,7 +50,7 @@ from dstool.artifacts import (
     Sparsity,
     TorchaoFigures,
 )
-from dstool.compress import measure, quality, quantize, report
+from dstool.compress import baseline, measure, quality, quantize, report
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder, sha256_file
@@ -172,9 +172,8 @@ class _Compression:
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def baseline(self) -> None:
-        self.base = export_logits_model(self.model, self.work / "baseline")
-        self.base_decoder = export_decoder_model(self.model, self.work / "baseline-decoder")  # decoding speed
-        self.before, self.before_top1 = _measure(self.base.path, self.model, self.heldout, self.cloze)
+        b = baseline.baseline(self.model, self.src, self.heldout, self.cloze, self.work, self.cfg.baseline_cache)
+        self.base, self.base_decoder, self.before, self.before_top1 = b.logits, b.decoder, b.figures, b.top1
         log.info(f"perplexity {self.before['perplexity']:.3f} ({self.heldout_label}), cloze accuracy "
                  f"{_share(self.before['zero_shot_accuracy'])} ({self.cloze.items} items, chance "
                  f"{1 / self.cloze.choices:.0%}), {self.before['onnx_bytes'] / 1e6:.2f} MB")
@@ -417,7 +416,7 @@ class _Compression:
         self.deploy = {"logits": q_logits, "decoder": q_decoder}
 
     def measure(self) -> Figures:
-        after, after_top1 = _measure(self.deploy["logits"], self.model, self.heldout, self.cloze)
+        after, after_top1 = baseline.measured(self.deploy["logits"], self.model, self.heldout, self.cloze)
         figures = {"before": self.before, "after": after}
         vocab, repeats = self.model.config.vocab_size, self.cfg.latency_repeats
         for batch in (1, 8):
@@ -507,14 +506,6 @@ def _graph_logits(role: str, path: Path, ids: np.ndarray) -> np.ndarray:
     if role == "logits":
         return run_logits(session, ids)
     return run_decoder(session, ids, empty_cache(session, len(ids)), 0)[0]
-
-
-def _measure(onnx_path: Path, model, heldout: np.ndarray, cloze: quality.Cloze) -> tuple[dict, np.ndarray]:
-    """What `Measured` holds but the speeds (timed later, the two models interleaved), and the top-1 predictions on
-    the held-out positions the perplexity scores."""
-    ppl, top1 = measure.score_onnx(onnx_path, heldout)
-    return {"parameters": sum(p.numel() for p in model.parameters()), "onnx_bytes": measure.onnx_bytes(onnx_path),
-            "perplexity": ppl, "zero_shot_accuracy": quality.cloze_accuracy(onnx_path, cloze)}, top1
 
 
 class _OnnxLayoutTimer:

@@ -47,6 +47,9 @@ class CompressConfig(CommandConfig):
                                            json_schema_extra={"cli": {"metavar": "FIGURE"}})
     latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure (per decoding "
                                  "figure: at most 5 generations of 32 tokens)")
+    baseline_cache: bool = Field(True, description="reuse the fp32 baseline (both graphs, their figures) of an input "
+                                 "compressed before with the same data and versions, kept in $DSTOOL_CACHE_DIR "
+                                 "(~/.cache/dstool)")
     engine: Literal["onnxruntime", "torchao"] = Field("onnxruntime", description="int8 for ONNX Runtime, or "
                                                       "torchao's PyTorch int8")
 

@@ -52,3 +52,10 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     write_text_atomic(path, json.dumps(obj, indent=1) + "\n")
+
+
+def cache_dir() -> Path:
+    """Where dstool keeps what it can make again (Triton's files from the wheel, compress baselines):
+    $DSTOOL_CACHE_DIR, else $XDG_CACHE_HOME/dstool, else ~/.cache/dstool."""
+    given = os.environ.get("DSTOOL_CACHE_DIR")
+    return Path(given) if given else Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "dstool"

@@ -74,11 +74,16 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
     assert cached == recomputed  # the quantized decoder and logits graph are the same model
 
 
-def test_int4_cli(trained, tmp_path):
+def test_int4_cli(trained, int8_output, tmp_path):
     out = tmp_path / "int4"
     proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3",
                   "--output", str(out))
     m = _manifest(out)
+    # the fp32 baseline of `trained` was made for int8_output and kept: reused here, its figures as they were measured
+    assert "baseline graphs and figures reused" in (out / "compress.log").read_text()
+    kept = CompressedModel.read(int8_output).figures.before
+    assert [getattr(m.figures.before, k) for k in ("parameters", "onnx_bytes", "perplexity", "zero_shot_accuracy")] \
+        == [getattr(kept, k) for k in ("parameters", "onnx_bytes", "perplexity", "zero_shot_accuracy")]
     assert str(out / m.graphs["logits"].path) in proc.stdout
     assert all("MatMulNBits" in _ops(out / g.path) for g in m.graphs.values())
     assert m.recipe.quantization.block_size == 32
@@ -278,3 +283,34 @@ def test_quality_measures(repo, trained):
     ppl, top1 = measure.score_onnx(graph, heldout)
     assert ppl > 1 and top1.shape == (64, 127)  # the windows perplexity scores, every position but the last
     assert measure.top1_agreement(top1[:8], measure.score_onnx(graph, heldout, limit=8)[1]) == 1.0
+
+
+def test_a_kept_baseline_is_keyed_by_what_makes_it_and_checked_before_reuse(tmp_path, monkeypatch):
+    from dstool.compress import baseline, quality
+    from dstool.onnx_export import OnnxExport
+
+    monkeypatch.setenv("DSTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    src = tmp_path / "model"
+    src.mkdir()
+    (src / "model.safetensors").write_bytes(b"weights")
+    (src / "config.json").write_text('{"vocab_size": 8}')
+    heldout = np.arange(64)
+    cloze = quality.Cloze(np.zeros((2, 4), np.int64), np.ones((2, 4), np.int64))
+    key = baseline._key(src, heldout, cloze)
+    assert baseline._key(src, heldout[:-1], cloze) != key  # other held-out tokens
+    (src / "model.safetensors").write_bytes(b"other weights")
+    assert baseline._key(src, heldout, cloze) != key  # other weights
+
+    graphs = {}
+    for role in ("logits", "decoder"):
+        (tmp_path / role).mkdir()
+        (tmp_path / role / "model.onnx").write_bytes(role.encode())
+        graphs[role] = OnnxExport(tmp_path / role / "model.onnx", 1e-6, ["input_ids"], ["logits"])
+    entry = baseline._root() / key
+    figures = {"parameters": 3, "onnx_bytes": 6, "perplexity": 2.5, "zero_shot_accuracy": 0.25}
+    baseline._write(entry, baseline.Baseline(graphs["logits"], graphs["decoder"], figures, np.arange(5)))
+    found = baseline._read(entry)
+    assert found is not None and found.figures == figures and found.top1.tolist() == [0, 1, 2, 3, 4]
+    assert found.logits.path.read_bytes() == b"logits" and found.logits.max_abs_diff == 1e-6
+    (entry / "decoder" / "model.onnx").write_bytes(b"tampered")
+    assert baseline._read(entry) is None  # made again, never reused changed

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dstool.errors import EngineFailed, UsageError
-from dstool.files import replace_folder
+from dstool.files import cache_dir, replace_folder
 from dstool.proc import die_with_parent, stop_process
 
 
@@ -79,8 +79,7 @@ def find_tritonserver(explicit: str | None = None) -> TritonBinary:
     if root is None:
         raise UsageError("no Triton server found: pass --tritonserver PATH, set DSTOOL_TRITONSERVER, run in the NGC "
                          "tritonserver image, or pip install nvidia-pytriton==0.7.0")
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "dstool" / "tritonserver-pytriton"
-    return _prepare_from_wheel(root, cache)
+    return _prepare_from_wheel(root, cache_dir() / "tritonserver-pytriton")
 
 
 SHM = Path("/dev/shm")
