@@ -1,4 +1,4 @@
-"""The continuous-batching engine (serve/triton_models/engine.py) on the exported decoder graph, in one process.
+"""The continuous-batching engine (dstool/engine.py) on the exported decoder graph, in one process.
 
     .venv/bin/python bench/engine.py [--repository REPO] [--new-tokens 64] [--rounds 3]
 
@@ -39,8 +39,8 @@ def prepare(a, work: Path) -> Path:
 def main() -> int:
     import onnxruntime as ort
 
+    from dstool.engine import Engine, Sequence
     from dstool.serve.export.repository import cache_shapes
-    from dstool.serve.triton_models.engine import Engine, Sequence
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstool import corpus
+from dstool import corpus, engine
 from dstool.artifacts import HFModel, ManifestError, kind_of
 from dstool.errors import UsageError
-from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
+from dstool.onnx_export import ort_session, run_logits
 
 
 def heldout_tokens(model_dir: Path, tokenizer, calibration: str | None) -> tuple[np.ndarray, np.ndarray, str]:
@@ -121,20 +121,26 @@ def latency_ms(onnx_paths: list[Path], vocab: int, batch: int, seq_len: int = 12
 
 
 class _Generation:
-    """Greedy generation with a decoder graph from a prefilled prompt: each call decodes `new_tokens` steps of one
-    token per sequence (each step's cache the next one's input, as serve's engine runs them) and records each
-    step's wall time."""
+    """Greedy generation with a decoder graph on dstool's decode loop (dstool.engine, as the served models run it):
+    each call prefills the prompts (untimed), then decodes `new_tokens` steps of one token per sequence, recording
+    each step's wall time."""
 
     def __init__(self, session, prompt: np.ndarray, new_tokens: int):
-        self.session, self.prompt_len, self.new_tokens = session, prompt.shape[1], new_tokens
-        self.prefilled = run_decoder(session, prompt, empty_cache(session, len(prompt)), 0)
+        self.session, self.prompt, self.new_tokens = session, prompt.tolist(), new_tokens
+        self.shapes = {i.name: (i.shape[1], i.shape[3]) for i in session.get_inputs()
+                       if i.name.startswith("past_key_values.")}
         self.step_s: list[float] = []
 
     def __call__(self) -> None:
-        logits, cache = self.prefilled
-        for t in range(self.new_tokens):
+        run = engine.Engine(self.session, self.shapes, max_batch=len(self.prompt),
+                            max_prefill_tokens=sum(map(len, self.prompt)))
+        for b, ids in enumerate(self.prompt):
+            run.add(engine.Sequence(str(b), ids, self.new_tokens + 1, lambda logits, _p, _o: int(logits.argmax()),
+                                    set()))
+        run.step()  # the prompts, and each one's first token
+        while run.busy:
             t0 = time.perf_counter()
-            logits, cache = run_decoder(self.session, logits[:, -1:].argmax(-1), cache, self.prompt_len + t)
+            run.step()
             self.step_s.append(time.perf_counter() - t0)
 
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import numpy as np
 
 from dstool.artifacts import EdgePackage, EdgePart, ManifestError
-from dstool.errors import UsageError
+from dstool.engine import Engine, Sequence
+from dstool.errors import StageFailed, UsageError
 
 MB = 1 << 20
 # Opening an ORT-format session from its file peaks at a multiple of the file (the file read whole, the weights
@@ -157,6 +158,7 @@ class EdgeModel:
         self._trim()  # what opening them freed (the files read whole): resident memory then says what they hold
         self.resident = rss_bytes() - self.baseline
         self.last_position_head = self.manifest.head_last_position
+        self.failure: BaseException | None = None  # what the last run raised (the engine ends the sequence on it)
         self.open_blocks: dict[int, object] = {}
         self.loads = 0
         self.need = 0  # MB the current generation was estimated to need (needs_mb)
@@ -239,26 +241,36 @@ class EdgeModel:
         self.open_blocks[index] = self._open(part, self.prepack_blocks)
         return self.open_blocks[index]
 
+    def run(self, names: list[str], feeds: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """The unsplit decoder graph's outputs `names` (logits, cache.*) for `feeds`, part after part: what the engine
+        runs (with a last-position head, the last position's logits only). A failure is kept in `failure` for
+        `generate` to raise."""
+        try:
+            env = dict(feeds)
+            env.update(zip(self.manifest.embed.outputs, self.embed.run(self.manifest.embed.outputs,
+                                                                       {"input_ids": env["input_ids"]})))
+            for index, part in enumerate(self.manifest.blocks):
+                values = self._block(index).run(part.outputs, {name: env[name] for name in part.inputs})
+                del env[part.inputs[0]]  # the hidden state it took: no later part needs it
+                env.update(zip(part.outputs, values))
+            hidden = env[self.manifest.head.inputs[0]]
+            if self.last_position_head:
+                hidden = hidden[:, -1:]
+            env["logits"] = self.head.run(["logits"], {self.manifest.head.inputs[0]: hidden})[0]
+            return [env[name] for name in names]
+        except BaseException as e:
+            self.failure = e
+            raise
+
     def forward(self, ids: np.ndarray, past: dict[str, np.ndarray], past_len: int) -> tuple[np.ndarray,
                                                                                            dict[str, np.ndarray]]:
-        """Logits of the last position of `ids` [1, seq] after `past_len` cached tokens, and the grown cache."""
+        """Logits of the last position of `ids` [1, seq] after `past_len` cached tokens, and the grown cache (one run,
+        for the export's parity check)."""
         seq = ids.shape[1]
-        env = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, past_len + seq), np.int64),
-               "position_ids": np.arange(past_len, past_len + seq, dtype=np.int64)[None], **past}
-        env.update(zip(self.manifest.embed.outputs, self.embed.run(self.manifest.embed.outputs,
-                                                                   {"input_ids": env["input_ids"]})))
-        grown = {}
-        for index, part in enumerate(self.manifest.blocks):
-            values = self._block(index).run(part.outputs, {name: env[name] for name in part.inputs})
-            del env[part.inputs[0]]  # the hidden state it took: no later part needs it
-            for name, value in zip(part.outputs, values):
-                env[name] = value
-                if name.startswith("cache."):
-                    grown[name.replace("cache.", "past_key_values.", 1)] = value
-        hidden = env[self.manifest.head.inputs[0]]
-        if self.last_position_head:
-            hidden = hidden[:, -1:]
-        return self.head.run(["logits"], {self.manifest.head.inputs[0]: hidden})[0][0, -1], grown
+        feeds = {"input_ids": ids.astype(np.int64), "attention_mask": np.ones((1, past_len + seq), np.int64),
+                 "position_ids": np.arange(past_len, past_len + seq, dtype=np.int64)[None], **past}
+        logits, *caches = self.run(["logits", *(n.replace("past_key_values.", "cache.", 1) for n in past)], feeds)
+        return logits[0, -1], dict(zip(past, caches))
 
     def empty_cache(self) -> dict[str, np.ndarray]:
         return {name: np.zeros((1, heads, 0, size), np.float32) for name, (heads, size) in self.manifest.cache.items()}
@@ -283,14 +295,18 @@ class EdgeModel:
         choose = choose or (lambda logits, _p, _o: int(np.argmax(logits)))
         reset = reset_peak()
         loads, started = self.loads, time.perf_counter()
-        output: list[int] = []
-        logits, cache = self.forward(np.asarray([prompt_ids]), self.empty_cache(), 0)
-        while True:
-            token = choose(logits, prompt_ids, output)
-            output.append(token)
-            if token in stops or len(output) >= max_new_tokens:
-                break
-            logits, cache = self.forward(np.asarray([[token]]), cache, len(prompt_ids) + len(output) - 1)
+        sequence = Sequence("edge", prompt_ids, max_new_tokens, choose, stops)
+        engine = Engine(self, {name: (heads, size) for name, (heads, size) in self.manifest.cache.items()}, max_batch=1,
+                        max_prefill_tokens=len(prompt_ids))
+        engine.add(sequence)
+        self.failure = None
+        while engine.busy:
+            engine.step()
+            if self.failure is not None:
+                raise self.failure
+        if sequence.error:
+            raise StageFailed(f"generation failed: {sequence.error}")
+        output = sequence.output
         seconds = time.perf_counter() - started
         peak = peak_rss_bytes() if reset else max(peak_rss_bytes(), rss_bytes())
         stats = Stats(prompt_tokens=len(prompt_ids), new_tokens=len(output), seconds=seconds,

@@ -1,4 +1,4 @@
-"""The continuous-batching generation engine (serve/triton_models/engine.py) on the exported decoder graph:
+"""The continuous-batching generation engine (dstool/engine.py) on the exported decoder graph:
 greedy equal to transformers' greedy, sequences joining and leaving a running batch, seeds, the cache budget."""
 
 from __future__ import annotations
@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dstool.engine import Engine, Sequence
 from dstool.serve.export.repository import cache_shapes
-from dstool.serve.triton_models.engine import Engine, Sequence
 from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
 PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\n", "KING RICHARD:\nNow is the winter of our discontent",
@@ -258,3 +258,30 @@ def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(setup, trained
     assert engine.running == [] and engine.cache[next(iter(engine.cache))].shape[0] == 0
     engine.add(_sequence("c", ids[2], 6))
     assert _run(engine)["c"] == _greedy(trained, ids[2], 6)
+
+
+class _LastPositionOnly:
+    """A runner whose graph gives the last position's logits only (as an edge package's head may)."""
+
+    def __init__(self, session):
+        self.session = session
+
+    def run(self, names, feeds):
+        values = self.session.run(names, feeds)
+        return [v[:, -1:] if name == "logits" else v for name, v in zip(names, values)]
+
+
+def test_a_runner_with_last_position_logits_serves_one_prompt_at_a_time(setup, trained):
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
+    alone = Engine(_LastPositionOnly(session), shapes, max_batch=1)
+    for i, x in enumerate(ids):
+        alone.add(_sequence(str(i), x, 8))
+    out = _run(alone)
+    assert all(out[str(i)] == _greedy(trained, x, 8) for i, x in enumerate(ids))
+    together = Engine(_LastPositionOnly(session), shapes, max_batch=2)  # the shorter prompt is padded: refused
+    for i, x in enumerate(ids):
+        together.add(_sequence(str(i), x, 8))
+    failed = [s for s, token in together.step() if token is None]
+    assert [s.id for s in failed] == [str(min(range(2), key=lambda i: len(ids[i])))]
+    assert "last position" in failed[0].error

@@ -190,7 +190,7 @@ def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict]
 
 
 def _generate_onnx(plan: Plan, jobs: dict, failures: list) -> dict[int, tuple[list[int], float]]:
-    from dstool.serve.triton_models.engine import Engine, Sequence
+    from dstool.engine import Engine, Sequence
 
     engine = Engine(_load("onnx", plan.decoder), plan.cache_shapes, plan.max_batch,
                     max_prefill_tokens=PREFILL_TOKENS)

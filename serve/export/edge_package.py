@@ -21,6 +21,7 @@ import numpy as np
 from dstool import artifacts
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
+from dstool.engine import Engine, Sequence
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config import ExportConfig
@@ -224,17 +225,20 @@ def _parity(decoder: Path, staging: Path, manifest: EdgePackage, vocab: int) -> 
     if not max(diffs) <= TOLERANCE:
         raise StageFailed(f"the edge package disagrees with the unsplit decoder graph: max |logit diff| "
                           f"{max(diffs):.3g} > {TOLERANCE}")
-    mine = _greedy(package.forward, package.empty_cache(), ids[:, :5])
-    theirs = _greedy(unsplit, empty_cache(full, 1), ids[:, :5])
+    shapes = {name: (heads, size) for name, (heads, size) in manifest.cache.items()}
+    mine, theirs = (_greedy(runner, shapes, ids[0, :5].tolist()) for runner in (package, full))
     if mine != theirs:
         raise StageFailed(f"the edge package's greedy tokens {mine} differ from the unsplit decoder graph's {theirs}")
     return EdgeParity(max_abs_logit_diff=max(diffs), greedy_tokens=len(mine)), package.last_position_head
 
 
-def _greedy(forward, past: dict, prompt: np.ndarray) -> list[int]:
-    logits, past = forward(prompt, past, 0)
-    tokens = [int(np.argmax(logits))]
-    while len(tokens) < GREEDY_PROBE:
-        logits, past = forward(np.asarray([[tokens[-1]]]), past, prompt.shape[1] + len(tokens) - 1)
-        tokens.append(int(np.argmax(logits)))
-    return tokens
+def _greedy(runner, cache_shapes: dict, prompt: list[int]) -> list[int]:
+    """GREEDY_PROBE greedy tokens of `runner` (the package, or the unsplit graph's session) on dstool's decode loop."""
+    probe = Sequence("probe", prompt, GREEDY_PROBE, lambda logits, _p, _o: int(np.argmax(logits)), set())
+    engine = Engine(runner, cache_shapes, max_batch=1, max_prefill_tokens=len(prompt))
+    engine.add(probe)
+    while engine.busy:
+        engine.step()
+    if probe.error:
+        raise StageFailed(f"the edge package's greedy probe failed: {probe.error}")
+    return probe.output

@@ -14,6 +14,7 @@ import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
+from dstool import engine
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config import RepositorySettings, model_names
@@ -111,8 +112,11 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
              ("tokens", mc.TYPE_STRING, [-1]), ("logprobs", mc.TYPE_FP32, [-1]),
              ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1])]),
 }
-# Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path).
-BESIDE = {"generate": ["sampling.py"], "llm": ["engine.py", "sampling.py", "ort_options.py"]}
+# Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path): the
+# decode loop is the core's (dstool/engine.py, numpy only), the rest sit beside the models in triton_models/.
+ENGINE_PY = Path(engine.__file__)
+BESIDE = {"generate": [ENGINE_PY, MODELS_PY / "sampling.py"],
+          "llm": [ENGINE_PY, MODELS_PY / "sampling.py", MODELS_PY / "ort_options.py"]}
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 # prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
 ENGINE_PREFILL_TOKENS = 64
@@ -256,8 +260,8 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
-            for name in BESIDE.get(role, []):
-                shutil.copy2(MODELS_PY / name, folder / name)
+            for source in BESIDE.get(role, []):
+                shutil.copy2(source, folder / source.name)
             if role != "generate":
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():

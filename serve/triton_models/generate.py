@@ -6,8 +6,10 @@ tokenized by the tokenizer model; the requests the dynamic batcher hands over to
 own sampling parameters (request parameters temperature, top_k, top_p, min_p, repetition_penalty,
 presence_penalty, frequency_penalty, seed: sampling.py beside this file); greedy when it gives none. Two
 decoding loops:
-  with the key/value cache (default)  one prefill call of the decoder model, then one call per new token
-                                       that feeds only that token and the cache returned by the call before;
+  with the key/value cache (default)  dstool's one decode loop (engine.py beside this file) over the decoder
+                                       model, called through Triton: the batch's prompts prefilled together, then
+                                       one call per new token that feeds only that token and the cache returned
+                                       by the call before; a request that fails there ends alone;
   without it (use_kv_cache=false)      one call of the logits model per new token on the whole sequence.
 Greedy decoding equals `model.generate(do_sample=False)` in PyTorch; a request stops at the end-of-sequence
 token, at one of its stop_token_ids, or after max_new_tokens.
@@ -17,6 +19,7 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
+from engine import Engine, Sequence
 from sampling import SamplingError, request_choices
 
 
@@ -49,6 +52,9 @@ class TritonPythonModel:
                 continue
             loop = self._generate_with_cache if use_cache else self._generate_without_cache
             for (i, _, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [j for _, _, j in batch])):
+                if isinstance(new_ids, str):  # this request failed in the engine; the others go on
+                    responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(new_ids))
+                    continue
                 ids = np.asarray(new_ids, dtype=np.int64)
                 text = self._infer(self.models["detokenizer"], {"output_ids": ids}, ["text_output"])[0]
                 responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text.reshape(1, 1)),
@@ -108,29 +114,16 @@ class TritonPythonModel:
         return np.array([jobs[b].sampler.next(logits[r], prompts[b], generated[b]) for r, b in enumerate(rows)])
 
     def _generate_with_cache(self, prompts, jobs):
-        batch, lengths = len(prompts), np.array([len(p) for p in prompts])
-        ids, mask = _right_padded(prompts)
-        positions = np.broadcast_to(np.arange(ids.shape[1]), ids.shape).astype(np.int64)
-        cache = {name: np.zeros((batch, heads, 0, dim), np.float32) for name, (heads, dim) in self.empty_cache.items()}
-        cache_outputs = [name.replace("past_key_values.", "cache.", 1) for name in cache]
-        generated: list[list[int]] = [[] for _ in prompts]
-        done = [False] * batch
-        logits, *values = self._infer(self.models["decoder"], {"input_ids": ids, "attention_mask": mask,
-                                                               "position_ids": positions, **cache},
-                                      ["logits", *cache_outputs])
-        rows = list(range(batch))
-        next_ids = self._choose(logits[np.arange(batch), lengths - 1], rows, prompts, generated, jobs)
-        for step in range(max(j.max_new_tokens for j in jobs)):
-            self._step(generated, done, next_ids, jobs)
-            if all(done):
-                break
-            cache = dict(zip(cache, values))
-            mask = np.concatenate([mask, np.ones((batch, 1), np.int64)], axis=1)
-            logits, *values = self._infer(self.models["decoder"], {
-                "input_ids": next_ids[:, None].astype(np.int64), "attention_mask": mask,
-                "position_ids": (lengths + step)[:, None].astype(np.int64), **cache}, ["logits", *cache_outputs])
-            next_ids = self._choose(logits[:, -1], rows, prompts, generated, jobs)
-        return generated
+        """Each request's new ids (or, for one that failed, its error) from the engine over the decoder model."""
+        engine = Engine(_Decoder(self), {k: tuple(v) for k, v in self.empty_cache.items()}, max_batch=len(prompts),
+                        max_prefill_tokens=max(sum(map(len, prompts)), 1))
+        sequences = [Sequence(str(b), prompt, job.max_new_tokens, job.sampler.next, set(job.stop_ids))
+                     for b, (prompt, job) in enumerate(zip(prompts, jobs))]
+        for sequence in sequences:
+            engine.add(sequence)
+        while engine.busy:
+            engine.step()
+        return [s.error if s.error else s.output for s in sequences]
 
     def _generate_without_cache(self, prompts, jobs):
         generated: list[list[int]] = [[] for _ in prompts]
@@ -146,6 +139,16 @@ class TritonPythonModel:
                 next_ids[b] = token
             self._step(generated, done, next_ids, jobs)
         return generated
+
+
+class _Decoder:
+    """The decoder model, called through Triton, as the engine runs a graph: `run(output names, feeds)`."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def run(self, names, feeds):
+        return self.model._infer(self.model.models["decoder"], feeds, names)
 
 
 class Job:

@@ -1,5 +1,6 @@
-"""Text generation with continuous (in-flight) batching over the exported key/value-cache decoder graph, in one
-process (numpy + onnxruntime): no Triton calls and no copies between processes per token.
+"""The one prefill-and-decode loop of dstool over the exported key/value-cache decoder graph, with continuous
+(in-flight) batching, numpy only: Triton's NAME_llm (copied beside it) and NAME_generate (its decoder called
+through Triton), `dstool batch`, the edge runner (the graph in blocks) and compress's decoding-speed figure all run it.
 
     engine = Engine(onnxruntime.InferenceSession("model.onnx"), cache_shapes, max_batch=16)
     engine.add(Sequence("a", prompt_ids, max_new_tokens=32, choose=sampler.next, stop_ids={eos}))
@@ -69,7 +70,9 @@ class Sequence:
 class Engine:
     def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
                  max_cache_tokens: int | None = None, max_prefill_tokens: int = 64):
-        """`session`: an onnxruntime session of the decoder graph; `cache_shapes`: its cache inputs
+        """`session`: what runs the decoder graph, anything with onnxruntime's `run(output names, feeds)` (its
+        logits for every position, or for the last one only, which serves one prompt per prefill: max_batch 1);
+        `cache_shapes`: its cache inputs
         (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all admitted
         sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step."""
         if max_prefill_tokens < 1:
@@ -203,7 +206,11 @@ class Engine:
                 s.partial = row
                 continue
             s.partial = None
-            produced.append(self._choose(s, logits[b, take - 1]))
+            last = take - 1 - (width - logits.shape[1])  # the graph may give the last position's logits only
+            if last < 0:
+                produced.append(s._fail("the graph gives the last position's logits only: run it with max_batch 1"))
+                continue
+            produced.append(self._choose(s, logits[b, last]))
             joining.append((s, row))
         done = {id(s) for s, _ in produced}
         self.prefilling = [s for s in self.prefilling if id(s) not in done]
