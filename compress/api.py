@@ -132,6 +132,7 @@ class _Compression:
         dlog.adopt_libraries()
         self.calib, self.heldout, self.heldout_label = measure.heldout_tokens(src, self.tokenizer, cfg.calibration)
         self.cloze = quality.cloze_task(self.tokenizer, self.heldout)
+        self.source = artifacts.source_model(src)  # the weights hashed once: the manifest and the baseline's key
         self.recipe = Recipe()
         self.masks: dict | None = None
         self.dense_outputs: dict[str, np.ndarray] = {}  # unstructured sparsity: the fp32 graphs' logits, before storing
@@ -172,7 +173,8 @@ class _Compression:
 
     # ---- steps ---------------------------------------------------------------------------------------------
     def baseline(self) -> None:
-        b = baseline.baseline(self.model, self.src, self.heldout, self.cloze, self.work, self.cfg.baseline_cache)
+        b = baseline.baseline(self.model, self.src, self.source.weights_sha256, self.heldout, self.cloze, self.work,
+                              self.cfg.baseline_cache)
         self.base, self.base_decoder, self.before, self.before_top1 = b.logits, b.decoder, b.figures, b.top1
         log.info(f"perplexity {self.before['perplexity']:.3f} ({self.heldout_label}), cloze accuracy "
                  f"{_share(self.before['zero_shot_accuracy'])} ({self.cloze.items} items, chance "
@@ -454,7 +456,7 @@ class _Compression:
         self.graphs = {role: _graph(self.stage, path, self.fp32[role].max_abs_diff)
                        for role, path in self.deploy.items()}
         self.manifest = CompressedModel(
-            source=artifacts.source_model(self.src), settings=self.cfg.model_dump(mode="json"), graphs=self.graphs,
+            source=self.source, settings=self.cfg.model_dump(mode="json"), graphs=self.graphs,
             recipe=self.recipe, figures=self.figures, torchao=self.torchao)
         report.write(self.manifest, self.stage)
         self.manifest.write(self.stage)

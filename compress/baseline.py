@@ -24,8 +24,8 @@ from pathlib import Path
 
 import numpy as np
 
-from dstool import artifacts, onnx_export
 from dstool import log as dlog
+from dstool import onnx_export
 from dstool.compress import measure, quality
 from dstool.files import cache_dir, replace_folder, sha256_file, write_json_atomic
 from dstool.onnx_export import OnnxExport, export_decoder_model, export_logits_model
@@ -45,10 +45,12 @@ class Baseline:
     top1: np.ndarray  # predictions at the held-out positions the perplexity scores
 
 
-def baseline(model, src: Path, heldout: np.ndarray, cloze: quality.Cloze, work: Path, cached: bool) -> Baseline:
-    """The baseline of `model` (loaded from `src`, unchanged): a kept one when `cached` and there is one, else
-    exported and measured under `work` (and kept when `cached`)."""
-    key = _key(src, heldout, cloze) if cached else None
+def baseline(model, src: Path, weights: str, heldout: np.ndarray, cloze: quality.Cloze, work: Path,
+             cached: bool) -> Baseline:
+    """The baseline of `model` (loaded from `src`, unchanged; `weights`: its weights' sha256, as the manifest
+    records it): a kept one when `cached` and there is one, else exported and measured under `work` (and kept when
+    `cached`)."""
+    key = _key(src, weights, heldout, cloze) if cached else None
     entry = _root() / key if key else None
     if entry is not None and (found := _read(entry)) is not None:
         model.eval().config.use_cache = False  # as the logits export leaves it
@@ -74,9 +76,9 @@ def _root() -> Path:
     return cache_dir() / "compress-baselines"
 
 
-def _key(src: Path, heldout: np.ndarray, cloze: quality.Cloze) -> str:
+def _key(src: Path, weights: str, heldout: np.ndarray, cloze: quality.Cloze) -> str:
     h = hashlib.sha256()
-    h.update(artifacts.weights_sha256(src).encode())
+    h.update(weights.encode())
     h.update((src / "config.json").read_bytes())
     for array in (heldout, cloze.contexts, cloze.candidates):
         h.update(f"{array.dtype}{array.shape}".encode())

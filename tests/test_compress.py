@@ -286,6 +286,7 @@ def test_quality_measures(repo, trained):
 
 
 def test_a_kept_baseline_is_keyed_by_what_makes_it_and_checked_before_reuse(tmp_path, monkeypatch):
+    from dstool import artifacts
     from dstool.compress import baseline, quality
     from dstool.onnx_export import OnnxExport
 
@@ -296,10 +297,10 @@ def test_a_kept_baseline_is_keyed_by_what_makes_it_and_checked_before_reuse(tmp_
     (src / "config.json").write_text('{"vocab_size": 8}')
     heldout = np.arange(64)
     cloze = quality.Cloze(np.zeros((2, 4), np.int64), np.ones((2, 4), np.int64))
-    key = baseline._key(src, heldout, cloze)
-    assert baseline._key(src, heldout[:-1], cloze) != key  # other held-out tokens
+    key = baseline._key(src, artifacts.weights_sha256(src), heldout, cloze)
+    assert baseline._key(src, artifacts.weights_sha256(src), heldout[:-1], cloze) != key  # other held-out tokens
     (src / "model.safetensors").write_bytes(b"other weights")
-    assert baseline._key(src, heldout, cloze) != key  # other weights
+    assert baseline._key(src, artifacts.weights_sha256(src), heldout, cloze) != key  # other weights
 
     graphs = {}
     for role in ("logits", "decoder"):

@@ -64,7 +64,6 @@ class Trainer:
         self.window = MetricsWindow(self.engine, cfg, self.metrics, self.observer, self.progress, self.world,
                                     samples_per_step * cfg.seq_len, flops, self.scheduler,
                                     distilling=self.teacher is not None)
-        self.val_split = val_split
         self.validator = Validator(self.engine, val_split, cfg, self.metrics)
 
     # ---- set-up --------------------------------------------------------------------------------------------
@@ -164,7 +163,7 @@ class Trainer:
         if self.metrics:
             self.metrics.close()
         if not stopping:
-            _save_hf_folder(self.engine, self.model, self.tokenizer, self.val_split, self.out, self.precision,
+            _save_hf_folder(self.engine, self.model, self.tokenizer, self.validator.split, self.out, self.precision,
                             self.step)
 
     def batches(self):
