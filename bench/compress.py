@@ -121,7 +121,7 @@ def recovery_control(model_dir: Path, steps: int, heldout, work: Path) -> float:
     from transformers import AutoModelForCausalLM
 
     from dstool.compress import CompressConfig, measure
-    from dstool.compress.api import recovery_train_config
+    from dstool.compress.steps import recovery_train_config
     from dstool.train import train
 
     lr = CompressConfig.model_fields["recover_lr"].default

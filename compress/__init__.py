@@ -9,7 +9,7 @@ from dstool.compress.config import CompressConfig
 
 
 def compress(cfg: CompressConfig):
-    """Run the compression steps (see dstool.compress.api); returns the output's manifest (CompressedModel)."""
+    """Run the compression steps (dstool.compress.steps); returns the output's manifest (CompressedModel)."""
     from dstool.compress.api import compress as run  # torch, onnx: loaded when compressing, not for the CLI's checks
 
     return run(cfg)

@@ -1,7 +1,7 @@
 """What structured pruning asks of an architecture family, and the layout and result types they share. A family
-(`prune_llama.LLAMA`: Llama, Qwen2, Mistral and other Llama-style models; `prune_moe.DEEPSEEK_V3`: multi-head
-latent attention and routed experts) says which layouts a model can take, scores its heads and channels, and cuts
-a model to a layout; `prune.family_of` picks one per model, once."""
+(`prune_llama.LLAMA`: Llama, Qwen2, Mistral and other Llama-style models; `prune_moe.DEEPSEEK_V2` and
+`prune_moe.DEEPSEEK_V3`: multi-head latent attention and routed experts) says which layouts a model can take,
+scores its heads and channels, and cuts a model to a layout; `prune.family_of` picks one per model, once."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ class PruneResult:
     """Per-layer counts before and after pruning, parameter counts, and what was removed.
 
     `removed[i]` holds layer i's removed key/value groups, query heads and MLP channels as indices into the
-    unpruned model (DeepSeek-V3 MoE layers also: experts, their routing load, each kept expert's channels, the
+    unpruned model (DeepSeek MoE layers also: experts, their routing load, each kept expert's channels, the
     shared experts' channels); `candidates` (prune_to_ratio only) every layout tried with its calibration loss.
     """
 
@@ -33,7 +33,7 @@ class PruneResult:
     decoder_params_after: int
     removed: list[dict[str, list[int]]] = field(default_factory=list, repr=False)
     candidates: list[dict] = field(default_factory=list, repr=False)
-    # DeepSeek-V3, before and after: routed experts per MoE layer, channels per expert, shared experts' channels
+    # DeepSeek-V2/V3, before and after: routed experts per MoE layer, channels per expert, shared experts' channels
     experts: tuple[int, int] | None = None
     expert_channels: tuple[int, int] | None = None
     shared_expert_channels: tuple[int, int] | None = None

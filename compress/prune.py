@@ -2,7 +2,7 @@
 of the decoder's parameters, the split chosen by measurement) physically shrink the projections and rewrite the
 config, so the pruned model saves and reloads with `AutoModelForCausalLM.from_pretrained` as an ordinary, smaller
 model of its architecture. What differs by architecture is a family's (family.py): `family_of` picks it once —
-Llama-style (prune_llama.py) or DeepSeek-V3 (prune_moe.py).
+Llama-style (prune_llama.py) or DeepSeek-V2/V3 (prune_moe.py).
 
 Own code rather than torch-pruning: the result must be the same layout in every layer, expressible as a
 transformers config, with query heads kept in their key/value group; torch-pruning's dependency graph prunes per
@@ -21,7 +21,7 @@ from torch import nn
 
 from dstool.compress.family import Family, Layout, PruneResult
 from dstool.compress.prune_llama import LLAMA
-from dstool.compress.prune_moe import DEEPSEEK_V3
+from dstool.compress.prune_moe import DEEPSEEK_V2, DEEPSEEK_V3
 
 __all__ = ["Layout", "LayoutTimer", "PruneResult", "candidate_layouts", "family_of",
            "no_layout_message", "prune_structured", "prune_to_ratio"]
@@ -38,12 +38,14 @@ class LayoutTimer(Protocol):
 
 def family_of(model) -> Family:
     """The architecture family that prunes `model`; ValueError (one line, with what works instead) for none."""
-    if getattr(getattr(model, "config", None), "model_type", None) == "deepseek_v3":
-        return DEEPSEEK_V3
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    for family in (DEEPSEEK_V2, DEEPSEEK_V3):
+        if model_type == family.model_type:
+            return family
     try:
         LLAMA.check(model)
     except ValueError as e:
-        raise ValueError(f"{e}: structured pruning knows Llama-style and DeepSeek-V3 models; --bits 8 or 4 "
+        raise ValueError(f"{e}: structured pruning knows Llama-style and DeepSeek-V2/V3 models; --bits 8 or 4 "
                          "works on this one") from None
     return LLAMA
 
@@ -56,7 +58,7 @@ def prune_structured(model, heads_ratio: float, mlp_ratio: float, calibration: t
     `kv_ratio` is the share of key/value groups removed, `heads_ratio` the share of query heads removed inside
     each kept group, `mlp_ratio` the share of MLP intermediate channels removed; 0 leaves that part as it is,
     ratios must lie in [0, 1). Importance is measured on `calibration` token ids [batch, seq] when given,
-    otherwise from weight norms. DeepSeek-V3: `heads_ratio` of the MLA heads, `mlp_ratio` of every MLP's channels
+    otherwise from weight norms. DeepSeek-V2/V3: `heads_ratio` of the MLA heads, `mlp_ratio` of every MLP's channels
     (dense, routed and shared experts), `experts_ratio` of each MoE layer's routed experts (the least routed on
     `calibration`, which it then needs); no `kv_ratio` (MLA has no key/value groups).
     """
@@ -74,8 +76,8 @@ def prune_to_ratio(model, ratio: float, calibration: torch.Tensor | None = None,
                    ppl_tolerance: float = 0.0) -> PruneResult:
     """Remove at least `ratio` of the decoder layers' parameters, choosing the split by measurement.
 
-    Every attention layout (key/value groups kept x query heads kept per group; DeepSeek-V3: MLA heads kept x
-    routed experts kept, see `prune_moe.DeepSeekV3`) is paired with the MLP width that brings the removed
+    Every attention layout (key/value groups kept x query heads kept per group; DeepSeek-V2/V3: MLA heads kept x
+    routed experts kept, see `prune_moe.DeepSeekMoE`) is paired with the MLP width that brings the removed
     share to `ratio` (channels rounded down to a multiple of 8, so slightly more may go); each candidate is
     pruned on a copy and its loss measured on `selection` token ids (default: `calibration`). Without `timer`
     the lowest-loss layout is applied to `model`. With `timer`, the layouts whose calibration perplexity (exp of

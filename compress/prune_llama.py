@@ -31,7 +31,7 @@ class Llama:
     def structured_layout(self, model, heads_ratio: float, mlp_ratio: float, kv_ratio: float,
                           experts_ratio: float) -> Layout:
         if experts_ratio:
-            raise ValueError(f"{type(model).__name__} has no routed experts to remove (that is for DeepSeek-V3 MoE "
+            raise ValueError(f"{type(model).__name__} has no routed experts to remove (that is for DeepSeek-V2/V3 MoE "
                              "models): prune heads or MLP channels")
         config = model.config
         kv_heads, group, intermediate = config.num_key_value_heads, _group_size(model), config.intermediate_size

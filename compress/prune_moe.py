@@ -1,5 +1,8 @@
-"""Structured pruning of DeepSeek-V3 (transformers' DeepseekV3ForCausalLM): multi-head latent attention (MLA) heads,
-dense and expert MLP channels, and whole routed experts chosen by their measured routing load.
+"""Structured pruning of the DeepSeek MLA/MoE family (transformers' DeepseekV2ForCausalLM and
+DeepseekV3ForCausalLM): multi-head latent attention (MLA) heads, dense and expert MLP channels, and whole routed
+experts chosen by their measured routing load. The two versions share every module this prunes; they differ in the
+router: V3 scores experts by sigmoid with a bias (`e_score_correction_bias`, kept for the kept experts) and ranks a
+routing group by its top 2, V2 by softmax (greedy, or group-limited by each group's best expert), with no bias.
 
 The Hugging Face config can only say a uniform layout, so that is what is made: every layer keeps the same number of
 attention heads (`num_attention_heads`; MLA gives each head its own key and value, expanded from a shared latent,
@@ -56,34 +59,39 @@ class MoeScores:
 EXPERT_WIDTH_MIN = 8
 
 
-class DeepSeekV3:
-    """The DeepSeek-V3 family (multi-head latent attention; dense layers, then MoE layers with routed and shared
-    experts)."""
+class DeepSeekMoE:
+    """A DeepSeek MLA/MoE version (multi-head latent attention; dense layers, then MoE layers with routed and shared
+    experts): `model_type` names it, `group_top` is how many experts score a routing group (so each kept group keeps
+    at least that many)."""
 
-    name = "DeepSeek-V3"
     has_experts = True
 
+    def __init__(self, name: str, model_type: str, group_top: int):
+        self.name, self.model_type, self.group_top = name, model_type, group_top
+
     def check(self, model) -> None:
-        if getattr(getattr(model, "config", None), "model_type", None) != "deepseek_v3":
-            raise ValueError(f"{type(model).__name__} is not a DeepSeek-V3 model (config.model_type deepseek_v3)")
+        if getattr(getattr(model, "config", None), "model_type", None) != self.model_type:
+            raise ValueError(f"{type(model).__name__} is not a {self.name} model (config.model_type "
+                             f"{self.model_type})")
 
     def structured_layout(self, model, heads_ratio: float, mlp_ratio: float, kv_ratio: float,
                           experts_ratio: float) -> MoeLayout:
         if kv_ratio:
             raise ValueError("multi-head latent attention has no key/value groups to remove: prune heads instead")
-        return _structured_layout(model, heads_ratio, mlp_ratio, experts_ratio)
+        return _structured_layout(model, heads_ratio, mlp_ratio, experts_ratio, self.group_top)
 
     def layouts_for_ratio(self, model, ratio: float) -> list[MoeLayout]:
-        return _layouts_for_ratio(model, ratio)
+        return _layouts_for_ratio(model, ratio, self.group_top)
 
     def importance_scores(self, model, calibration: torch.Tensor | None) -> list:
         return _importance_scores(model, calibration)
 
     def apply_layout(self, model, layout, scores: list) -> PruneResult:
-        return _apply_layout(model, layout, scores)
+        return _apply_layout(model, layout, scores, self.group_top)
 
 
-DEEPSEEK_V3 = DeepSeekV3()
+DEEPSEEK_V2 = DeepSeekMoE("DeepSeek-V2", "deepseek_v2", group_top=1)
+DEEPSEEK_V3 = DeepSeekMoE("DeepSeek-V3", "deepseek_v3", group_top=2)
 
 
 def layers(model) -> nn.ModuleList:
@@ -99,12 +107,21 @@ def _attention_out(attn: nn.Module) -> nn.Linear:
     return attn.q_b_proj if attn.q_b_proj is not None else attn.q_proj
 
 
-def expert_counts(config) -> list[int]:
-    """Routed experts a MoE layer may keep, most first: the same number in each of `n_group` groups, at least 2 per
-    group (the router scores a group by its top 2) and enough that top-k can still pick `num_experts_per_tok`."""
-    groups, experts = config.n_group or 1, config.n_routed_experts
+def routing_groups(config) -> int:
+    """The groups the router picks experts in: V2's greedy router ignores `n_group`."""
+    if getattr(config, "topk_method", None) == "greedy":
+        return 1
+    return config.n_group or 1
+
+
+def expert_counts(config, group_top: int = 2) -> list[int]:
+    """Routed experts a MoE layer may keep, most first: the same number in each routing group, at least `group_top`
+    per group (the router scores a group by its best `group_top`) and enough that top-k can still pick
+    `num_experts_per_tok` from the `topk_group` groups it keeps."""
+    groups, experts = routing_groups(config), config.n_routed_experts
     per_group = experts // groups
-    least = min(per_group, max(2, math.ceil(config.num_experts_per_tok / (config.topk_group or groups))))
+    chosen = config.topk_group if groups > 1 and config.topk_group else groups
+    least = min(per_group, max(group_top, math.ceil(config.num_experts_per_tok / chosen)))
     return [k * groups for k in range(per_group, least - 1, -1)]
 
 
@@ -114,7 +131,8 @@ def layout_of(model) -> MoeLayout:
                      experts=c.n_routed_experts, expert_channels=c.moe_intermediate_size)
 
 
-def _structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_ratio: float) -> MoeLayout:
+def _structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_ratio: float,
+                       group_top: int) -> MoeLayout:
     """The layout that removes these shares of heads, of every MLP's channels and of each group's experts (every
     expert keeping at least EXPERT_WIDTH_MIN channels)."""
     now = layout_of(model)
@@ -123,13 +141,14 @@ def _structured_layout(model, heads_ratio: float, mlp_ratio: float, experts_rati
         return channels if mlp_ratio == 0 else round_channels(round((1 - mlp_ratio) * channels))
 
     wanted = now.experts - round(experts_ratio * now.experts)  # the nearest valid count at or above it
-    experts = min((k for k in expert_counts(model.config) if k >= wanted), default=expert_counts(model.config)[-1])
+    counts = expert_counts(model.config, group_top)
+    experts = min((k for k in counts if k >= wanted), default=counts[-1])
     return MoeLayout(kv_groups=max(1, now.kv_groups - round(heads_ratio * now.kv_groups)), heads_per_group=1,
                      channels=width(now.channels), experts=experts,
                      expert_channels=max(width(now.expert_channels), min(EXPERT_WIDTH_MIN, now.expert_channels)))
 
 
-def _layouts_for_ratio(model, ratio: float) -> list[MoeLayout]:
+def _layouts_for_ratio(model, ratio: float, group_top: int) -> list[MoeLayout]:
     """Every (heads, experts) pair, each with the dense and expert widths that bring the removed share of the decoder
     layers' parameters to at least `ratio`: the same share of channels comes out of every MLP (dense, routed and
     shared experts), rounded down to a multiple of 8. Pairs whose heads and experts alone remove more than 5 % over
@@ -142,7 +161,7 @@ def _layouts_for_ratio(model, ratio: float) -> list[MoeLayout]:
     shared = model.config.n_shared_experts or 0
     out = []
     for heads in range(now.kv_groups, 0, -1):
-        for experts in expert_counts(model.config) if moe else [now.experts]:
+        for experts in expert_counts(model.config, group_top) if moe else [now.experts]:
             fixed = (now.kv_groups - heads) * per_head + (now.experts - experts) * per_expert
             every_channel = now.channels * per_channel + now.expert_channels * (experts + shared) * per_expert_channel
             share = max(0.0, target - fixed) / every_channel  # of every MLP's channels
@@ -243,16 +262,16 @@ def _expert_channel_activity(experts: nn.Module, x: torch.Tensor, index: torch.T
     return activity, load
 
 
-def _apply_layout(model, layout: MoeLayout, scores: list[DenseScores | MoeScores]) -> PruneResult:
+def _apply_layout(model, layout: MoeLayout, scores: list[DenseScores | MoeScores], group_top: int) -> PruneResult:
     """Shrink every layer to `layout`, keeping the highest-scoring heads and channels and the most-routed experts."""
     decoder, config = layers(model), model.config
     now = layout_of(model)
     if layout.experts < now.experts and any(isinstance(s, MoeScores) and s.load is None for s in scores):
         raise ValueError("removing routed experts needs calibration tokens: their routing load is measured")
-    if layout.experts not in expert_counts(config) and layout.experts != now.experts:
+    if layout.experts not in expert_counts(config, group_top) and layout.experts != now.experts:
         raise ValueError(f"{layout.experts} routed experts is not a valid count for n_group={config.n_group}, "
                          f"topk_group={config.topk_group}, num_experts_per_tok={config.num_experts_per_tok}: "
-                         f"choose one of {expert_counts(config)}")
+                         f"choose one of {expert_counts(config, group_top)}")
     shared = config.n_shared_experts or 0
     params_before = sum(p.numel() for p in model.parameters())
     decoder_before = sum(p.numel() for p in decoder.parameters())
@@ -301,7 +320,7 @@ def _shrink_moe(moe: nn.Module, layout: MoeLayout, scores: MoeScores, config) ->
     channels, and the shared experts' to `n_shared_experts` x that width; returns what went, as original indices."""
     experts, router = moe.experts, moe.gate
     count, width = experts.num_experts, experts.intermediate_dim
-    groups = config.n_group or 1
+    groups = routing_groups(config)
     load = scores.load if scores.load is not None else torch.zeros(count)
     by_group = load.view(groups, -1)
     most = (-by_group).argsort(dim=1, stable=True)[:, :layout.experts // groups]  # ties: the lower index stays
@@ -317,7 +336,8 @@ def _shrink_moe(moe: nn.Module, layout: MoeLayout, scores: MoeScores, config) ->
         experts.down_proj = nn.Parameter(down.gather(2, channels[:, None, :].expand(-1, down.shape[1], -1)),
                                          requires_grad=experts.down_proj.requires_grad)
         router.weight = nn.Parameter(router.weight.detach()[kept].clone(), requires_grad=router.weight.requires_grad)
-        router.e_score_correction_bias = router.e_score_correction_bias[kept].clone()
+        if getattr(router, "e_score_correction_bias", None) is not None:  # V3's bias; V2 has none
+            router.e_score_correction_bias = router.e_score_correction_bias[kept].clone()
     experts.num_experts = router.num_experts = layout.experts
     experts.intermediate_dim = layout.expert_channels
     shared_width = layout.expert_channels * (config.n_shared_experts or 1)

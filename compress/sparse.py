@@ -72,7 +72,7 @@ def covered_weights(model) -> dict[str, nn.Parameter]:
     the decoder layers (model.model.layers) and the routed experts' stacked [experts, out, in] weights."""
     layers = getattr(getattr(model, "model", None), "layers", None)
     if not isinstance(layers, nn.ModuleList):
-        raise ValueError(f"{type(model).__name__} is not a Llama-style or DeepSeek-V3 causal LM (no "
+        raise ValueError(f"{type(model).__name__} is not a Llama-style or DeepSeek-V2/V3 causal LM (no "
                          "model.model.layers), so N:M sparsity does not apply to it: --bits 8 or 4 does")
     inside = set()
     for module in layers.modules():

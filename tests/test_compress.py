@@ -14,8 +14,8 @@ import torch
 
 from dstool.artifacts import CompressedModel
 from dstool.compress import CompressConfig
-from dstool.compress.api import speed_gate
 from dstool.compress.sparse import check_n_m
+from dstool.compress.steps import speed_gate
 
 from conftest import cli, dstool, one_line_usage_error
 

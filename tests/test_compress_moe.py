@@ -13,7 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 from dstool.compress import CompressConfig
-from dstool.compress.api import _Compression, recovery_train_config
+from dstool.compress.steps import Prune, Save, SparsifyNM, Work, plan, recovery_train_config
 
 from conftest import FAST, cli, dstool, one_line_usage_error
 
@@ -26,11 +26,17 @@ def moe_trained(tmp_path_factory) -> Path:
     return out / "model"
 
 
-def _job(model: Path, tmp_path: Path, **options) -> _Compression:
+def _job(model: Path, tmp_path: Path, **options) -> Work:
     cfg = CompressConfig(model=str(model), output=str(tmp_path / "out"), **options)
     (tmp_path / "stage").mkdir()
     (tmp_path / "work").mkdir()
-    return _Compression(cfg, model, tmp_path / "stage", tmp_path / "work")
+    return Work.load(cfg, model, tmp_path / "stage", tmp_path / "work")
+
+
+def _saved(job: Work) -> None:
+    """The save step and its gate (transformers reloads the folder with the same logits)."""
+    Save(checked=True).run(job)
+    assert Save(checked=True).gate(job, None) is None
 
 
 def _routing_load(model, ids: torch.Tensor) -> list[torch.Tensor]:
@@ -61,9 +67,8 @@ def test_pruning_removes_the_least_routed_experts_and_reloads_smaller(moe_traine
     job = _job(moe_trained, tmp_path, prune_heads=0.5, prune_mlp=0.5, prune_experts=0.5)
     ranking = torch.from_numpy(measure.windows(job.calib, 128, 24))[:16]  # what the prune step ranks on
     load = _routing_load(original, ranking)
-    job.prune()
-    job.save()
-    assert job.reloads(None) is None
+    Prune().run(job)
+    _saved(job)
     p = job.recipe.pruning
     assert p.rule == "given-ratios" and p.attention == "mla"
     assert (p.query_heads, p.kv_heads, p.experts, p.expert_channels, p.shared_expert_channels) == (
@@ -96,9 +101,8 @@ def test_prune_ratio_lowest_loss_layout(moe_trained, tmp_path):
 
     job = _job(moe_trained, tmp_path, prune=0.4, prune_ppl_tolerance=0)
     before = job.model.num_parameters()
-    job.prune()
-    job.save()
-    assert job.reloads(None) is None
+    Prune().run(job)
+    _saved(job)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "stage" / "model", dtype=torch.float32).eval()
     assert 1 < measure.perplexity_torch(reloaded, job.heldout, limit=8) < float("inf")
     p = job.recipe.pruning
@@ -120,9 +124,8 @@ def test_2_4_masks_the_expert_weights_and_recovery_keeps_them(moe_trained, tmp_p
     from dstool.train import train
 
     job = _job(moe_trained, tmp_path, sparsity="2:4")
-    job.sparsify()
-    job.save()
-    assert job.reloads(None) is None
+    SparsifyNM().run(job)
+    _saved(job)
     assert {"model.layers.1.mlp.experts.gate_up_proj", "model.layers.2.mlp.experts.down_proj"} <= set(job.masks)
     saved = load_file(tmp_path / "stage" / "model" / "model.safetensors")  # transformers saves experts one by one
     masked = [name for name, w in saved.items() if ".layers." in name and w.dim() == 2
@@ -159,10 +162,10 @@ def test_what_cannot_be_met_is_refused_up_front(trained, moe_trained, tmp_path, 
     assert not (tmp_path / "o").exists() and not (tmp_path / "o.tmp").exists()  # before any work
 
 
-def test_experts_alone_is_a_pruning_run(moe_trained, tmp_path):
+def test_experts_alone_is_a_pruning_run():
     """--prune-experts on its own runs the prune step, and the save step's reload gate with it."""
-    steps = [step for step in _job(moe_trained, tmp_path, prune_experts=0.5).steps()]
-    assert [s.name for s in steps][:3] == ["baseline", "prune", "save"] and steps[2].gate is not None
+    steps = plan(CompressConfig(model="m", output="o", prune_experts=0.5))
+    assert [s.name for s in steps][:3] == ["baseline", "prune", "save"] and steps[2].has_gate
 
 
 def test_experts_are_refused_on_a_model_without_them(trained, tmp_path):
@@ -177,20 +180,31 @@ def test_the_default_prune_layout_is_the_speed_aware_one():
     assert CompressConfig(model="m", output="o", bits=8).prune_ppl_tolerance == 50
 
 
-def test_routing_groups_stay_valid(tmp_path):
-    """8 experts in 2 routing groups (the router picks the best group, then top-2 inside it): removing half takes
-    the 2 least-routed of each group, so n_group still divides n_routed_experts; the result reloads as saved."""
-    from transformers import AutoModelForCausalLM, DeepseekV3Config, DeepseekV3ForCausalLM
+MOE_SHAPE = dict(vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+                 first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+                 num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
+                 qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64, rope_scaling=None)
 
-    from dstool.compress.prune import prune_structured
+
+@pytest.mark.parametrize("version, options", [
+    ("V3", {}),
+    ("V2", {"topk_method": "group_limited_greedy"}),
+    ("V2", {"topk_method": "greedy", "n_group": None, "topk_group": None, "q_lora_rank": None}),  # V2-Lite's router
+], ids=["v3", "v2-grouped", "v2-lite-greedy"])
+def test_routing_groups_stay_valid(tmp_path, version, options):
+    """8 experts in 2 routing groups (the router picks the best group, then top-2 inside it): removing half takes
+    the 2 least-routed of each group, so n_group still divides n_routed_experts; the result reloads as saved. The
+    same for DeepSeek-V2's routers (softmax, no bias; group-limited or greedy over all experts, V2-Lite's, with
+    the query projection unfactored), picked by the model's type alone."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from dstool.compress.prune import family_of, prune_structured
 
     torch.manual_seed(0)
-    model = DeepseekV3ForCausalLM(DeepseekV3Config(
-        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
-        first_k_dense_replace=1, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
-        num_experts_per_tok=2, n_shared_experts=1, n_group=2, topk_group=1, q_lora_rank=32, kv_lora_rank=16,
-        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=64,
-        rope_scaling=None)).eval()
+    config = getattr(transformers, f"Deepseek{version}Config")(**{**MOE_SHAPE, **options})
+    model = getattr(transformers, f"Deepseek{version}ForCausalLM")(config).eval()
+    assert family_of(model).name == f"DeepSeek-{version}"
     with torch.no_grad():
         model.model.layers[1].mlp.gate.weight.normal_(0, 1.0)  # a router that prefers some experts
     ids = torch.randint(0, 128, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -198,12 +212,14 @@ def test_routing_groups_stay_valid(tmp_path):
 
     result = prune_structured(model, 0.0, 0.0, calibration=ids, experts_ratio=0.5)
 
-    assert result.experts == (8, 4) and model.config.n_group == 2
+    assert result.experts == (8, 4) and model.config.n_group == config.n_group
     removed = result.removed[1]["experts"]
-    for group in (0, 1):
-        inside = counts[4 * group:4 * group + 4]
-        assert sorted(e - 4 * group for e in removed if e // 4 == group) == sorted(
-            torch.argsort(-inside, stable=True)[2:].tolist())
+    groups = 2 if config.n_group else 1
+    size = 8 // groups
+    for group in range(groups):
+        inside = counts[size * group:size * group + size]
+        assert sorted(e - size * group for e in removed if e // size == group) == sorted(
+            torch.argsort(-inside, stable=True)[size // 2:].tolist())
     model.save_pretrained(tmp_path)
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path).eval()
     with torch.no_grad():
