@@ -43,7 +43,7 @@ from torch import nn
 
 FORMAT = "bitmask-values"
 SUFFIX = ".sparse.safetensors"
-MIN_ZERO_SHARE = 1 / 16  # bitmask + values are smaller than dense fp32 from 1/32 zeros on; from 1/16, 3 % smaller
+MIN_ZERO_SHARE = 1 / 16  # the least share of zeros stored as bitmask + values (docs/compress.md: why)
 
 
 def apply_n_m_sparsity(model, n: int = 2, m: int = 4) -> dict[str, torch.Tensor]:

@@ -82,8 +82,8 @@ def export_decoder_model(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxE
 
 def _decoder_dynamic_shapes(sample: dict) -> dict:
     """Only the axes that vary: batch and new tokens of the ids, batch and length of the mask, batch and past
-    length of every cache tensor (heads and head size are fixed, so the graph says so). Measured on the tiny
-    preset: 10.0 s against 10.7 s when torch.export infers every axis (Dim.AUTO), the same graph outputs."""
+    length of every cache tensor (heads and head size are fixed, so the graph says so; docs/export-serve.md has
+    its export time against torch.export inferring every axis)."""
     from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
 
     dynamic = torch.export.Dim.DYNAMIC

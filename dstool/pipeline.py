@@ -44,9 +44,7 @@ class PipelineConfig(CommandConfig):
     train_steps: int = Field(300, ge=1, description="training steps")
     prune: float = Field(0.3, gt=0, lt=1, description="pruned variant's share of decoder-layer parameters")
     recover_steps: int = Field(30, ge=0, description="pruned variant's recovery fine-tuning steps")
-    # The 300-step tiny model pruned 30 % (MLP channels only) loses little, and fine-tuning at compress's default
-    # peak lr 1e-3 undoes its training's final low-lr steps: held-out perplexity after 30 recovery steps was
-    # -0.16 % at 2e-4, +1.04 % at 5e-4, +4.49 % at 1e-3 (measured 2026-11-30).
+    # lower than compress's default: docs/pipeline.md has the recovery lr measured on the pipeline's model
     recover_lr: float = Field(2e-4, gt=0, description="recovery peak learning rate")
     cache: CacheURL = Field(AUTO, description="gateway cache URL, or auto: $DSTOOL_REDIS_URL or the local Redis if "
                             "it answers, else an in-process LRU", json_schema_extra={"cli": {"metavar": "URL"}})

@@ -33,8 +33,7 @@ from dstool.errors import StageFailed, UsageError
 
 MB = 1 << 20
 # Opening an ORT-format session from its file peaks at a multiple of the file (the file read whole, the weights
-# copied out): measured 2.5x for a 12 MB fp32 block and 2.8x for a 3 MB int8 one without weight pre-packing, as
-# blocks are opened under a cap (2.7x and 3.3x with it); a block is opened only where this much still fits.
+# copied out; docs/export-serve.md has it measured): a block is opened only where this much still fits.
 OPEN_PEAK = 3.0
 
 
@@ -167,21 +166,18 @@ class EdgeModel:
         """An ORT-format session as a minimal build runs it: the optimizations were applied at export, none now."""
         opts = self.ort.SessionOptions()
         if not prepack:
-            # measured on a 25 MB block: opens in half the time (166 vs 321 ms) with 10 MB less, a decoding step
-            # 15 % slower (24 vs 21 ms): the better trade for a block that may be released before long
+            # faster to open and smaller, a step slower: the better trade for a block that may be released soon
             opts.add_session_config_entry("session.disable_prepacking", "1")
         opts.log_severity_level = 3
         opts.graph_optimization_level = self.ort.GraphOptimizationLevel.ORT_DISABLE_ALL
-        opts.enable_cpu_mem_arena = False  # measured: 6 MB less per open 25 MB block, the same speed
-        # a session's threads spin after each run, and here the next block's session runs at once beside them:
-        # measured on 12 one-layer blocks, 1.5 tokens/s spinning, 12.8 without
+        opts.enable_cpu_mem_arena = False  # less memory per open block, the same speed
+        # a session's threads spin after each run, and here the next block's session runs at once beside them
         opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         if self.threads:
             opts.intra_op_num_threads = self.threads
         elif not prepack:
             # a session's thread pool is made when it opens and joined when it is released: for a block that may be
-            # released, one thread (measured: a 12 MB block opens in 5.5 instead of 13 ms; on-demand decoding 1.4x
-            # as fast), at the cost of a long prompt's prefill running such blocks on one core
+            # released, one thread, at the cost of a long prompt's prefill running such blocks on one core
             opts.intra_op_num_threads = 1
         return self.ort.InferenceSession(str(self.folder / part.path), opts, providers=["CPUExecutionProvider"])
 

@@ -54,8 +54,7 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
     adam = {"lr": peak_lr(cfg, world), "betas": [0.9, 0.95], "eps": 1e-8, "weight_decay": cfg.weight_decay}
     if not on_gpu and not cfg.offload_optimizer:
-        # Measured: DeepSpeed's CPU FusedAdam is JIT-built (~100 s on 2 cores) and gives the same
-        # losses as torch AdamW, so on CPU torch's AdamW is used. Offload needs DeepSpeedCPUAdam.
+        # torch's AdamW on CPU (DeepSpeed's FusedAdam is JIT-built there: docs/train.md); offload needs CPUAdam
         adam["torch_adam"] = True
     ds = {
         "train_micro_batch_size_per_gpu": micro,
