@@ -21,6 +21,10 @@ generation loop). Rows of different lengths are padded where they joined, and th
 keeps its own position ids. The cache is copied only when the batch changes: newcomers' rows appended, finished
 rows dropped (and columns no row uses any more with them).
 
+With a `PrefixCache`, a newcomer's prompt starts from the longest prefix an earlier prompt left in it (whole
+blocks of tokens, the very same ids from the first one on): those positions' keys and values are its cache so far,
+as if an earlier chunk had computed them, and only the rest of the prompt is prefilled.
+
 A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
 its own sequence; a graph run that fails ends the sequences of that run (the prefilling group, or the running
 batch, whose cache is then dropped). Such a sequence comes out of `steps` with the token None and its `error` set;
@@ -29,7 +33,8 @@ the engine goes on with the others.
 
 from __future__ import annotations
 
-from collections import deque
+import hashlib
+from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
@@ -49,6 +54,7 @@ class Sequence:
     finished: bool = False
     started_step: int | None = None  # the engine's step that began its prefill
     prefilled: int = 0  # prompt tokens in its cache so far
+    cached: int = 0  # prompt tokens taken from the prefix cache, not computed
     partial: dict[str, np.ndarray] | None = None  # its cache while prefilling (every position its own)
     error: str | None = None  # why it ended early, when it failed
 
@@ -69,15 +75,18 @@ class Sequence:
 
 class Engine:
     def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
-                 max_cache_tokens: int | None = None, max_prefill_tokens: int = 64):
+                 max_cache_tokens: int | None = None, max_prefill_tokens: int = 64,
+                 prefix_cache: PrefixCache | None = None):
         """`session`: what runs the decoder graph, anything with onnxruntime's `run(output names, feeds)` (its
         logits for every position, or for the last one only, which serves one prompt per prefill: max_batch 1);
         `cache_shapes`: its cache inputs
         (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all admitted
-        sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step."""
+        sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step;
+        `prefix_cache`: where prompts' computed prefixes are kept and found (none: every prompt computed whole)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
+        self.prefix_cache = prefix_cache
         self.prefilling: list[Sequence] = []  # admitted, prompt not done yet
         self.steps_started = 0
         self.session = session
@@ -148,8 +157,19 @@ class Engine:
                 self.max_cache_tokens is None or held + self.waiting[0].reserved <= self.max_cache_tokens):
             s = self.waiting.popleft()
             held += s.reserved
+            if self.prefix_cache is not None and not s.prefilled:
+                s.cached, s.partial = self.prefix_cache.match(s.prompt)
+                s.prefilled = s.cached
             admitted.append(s)
+        self._fit_prefix_cache(held)
         return admitted
+
+    def _fit_prefix_cache(self, held: int | None = None) -> None:
+        """The kept prefixes take only what the admitted sequences leave of the cache budget."""
+        if self.prefix_cache is not None and self.max_cache_tokens is not None:
+            if held is None:
+                held = sum(s.reserved for s in self.running + self.prefilling)
+            self.prefix_cache.shrink(self.max_cache_tokens - held)
 
     def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         names = ["logits", *self.cache_outputs.values()]
@@ -206,6 +226,9 @@ class Engine:
                 s.partial = row
                 continue
             s.partial = None
+            if self.prefix_cache is not None:
+                self.prefix_cache.add(s.prompt, row)
+                self._fit_prefix_cache()
             last = take - 1 - (width - logits.shape[1])  # the graph may give the last position's logits only
             if last < 0:
                 produced.append(s._fail("the graph gives the last position's logits only: run it with max_batch 1"))
@@ -269,6 +292,65 @@ class Engine:
         else:
             self.cache = {n: v[rows] for n, v in self.cache.items()}
         self.mask = mask
+
+
+class PrefixCache:
+    """Prompt prefixes already computed, kept by block of `block` tokens (as vLLM's automatic prefix caching): a
+    block's keys and values are kept under a digest of every token up to the block's end, so a block is reused only
+    after the very same prefix, and the least recently used blocks are dropped past `max_tokens` positions. A
+    prompt's longest run of kept blocks from its start is its cached prefix; its last token is always computed (its
+    logits choose the first new token). In an engine with a cache budget, the kept blocks take only what the
+    admitted sequences leave of it."""
+
+    def __init__(self, block: int = 16, max_tokens: int = 4096):
+        if block < 1 or max_tokens < block:
+            raise ValueError(f"a prefix cache needs block >= 1 and max_tokens >= block, got {block}, {max_tokens}")
+        self.block, self.max_tokens = block, max_tokens
+        self.blocks: OrderedDict[bytes, dict[str, np.ndarray]] = OrderedDict()  # digest -> [1, heads, block, dim]
+        self.looked_up = self.hit = 0  # prompt tokens looked up, and found
+
+    @property
+    def tokens(self) -> int:
+        """Positions held."""
+        return len(self.blocks) * self.block
+
+    def _digests(self, ids: list[int], blocks: int) -> list[bytes]:
+        digests, digest = [], b""
+        for b in range(blocks):
+            chunk = np.asarray(ids[b * self.block:(b + 1) * self.block], np.int64).tobytes()
+            digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
+            digests.append(digest)
+        return digests
+
+    def match(self, prompt: list[int]) -> tuple[int, dict[str, np.ndarray] | None]:
+        """(tokens, their cache [1, heads, tokens, dim] by input name) of the longest kept prefix of `prompt`."""
+        self.looked_up += len(prompt)
+        found = []
+        for digest in self._digests(prompt, (len(prompt) - 1) // self.block):
+            kept = self.blocks.get(digest)
+            if kept is None:
+                break
+            self.blocks.move_to_end(digest)
+            found.append(kept)
+        if not found:
+            return 0, None
+        self.hit += len(found) * self.block
+        return len(found) * self.block, {name: np.concatenate([b[name] for b in found], axis=2) for name in found[0]}
+
+    def add(self, prompt: list[int], cache: dict[str, np.ndarray]) -> None:
+        """Keep the whole blocks of `prompt`, whose cache [1, heads, >= len(prompt), dim] holds every position."""
+        for b, digest in enumerate(self._digests(prompt, len(prompt) // self.block)):
+            if digest in self.blocks:
+                self.blocks.move_to_end(digest)
+                continue
+            at = slice(b * self.block, (b + 1) * self.block)
+            self.blocks[digest] = {name: v[:, :, at].copy() for name, v in cache.items()}  # not a view of the row
+        self.shrink(self.max_tokens)
+
+    def shrink(self, tokens: int) -> None:
+        """Drop the least recently used blocks until at most `tokens` positions are held."""
+        while self.blocks and self.tokens > tokens:
+            self.blocks.popitem(last=False)
 
 
 class _RunFailed(Exception):

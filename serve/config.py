@@ -40,6 +40,8 @@ class RepositorySettings(CommandConfig):
     dynamic_batching: bool = Field(True, description="dynamic_batching block")
     queue_delay_us: int = Field(2000, ge=0, description="dynamic batching: longest wait for more requests (µs)")
     response_cache: bool = Field(False, description="enable Triton's response cache for NAME and NAME_generate")
+    prefix_cache: bool = Field(True, description="NAME_llm keeps computed prompt prefixes and reuses them (blocks of "
+                               "16 tokens, least recently used out, within the engine's cache budget)")
 
     @field_validator("name")
     @classmethod

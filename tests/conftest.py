@@ -1,5 +1,5 @@
 """Shared helpers and the expensive artefacts the tests share: a trained model, its int8 compress output, an
-exported repository and a real Triton serving it (each made once per session)."""
+exported repository and a real Triton serving it (each made once per run, whatever the number of xdist workers)."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from filelock import FileLock
 
 DSTOOL = [sys.executable, "-m", "dstool.cli"]
 # Small but real: 2 DeepSpeed ranks over gloo, the tiny preset, short sequences.
@@ -61,36 +62,88 @@ def losses(output: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+# One Triton each: the tests that use one run on the same xdist worker (see pytest_collection_modifyitems).
+SERVERS = ("server", "gateway_server")
+
+
+def pytest_collection_modifyitems(config, items):
+    """For `--dist loadgroup` (the suite's default): tests that share a started server or a module-scoped fixture
+    form one group, run by one worker, so each is made once; the other tests spread over the workers one by one.
+    The tests marked slow are queued first, then the groups, so that the short ones fill the gaps at the end."""
+    parent: dict[str, str] = {}
+
+    def root(key: str) -> str:
+        while parent.setdefault(key, key) != key:
+            key = parent[key]
+        return key
+
+    keys_of = {}
+    for item in items:
+        module = item.nodeid.split("::")[0]
+        keys = []
+        for name in item.fixturenames:
+            defs = item._fixtureinfo.name2fixturedefs.get(name)
+            if defs and (name in SERVERS or defs[-1].scope in ("package", "module", "class")):
+                keys.append(name if defs[-1].scope == "session" else f"{module}::{name}")
+        for key in keys[1:]:
+            parent[root(key)] = root(keys[0])
+        keys_of[item.nodeid] = keys
+    for item in items:
+        if keys := keys_of[item.nodeid]:
+            item.add_marker(pytest.mark.xdist_group(root(keys[0]).replace("/", ".")))
+    def queued(item) -> int:
+        return 0 if item.get_closest_marker("slow") else 1 if keys_of[item.nodeid] else 2
+    items.sort(key=queued)  # stable: each file's order stays as written
+
+
+def pytest_xdist_auto_num_workers(config) -> int:
+    """`-n auto` (the suite's default): a worker per core, at most 4 (a test may start several processes)."""
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+def _built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+    """An artefact every xdist worker reads: the first to ask builds it (under a file lock) in the run's common
+    temporary folder, the others wait for it and reuse it."""
+    base = tmp_path_factory.getbasetemp()
+    common = base if worker_id == "master" else base.parent  # xdist: pytest-N/popen-gwK, one pytest-N per run
+    path, done = common / name, common / f"{name}.done"
+    with FileLock(str(common / f"{name}.lock")):
+        if not done.exists():
+            shutil.rmtree(path, ignore_errors=True)
+            build(path)
+            done.touch()
+    return path
+
+
 @pytest.fixture(scope="session")
 def session_tmp(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("dstool")
 
 
 @pytest.fixture(scope="session")
-def trained(session_tmp) -> Path:
+def trained(tmp_path_factory, worker_id) -> Path:
     """A tiny-preset model trained 40 steps by `dstool train` (1 rank): the input of compress and export."""
-    out = session_tmp / "trained_tiny"
-    dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40",
-           "--lr", "3e-3", *FAST)
-    return out / "model"
+    def build(out: Path) -> None:
+        dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every",
+               "40", "--lr", "3e-3", *FAST)
+    return _built_once(tmp_path_factory, worker_id, "trained_tiny", build) / "model"
 
 
 @pytest.fixture(scope="session")
-def int8_output(trained, session_tmp) -> Path:
+def int8_output(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` quantized to int8 through the Python API (both graphs, one recipe; no speed gate: that is opt-in)."""
     from dstool.compress import quantize_dynamic
 
-    out = session_tmp / "int8"
-    quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5)
-    return out
+    return _built_once(tmp_path_factory, worker_id, "int8",
+                       lambda out: quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5))
 
 
 @pytest.fixture(scope="session")
-def repo(trained, session_tmp) -> Path:
+def repo(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` exported (fp32, both graphs parity-checked) by `dstool export`."""
-    path = session_tmp / "model_repository"
-    dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8", "--instances", "1")
-    return path
+    return _built_once(tmp_path_factory, worker_id, "model_repository",
+                       lambda path: dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8",
+                                           "--instances", "1"))
 
 
 @pytest.fixture(scope="session")

@@ -31,6 +31,7 @@ def _rows(out: Path) -> pd.DataFrame:
     return pd.read_parquet(out / "rows").sort_values("row").reset_index(drop=True)
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(repo, tmp_path):
     out = tmp_path / "out"
     args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "8", "--partitions", "10"]
@@ -109,6 +110,7 @@ def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache
         gw.stop()
 
 
+@pytest.mark.slow
 def test_scores_equal_pytorch_in_every_input_format_and_jsonl_output(trained, repo, tmp_path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -139,6 +141,7 @@ def test_scores_equal_pytorch_in_every_input_format_and_jsonl_output(trained, re
     assert results["csv"]["id"].astype(int).tolist() == [10, 11, 12]  # the input columns come along
 
 
+@pytest.mark.slow
 def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
     result = cli("batch", str(tmp_path / "missing.jsonl"), "--repository", str(repo), "--output", str(tmp_path / "o"))
     one_line_usage_error(result, "does not exist")

@@ -74,6 +74,7 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
     assert cached == recomputed  # the quantized decoder and logits graph are the same model
 
 
+@pytest.mark.slow
 def test_int4_cli(trained, int8_output, tmp_path):
     out = tmp_path / "int4"
     proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3",
@@ -94,6 +95,7 @@ def _decoder_params(model) -> int:
     return sum(p.numel() for p in model.model.layers.parameters())
 
 
+@pytest.mark.slow
 def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     """The structural steps in one recipe: 40 % pruned, 2:4 masks on what is left, recovery (distilled from the
     original's logits) that keeps the masks."""
@@ -134,6 +136,7 @@ def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     assert cached == recomputed
 
 
+@pytest.mark.slow
 def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(trained, tmp_path):
     """--prune 0.1 --prune-ppl-tolerance 25: the tiny preset has two layouts (all 6 query heads, or 4 in 2 groups
     with more MLP channels), each exported and timed on ONNX Runtime; the fastest within 25 % is kept. Then a
@@ -164,6 +167,7 @@ def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(tra
         assert torch.equal(layer.mlp.down_proj.weight, before.mlp.down_proj.weight[:, kept])
 
 
+@pytest.mark.slow
 def test_explicit_ratios_then_torchao_int8_in_one_recipe(trained, tmp_path):
     """--prune-heads/--prune-mlp as given, then torchao's PyTorch int8: a Hugging Face folder that reloads
     quantized, and both ONNX graphs of the pruned model (fp32)."""

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstool.engine import Engine, Sequence
+from dstool.engine import Engine, PrefixCache, Sequence
 from dstool.serve.export.repository import cache_shapes
 from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
@@ -152,6 +152,67 @@ def test_prefill_is_bounded_per_step_while_others_decode_and_long_prompts_go_in_
         assert out[str(i)] == _greedy(trained, x, 8), i  # chunked prompts: the same tokens
 
 
+def test_a_prefix_cache_reuses_shared_prefixes_of_every_length_and_stays_exact(setup):
+    """Prompts sharing a prefix of every length with a system prompt (and repeats of them), greedy: with the prefix
+    cache each reuses the kept whole blocks of the longest prefix an earlier prompt computed, and every token is
+    the one the engine gives without it; the cache never holds more than its budget, least recently used first
+    out."""
+    session, shapes, tokenizer = setup
+    system = tokenizer("KING RICHARD:\nNow is the winter of our discontent made glorious summer by this sun of "
+                       "York;")["input_ids"]
+    assert len(system) > 20
+    prompts = [system[:k] + [7 + k % 5, 11] for k in range(len(system) + 1)]
+    prompts += prompts[-3:] + [system]  # repeats, and a prompt that is a kept prefix itself (its last token computed)
+
+    def run(prefix_cache: PrefixCache | None) -> dict[str, list[int]]:
+        engine = Engine(session, shapes, max_batch=4, prefix_cache=prefix_cache)
+        for i, x in enumerate(prompts):
+            engine.add(_sequence(str(i), x, 5))
+        return _run(engine)
+
+    plain = run(None)
+    cache = PrefixCache(block=4, max_tokens=4096)
+    engine = Engine(session, shapes, max_batch=1, prefix_cache=cache)
+    reused = 0
+    for i, x in enumerate(prompts):  # one at a time: each finds what every earlier one left
+        s = _sequence(str(i), x, 5)
+        engine.add(s)
+        assert _run(engine)[str(i)] == plain[str(i)], i
+        earlier = max((len(_common(x, y)) for y in prompts[:i]), default=0)
+        assert s.cached == min(earlier, len(x) - 1) // 4 * 4, (i, s.cached, earlier)
+        reused += s.cached
+    assert cache.hit == reused > 0 and cache.tokens <= 4096
+
+    small = PrefixCache(block=4, max_tokens=8)  # two blocks, in a crowd of four at a time
+    assert run(small) == plain and small.tokens == 8
+
+
+def test_the_prefix_cache_keeps_the_recently_used_blocks_within_its_budget():
+    cache = PrefixCache(block=2, max_tokens=6)
+
+    def kv(ids):
+        return {"past_key_values.layers.0.keys": np.asarray(ids, np.float32).reshape(1, 1, -1, 1)}
+
+    cache.add([1, 2, 3, 4, 5], kv([1, 2, 3, 4, 5]))  # two whole blocks kept; the fifth token is no block
+    assert cache.tokens == 4
+    assert cache.match([1, 2, 3, 4, 9])[0] == 4 and cache.match([1, 2, 3, 4])[0] == 2  # the last token computed
+    tokens, found = cache.match([1, 2, 3, 9])
+    assert tokens == 2 and found["past_key_values.layers.0.keys"].ravel().tolist() == [1, 2]
+    assert cache.match([9, 2, 3, 4, 5])[0] == 0 and cache.match([3, 4, 1, 2, 7])[0] == 0  # a block after its prefix
+    cache.add([7, 8, 9, 10, 11], kv([7, 8, 9, 10, 11]))  # over budget: the least recently used block goes
+    assert cache.tokens == 6 and cache.match([1, 2, 3, 4, 0])[0] == 2 and cache.match([7, 8, 9, 10, 0])[0] == 4
+    with pytest.raises(ValueError):
+        PrefixCache(block=4, max_tokens=2)
+
+
+def _common(a: list[int], b: list[int]) -> list[int]:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return a[:n]
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("variant", ["int8", "tiny-moe"])
 def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_output, tmp_path):
     """What `dstool compress` writes (int8 here; 4-bit in bench/serve.py) and the DeepSeek-V3 preset (MLA + MoE):

@@ -52,13 +52,47 @@ def test_models_and_a_greedy_completion(api, trained):
     assert answer.choices[0].finish_reason == ("length" if len(ids) == 12 else "stop")
 
 
+def _chat_prompt(tokenizer, messages: list[dict]) -> str:
+    """The prompt NAME_llm lays out for `messages` (the chat template, or the corpus's layout without one)."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    return "".join(f"{m['role'].upper()}:\n{m['content']}\n\n" for m in messages) + "ASSISTANT:\n"
+
+
+def test_a_shared_system_prompt_is_reused_and_reported_as_cached_tokens(api, server, trained):
+    """Two chats with one long system prompt and different questions (the gateway's result cache misses both): the
+    second starts from the prefix the first left in the engine's prefix cache, in whole blocks of 16 tokens; the
+    official client reads usage.prompt_tokens_details.cached_tokens, streamed usage too; the answer is still
+    transformers' greedy one; Triton's /metrics carries the prefix cache's hit ratio."""
+    from transformers import AutoTokenizer
+
+    from llmlib import metric
+
+    tokenizer = AutoTokenizer.from_pretrained(trained)
+    system = {"role": "system", "content": "You are the chorus of a history play, and you speak in verse. " * 4}
+    chats = [[system, {"role": "user", "content": question}] for question in ("Who is king?", "Where is the army?")]
+    prompts = [tokenizer(_chat_prompt(tokenizer, chat))["input_ids"] for chat in chats]
+    common = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    assert common >= 32
+    client = _client(api)
+    first = client.chat.completions.create(model="dstool_lm", messages=chats[0], max_tokens=6, temperature=0)
+    assert first.usage.prompt_tokens == len(prompts[0]) and first.usage.prompt_tokens_details.cached_tokens % 16 == 0
+    chunks = list(client.chat.completions.create(model="dstool_lm", messages=chats[1], max_tokens=6, temperature=0,
+                                                 stream=True, stream_options={"include_usage": True}))
+    usage = chunks[-1].usage
+    assert usage.prompt_tokens == len(prompts[1]) and usage.prompt_tokens_details.cached_tokens == common // 16 * 16
+    text, _, _ = _greedy(trained, _chat_prompt(tokenizer, chats[1]), 6)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert 0 < metric(server, "dstool_llm_prefix_cache_hit_ratio") < 1
+    assert metric(server, "dstool_llm_prefix_cache_held_tokens") >= len(prompts[0]) // 16 * 16
+
+
 def test_a_streamed_chat_completion(api, trained):
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(trained)
     messages = [{"role": "system", "content": "You are Juliet."}, {"role": "user", "content": "Where art thou?"}]
-    prompt = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True) \
-        if tokenizer.chat_template else "SYSTEM:\nYou are Juliet.\n\nUSER:\nWhere art thou?\n\nASSISTANT:\n"
+    prompt = _chat_prompt(tokenizer, messages)
     text, prompt_tokens, ids = _greedy(trained, prompt, 10)
     chunks = list(_client(api).chat.completions.create(model="dstool_lm", messages=messages, max_tokens=10,
                                                        temperature=0, stream=True,

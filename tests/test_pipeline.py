@@ -36,6 +36,7 @@ def redis_url(tmp_path):
     proc.wait(timeout=10)
 
 
+@pytest.mark.slow
 def test_pipeline_runs_end_to_end(tmp_path, redis_url):
     proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--repository", str(tmp_path / "repo"),
                   "--train-steps", "20", "--recover-steps", "0", "--cache", redis_url, "--max-new-tokens", "8",

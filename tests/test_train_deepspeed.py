@@ -110,6 +110,7 @@ def _wait_for_step(out: Path, proc: subprocess.Popen, step: int) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow
 def test_sigterm_checkpoints_the_step_and_resume_continues_exactly(bf16_runs, tmp_path):
     """Preemption: SIGTERM to `dstool train` -> every rank finishes its step, that step is checkpointed, exit 143
     (retry); the same command again continues the uninterrupted run's loss curve exactly."""
@@ -204,6 +205,7 @@ def test_tiny_moe_zero3_with_accumulation(moe_z3):
     assert list((out / "tensorboard").glob("events.out.tfevents.*"))
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_keeps_the_losses(moe_z3, tmp_path):
     """--activation-checkpointing on the DeepSeek-V3 MoE preset under ZeRO-3: every decoder layer is recomputed in
     the backward pass (transformers' mechanism), and the losses are the run's without it."""
@@ -235,6 +237,7 @@ def test_zero0_equals_zero1_and_merges_user_json(zero1_single_node, tmp_path):
     assert a.keys() == b.keys() and all(a[s] == pytest.approx(b[s], abs=1e-5) for s in a)
 
 
+@pytest.mark.slow
 def test_two_nodes_on_localhost_with_torchrun(zero1_single_node, tmp_path):
     out = tmp_path / "two_nodes"
     port = str(29600 + os.getpid() % 300)
@@ -250,6 +253,7 @@ def test_two_nodes_on_localhost_with_torchrun(zero1_single_node, tmp_path):
     assert all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b)  # 2 nodes x 1 == 1 node x 2
 
 
+@pytest.mark.slow
 def test_hostfile_with_the_deepspeed_launcher(zero1_single_node, tmp_path):
     (tmp_path / "hostfile").write_text("localhost slots=2\n")
     out = tmp_path / "ds_launcher"
@@ -261,6 +265,7 @@ def test_hostfile_with_the_deepspeed_launcher(zero1_single_node, tmp_path):
     assert all(a[s] == pytest.approx(b[s], abs=1e-5) for s in b)
 
 
+@pytest.mark.slow
 def test_offload_optimizer_and_params_zero3(tmp_path):
     out = tmp_path / "offload"
     dstool("train", "--output", str(out), "--nproc", "2", "--zero", "3", "--offload-optimizer", "--offload-params",

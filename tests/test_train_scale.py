@@ -96,6 +96,7 @@ def _ranks(launcher: subprocess.Popen) -> dict[int, psutil.Process]:
     return {int(p.environ()["RANK"]): p for p in procs if "RANK" in p.environ()}
 
 
+@pytest.mark.slow
 def test_rank_killed_while_saving_restarts_and_continues(reference, tmp_path):
     """kill -9 rank 0 while checkpoint step 4 is being written: torchrun restarts the ranks, they resume
     from the newest checkpoint that verifies, and the loss curve is the uninterrupted one."""

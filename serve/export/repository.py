@@ -107,7 +107,7 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                        ("max_new_tokens", mc.TYPE_INT32, [1], True), ("stop_token_ids", mc.TYPE_INT64, [-1], True),
                        ("stream", mc.TYPE_BOOL, [1], True)],
             [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1]),
-             ("prompt_tokens", mc.TYPE_INT32, [1]),
+             ("prompt_tokens", mc.TYPE_INT32, [1]), ("prompt_cached_tokens", mc.TYPE_INT32, [1]),
              # with the `logprobs` parameter (K): each token's text and log-probability, and the K most likely
              ("tokens", mc.TYPE_STRING, [-1]), ("logprobs", mc.TYPE_FP32, [-1]),
              ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1])]),
@@ -120,6 +120,8 @@ BESIDE = {"generate": [ENGINE_PY, MODELS_PY / "sampling.py"],
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 # prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
 ENGINE_PREFILL_TOKENS = 64
+# tokens per block of the llm model's prefix cache: a prompt reuses the whole blocks an earlier one computed
+PREFIX_CACHE_BLOCK = 16
 
 
 def text_model_config(role: str, name: str, s: RepositorySettings, parameters: dict[str, str]) -> mc.ModelConfig:
@@ -255,7 +257,9 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
         parameters = {"tokenizer": limit, "generate": {"models": json.dumps(names), **generation},
                       "llm": {"decoder": names["decoder"], "max_batch": str(ENGINE_MAX_BATCH),
                               "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions),
-                              "max_prefill_tokens": str(ENGINE_PREFILL_TOKENS), **generation}}
+                              "max_prefill_tokens": str(ENGINE_PREFILL_TOKENS),
+                              "prefix_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions if s.prefix_cache else 0),
+                              "prefix_cache_block": str(PREFIX_CACHE_BLOCK), **generation}}
         for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)

@@ -85,7 +85,7 @@ class Choice:
     def __init__(self, index: int, stops: list[str], whole: bool = True):
         self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
         self.ranked: list[Ranked] = []
-        self.prompt_tokens = 0
+        self.prompt_tokens = self.cached_tokens = 0  # the prompt's tokens, and those the engine's prefix cache held
         self.finish_reason: str | None = None
         self.hold = max((len(s) for s in stops), default=1) - 1  # characters that may begin a stop string
 
@@ -129,7 +129,8 @@ class Reply:
     def usage(self) -> dict:
         completion = sum(c.tokens for c in self.choices)
         prompt = self.choices[0].prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
 
     def whole(self) -> dict:
         rows = []
@@ -284,6 +285,7 @@ class OpenAIFrontend:
                         raise _upstream_error(400, orjson.dumps(d), model)
                     choice.tokens += 1
                     choice.prompt_tokens = int(d.get("prompt_tokens", 0))
+                    choice.cached_tokens = int(d.get("prompt_cached_tokens", 0))
                     rows = ranked(d)
                     if choice.whole:
                         choice.ranked += rows

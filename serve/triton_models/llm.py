@@ -4,7 +4,8 @@ this file) with the decoder graph of NAME_decoder, the tokenizer in its own fold
 text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", optional "name"}, ...], laid out by
 the tokenizer's chat template, or without one as the corpus lays out a play's speeches: "NAME-OR-ROLE:\nCONTENT\n\n"
 ending in "ASSISTANT:\n") (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1];
-sampling as request parameters) -> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1]. With
+sampling as request parameters) -> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1],
+prompt_cached_tokens INT32 [1] (the prompt's tokens the engine's prefix cache held, not computed again). With
 `stream` true, one response per token (the text it adds, and its id) and the last one marked final; otherwise one
 response with the whole text and ids.
 
@@ -26,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
-from engine import Engine, Sequence
+from engine import Engine, PrefixCache, Sequence
 from ort_options import session_options
 from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
@@ -64,21 +65,31 @@ class Metrics:
                                   "first token", H),
             pb_utils.MetricFamily("dstool_llm_generated_tokens_total", "Tokens generated", C),
             pb_utils.MetricFamily("dstool_llm_prompt_tokens_total", "Prompt tokens prefilled", C),
+            pb_utils.MetricFamily("dstool_llm_prefix_cache_tokens_total", "Prompt tokens looked up in the prefix "
+                                  "cache (result: hit, taken from it; miss, computed)", C),
+            pb_utils.MetricFamily("dstool_llm_prefix_cache_hit_ratio", "Share of the prompt tokens looked up that the "
+                                  "prefix cache held, since the model loaded", G),
+            pb_utils.MetricFamily("dstool_llm_prefix_cache_held_tokens", "Positions the prefix cache holds", G),
             pb_utils.MetricFamily("dstool_llm_sequences", "Sequences in the engine, by state", G),
             pb_utils.MetricFamily("dstool_llm_engine_restarts_total", "Times the engine loop failed and started "
                                   "again (what it held ended with the error)", C)]
-        queue_steps, queue, first, tokens, prompt, sequences, restarts = self.families
+        queue_steps, queue, first, tokens, prompt, looked_up, ratio, held, sequences, restarts = self.families
         self.queue_steps = queue_steps.Metric(labels=labels, buckets=[0, 1, 2, 4, 8, 16, 32, 64])
         self.queue = queue.Metric(labels=labels, buckets=self.SECONDS)
         self.first = first.Metric(labels=labels, buckets=self.SECONDS)
         self.tokens, self.prompt = tokens.Metric(labels=labels), prompt.Metric(labels=labels)
+        self.prefix_hit = looked_up.Metric(labels={**labels, "result": "hit"})
+        self.prefix_miss = looked_up.Metric(labels={**labels, "result": "miss"})
+        self.prefix_ratio, self.prefix_held = ratio.Metric(labels=labels), held.Metric(labels=labels)
+        self.counted = (0, 0)  # the prefix cache's hits and misses on the counters so far
         self.waiting = sequences.Metric(labels={**labels, "state": "waiting"})
         self.running = sequences.Metric(labels={**labels, "state": "running"})
         self.restarts = restarts.Metric(labels=labels)
 
     def close(self):
         """The metrics before their families (the python backend's rule)."""
-        for name in ("queue_steps", "queue", "first", "tokens", "prompt", "waiting", "running", "restarts"):
+        for name in ("queue_steps", "queue", "first", "tokens", "prompt", "prefix_hit", "prefix_miss", "prefix_ratio",
+                     "prefix_held", "waiting", "running", "restarts"):
             delattr(self, name)
         self.families.clear()
 
@@ -88,7 +99,7 @@ class Metrics:
         self.queue_steps.observe(sequence.started_step - out.arrived_step - 1)
         self.queue.observe(started - out.arrived)
         self.first.observe(time.monotonic() - out.arrived)
-        self.prompt.increment(len(sequence.prompt))
+        self.prompt.increment(len(sequence.prompt) - sequence.cached)
 
     def step(self, engine, streams, began, tokens):
         for sequence in engine.prefilling:  # begun, its prompt still being prefilled in chunks
@@ -98,6 +109,14 @@ class Metrics:
         self.tokens.increment(tokens)
         self.waiting.set(len(engine.waiting) + len(engine.prefilling))
         self.running.set(len(engine.running))
+        cache = engine.prefix_cache
+        if cache is not None:
+            hit, miss = cache.hit, cache.looked_up - cache.hit
+            self.prefix_hit.increment(hit - self.counted[0])
+            self.prefix_miss.increment(miss - self.counted[1])
+            self.counted = (hit, miss)
+            self.prefix_ratio.set(cache.hit / cache.looked_up if cache.looked_up else 0.0)
+            self.prefix_held.set(cache.tokens)
 
 
 class Request:
@@ -126,8 +145,11 @@ class TritonPythonModel:
         opts = session_options(ort)
         session = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
         shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
-        self.engine = Engine(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]),
-                             int(params["max_prefill_tokens"]))
+        budget = int(params["max_cache_tokens"])
+        # (a repository exported before the prefix cache: none)
+        prefix_tokens, block = int(params.get("prefix_cache_tokens", 0)), int(params.get("prefix_cache_block", 16))
+        self.engine = Engine(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
+                             PrefixCache(block, prefix_tokens) if prefix_tokens else None)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
@@ -288,17 +310,18 @@ class TritonPythonModel:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
-            response = self._response(delta, [token], len(sequence.prompt), out.ranked[-1:])
+            response = self._response(delta, [token], sequence, out.ranked[-1:])
         else:  # the whole text
-            response = self._response(text, sequence.output, len(sequence.prompt), out.ranked)
+            response = self._response(text, sequence.output, sequence, out.ranked)
         self._send(out, response, FINAL if sequence.finished else 0)
         if sequence.finished:
             self.streams.pop(sequence.id, None)
 
-    def _response(self, text, ids, prompt_tokens, ranked):
+    def _response(self, text, ids, sequence, ranked):
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
                    pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
-                   pb_utils.Tensor("prompt_tokens", np.array([prompt_tokens], dtype=np.int32))]
+                   pb_utils.Tensor("prompt_tokens", np.array([len(sequence.prompt)], dtype=np.int32)),
+                   pb_utils.Tensor("prompt_cached_tokens", np.array([sequence.cached], dtype=np.int32))]
         if ranked:  # the tokens' own text and log-probabilities, and the most likely alternatives'
             tensors += [
                 pb_utils.Tensor("tokens", self._texts(ids)),
