@@ -88,11 +88,18 @@ def pytest_collection_modifyitems(config, items):
         for key in keys[1:]:
             parent[root(key)] = root(keys[0])
         keys_of[item.nodeid] = keys
+    group_of = {item.nodeid: root(keys_of[item.nodeid][0]) for item in items if keys_of[item.nodeid]}
     for item in items:
-        if keys := keys_of[item.nodeid]:
-            item.add_marker(pytest.mark.xdist_group(root(keys[0]).replace("/", ".")))
+        if item.nodeid in group_of:
+            item.add_marker(pytest.mark.xdist_group(group_of[item.nodeid].replace("/", ".")))
+    # A group moves as a whole, its tests in the order written: a module's tests that share a module-scoped fixture
+    # must stay together, or pytest tears the fixture down between them and makes it again.
+    slow_groups = {group_of[i.nodeid] for i in items if i.nodeid in group_of and i.get_closest_marker("slow")}
+
     def queued(item) -> int:
-        return 0 if item.get_closest_marker("slow") else 1 if keys_of[item.nodeid] else 2
+        if item.nodeid in group_of:
+            return 0 if group_of[item.nodeid] in slow_groups else 1
+        return 0 if item.get_closest_marker("slow") else 2
     items.sort(key=queued)  # stable: each file's order stays as written
 
 
