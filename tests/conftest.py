@@ -67,9 +67,12 @@ SERVERS = ("server", "gateway_server")
 
 
 def pytest_collection_modifyitems(config, items):
-    """For `--dist loadgroup` (the suite's default): tests that share a started server or a module-scoped fixture
-    form one group, run by one worker, so each is made once; the other tests spread over the workers one by one.
-    The tests marked slow are queued first, then the groups, so that the short ones fill the gaps at the end."""
+    """For `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started server or a module-scoped
+    fixture form one group, run by one worker, so each is made once; the other tests spread over the workers one by
+    one. The tests marked slow are queued first, then the groups, so that the short ones fill the gaps at the end.
+    In one process the tests run as written."""
+    if not getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        return
     parent: dict[str, str] = {}
 
     def root(key: str) -> str:
@@ -104,7 +107,7 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
-    """`-n auto` (the suite's default): a worker per core, at most 4 (a test may start several processes)."""
+    """`-n auto`: a worker per core, at most 4 (a test may start several processes)."""
     return max(1, min(4, os.cpu_count() or 1))
 
 
