@@ -63,6 +63,10 @@ def generated(server) -> float:
     return metric(server, "dstool_llm_generated_tokens_total")
 
 
+def cancelled(server) -> float:
+    return metric(server, "dstool_llm_cancelled_total")
+
+
 def settled_generated(server, quiet: float = 0.6, limit: float = 60) -> float:
     """The engine's generated-token count once it stops moving (nothing left running)."""
     deadline = time.monotonic() + limit

@@ -262,13 +262,13 @@ def _raw_kinds() -> list[tuple[str, bytes]]:
     return kinds
 
 
-def _first_status(answer: bytes) -> int:
-    """The status of the first final answer (after any 100 Continue)."""
+def _final_answer(answer: bytes) -> tuple[int, bytes]:
+    """The status of the first final answer (after any 100 Continue), and that answer (b"" for none)."""
     while answer.startswith(b"HTTP/1.1 100 "):
         answer = answer.split(b"\r\n\r\n", 1)[1]
     if not answer.startswith(b"HTTP/1."):
-        return 0
-    return int(answer.split(b" ", 2)[1])
+        return 0, answer
+    return int(answer.split(b" ", 2)[1]), answer
 
 
 def test_malformed_http_on_the_wire(hostile_gateway, gateway_server):
@@ -293,7 +293,9 @@ def test_malformed_http_on_the_wire(hostile_gateway, gateway_server):
             continue
         finally:
             s.close()
-        status = _first_status(answer)
+        # The client shut its side: the gateway may take it as gone (docs/cache.md) and close without a final answer
+        # (after a 100 Continue already sent, if it was quick), or answer first when the answer was quicker.
+        status, answer = _final_answer(answer)
         if not (200 <= status < 500) and not (status == 0 and answer == b""):
             wrong.append((name, status, answer[:200]))
         elif 400 <= status < 500 and b'{"error":' not in answer:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import socket
+import statistics
 import threading
 import time
 import urllib.request
@@ -16,6 +17,7 @@ import psutil
 import pytest
 
 from llmlib import (
+    cancelled,
     error_of,
     executions,
     generated,
@@ -141,20 +143,23 @@ def test_random_draws_and_errors_are_never_cached(stack, server, model):
 # ---- 4. a client that hangs up costs no more work -------------------------------------------------------------------
 def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
     settled_generated(server)
+    before = cancelled(server)
     s = raw_request(stack.http_port, CHAT, _chat(max_tokens=900, n=16, ignore_eos=True, temperature=0))
     time.sleep(0.3)
     s.close()
-    time.sleep(0.5)
-    stopped = generated(server)
-    assert settled_generated(server) - stopped < 16 * 5, "the unstreamed chat went on after its client left"
+    settled_generated(server)
+    assert cancelled(server) - before == 16, "the unstreamed chat's choices went on after its client left"
     assert timed_chat(stack.http_port) < 5
 
-    # Streams closed after their first chunk, on every route that streams: what the engine makes after the close is
-    # counted. A missed cancellation runs on to 900 tokens a choice; one noticed late (the gateway waits for a core
-    # while ONNX Runtime's threads spin: up to ~0.15 s here, docs/export-serve.md) makes tens.
-    ran_on = []
+    # Streams closed after their first chunk, on every route that streams: each choice is cancelled in the engine
+    # (a missed cancellation runs on to 900 tokens a choice and is not counted), and what the engine makes after the
+    # close is counted. Noticed late (the gateway waits for a core while ONNX Runtime's threads spin: up to ~0.15 s
+    # here, docs/export-serve.md) it makes tens; the median is bounded, not each try, so that one try slowed by
+    # whatever else the machine runs does not fail the suite.
+    spent_per_choice, missed = [], []
     for i in range(24):
         settled_generated(server, quiet=0.3)
+        before = cancelled(server)
         route, n = i % 3, 4 if i % 3 == 1 else 1
         if route == 0:
             s = raw_request(stack.http_port, LLM + "/generate_stream",
@@ -169,18 +174,20 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
         s.recv(200)
         at_close = generated(server)
         s.close()
-        spent = settled_generated(server, quiet=0.3) - at_close
-        if spent > 300 * n:
-            ran_on.append((i, route, spent))
-    assert not ran_on, ran_on
+        spent_per_choice.append((settled_generated(server, quiet=0.3) - at_close) / n)
+        if cancelled(server) - before != n:
+            missed.append((i, route, cancelled(server) - before))
+    assert not missed, missed
+    assert statistics.median(spent_per_choice) < 100, spent_per_choice
 
 
 def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
     import tritonclient.grpc as grpcclient
 
-    ran_on = []
-    for i in range(8):  # what the engine makes after the cancel is counted (as for HTTP above)
+    spent, missed = [], []
+    for i in range(8):  # each is cancelled in the engine; what it makes after the cancel is counted (as for HTTP)
         settled_generated(server, quiet=0.3)
+        before = cancelled(server)
         client = grpcclient.InferenceServerClient(stack.grpc_url)
         got = threading.Event()
         client.start_stream(callback=lambda result, error, got=got: got.set())
@@ -195,10 +202,11 @@ def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
         at_cancel = generated(server)
         client.stop_stream(cancel_requests=True)
         client.close()
-        spent = settled_generated(server, quiet=0.3) - at_cancel
-        if spent > 300:
-            ran_on.append((i, spent))
-    assert not ran_on, ran_on
+        spent.append(settled_generated(server, quiet=0.3) - at_cancel)
+        if cancelled(server) - before != 1:
+            missed.append((i, cancelled(server) - before))
+    assert not missed, missed
+    assert statistics.median(spent) < 100, spent
 
 
 # ---- 5. a slow reader holds bounded memory ------------------------------------------------------------------------

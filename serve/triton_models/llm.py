@@ -72,8 +72,11 @@ class Metrics:
             pb_utils.MetricFamily("dstool_llm_prefix_cache_held_tokens", "Positions the prefix cache holds", G),
             pb_utils.MetricFamily("dstool_llm_sequences", "Sequences in the engine, by state", G),
             pb_utils.MetricFamily("dstool_llm_engine_restarts_total", "Times the engine loop failed and started "
-                                  "again (what it held ended with the error)", C)]
-        queue_steps, queue, first, tokens, prompt, looked_up, ratio, held, sequences, restarts = self.families
+                                  "again (what it held ended with the error)", C),
+            pb_utils.MetricFamily("dstool_llm_cancelled_total", "Requests whose client went away before their end: "
+                                  "they left the engine at the next step", C)]
+        queue_steps, queue, first, tokens, prompt, looked_up, ratio, held, sequences, restarts, cancelled = \
+            self.families
         self.queue_steps = queue_steps.Metric(labels=labels, buckets=[0, 1, 2, 4, 8, 16, 32, 64])
         self.queue = queue.Metric(labels=labels, buckets=self.SECONDS)
         self.first = first.Metric(labels=labels, buckets=self.SECONDS)
@@ -85,11 +88,12 @@ class Metrics:
         self.waiting = sequences.Metric(labels={**labels, "state": "waiting"})
         self.running = sequences.Metric(labels={**labels, "state": "running"})
         self.restarts = restarts.Metric(labels=labels)
+        self.cancelled = cancelled.Metric(labels=labels)
 
     def close(self):
         """The metrics before their families (the python backend's rule)."""
         for name in ("queue_steps", "queue", "first", "tokens", "prompt", "prefix_hit", "prefix_miss", "prefix_ratio",
-                     "prefix_held", "waiting", "running", "restarts"):
+                     "prefix_held", "waiting", "running", "restarts", "cancelled"):
             delattr(self, name)
         self.families.clear()
 
@@ -287,6 +291,7 @@ class TritonPythonModel:
             held = self.engine.running + self.engine.prefilling + list(self.engine.waiting)
             for sequence in [s for s in held if self.streams[s.id].sender.is_cancelled()]:
                 self.engine.cancel(sequence.id)  # its client has gone; Triton still waits for the final flag
+                self.metrics.cancelled.increment(1)
                 self._send(self.streams.pop(sequence.id))
             began, made = time.monotonic(), 0
             for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
