@@ -8,6 +8,12 @@ weights) is exported first. Greedy, 25-token prompts, medians of interleaved rou
 - 16 streams submitted together: tokens/s (what a static batch does too);
 - 16 streams arriving one per decoding step: tokens/s and the queue wait of each (steps from its arrival to
   its first token: 1 means it joined the running batch at the next step).
+
+With --memory instead: 64 requests with long prompts (--prompt-tokens, default 3/4 of the model's positions, each its
+own text after a shared first half, so the prefix cache holds something) arrive together at an engine set up as
+NAME_llm is (16 rows, a cache budget of 16 x the model's positions, the prefix cache within it); each step the
+cache memory the engine holds (batch cache, prompts being prefilled, prefix cache) is read, and the peak is printed
+against the budget's bytes, with the process's peak resident memory.
 """
 
 from __future__ import annotations
@@ -48,6 +54,9 @@ def main() -> int:
     p.add_argument("--name", default=None, help="the model family's name in the repository")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--memory", action="store_true", help="the cache memory under 64 concurrent long prompts instead")
+    p.add_argument("--prompt-tokens", type=int, default=0, help="--memory: prompt length (default: 3/4 of the "
+                   "model's positions)")
     a = p.parse_args()
     with tempfile.TemporaryDirectory(prefix="dstool-bench-engine-") as tmp:
         repo = prepare(a, Path(tmp))
@@ -57,6 +66,8 @@ def main() -> int:
         session = ort.InferenceSession(str(version / "model.onnx"), opts, providers=["CPUExecutionProvider"])
         shapes = cache_shapes(repo / f"{name}_generate" / "config.pbtxt")
         rng = np.random.default_rng(0)
+        if a.memory:
+            return memory(a, session, shapes, repo / f"{name}_llm" / "config.pbtxt", rng)
         prompts = [rng.integers(5, 4000, 25).tolist() for _ in range(16)]
 
         def sequence(i: int) -> Sequence:
@@ -108,6 +119,48 @@ def main() -> int:
         med = {k: float(np.median([s[k] for s in samples])) for k in samples[0]}
         other = ", ".join(f"{k} {v:.1f}" for k, v in med.items() if k != "tokens_per_s")
         print(f"| {label} | {med['tokens_per_s']:.0f} | {other} |")
+    return 0
+
+
+def memory(a, session, shapes: dict[str, tuple[int, int]], llm_config: Path, rng) -> int:
+    """64 long prompts at once on an engine set up as NAME_llm is: the peak cache memory it holds, per step."""
+    import resource
+
+    from dstool.engine import Engine, PrefixCache, Sequence
+    from dstool.serve.export.repository import read_config
+    from dstool.serve.triton_models.sampling import Sampler, SamplingParams
+
+    params = {k: v.string_value for k, v in read_config(llm_config).parameters.items()}
+    positions, budget = int(params["max_positions"]), int(params["max_cache_tokens"])
+    prefix = int(params.get("prefix_cache_tokens", 0))
+    engine = Engine(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
+                    PrefixCache(int(params["prefix_cache_block"]), prefix) if prefix else None)
+    length = a.prompt_tokens or positions * 3 // 4
+    shared = rng.integers(5, 4000, length // 2).tolist()
+    for i in range(64):
+        own = rng.integers(5, 4000, length - len(shared)).tolist()
+        engine.add(Sequence(str(i), shared + own, a.new_tokens, Sampler(SamplingParams()).next, set()))
+    per_position = sum(4 * heads * dim for heads, dim in shapes.values())  # fp32 keys and values, every layer
+
+    def held() -> int:
+        arrays = list(engine.cache.values())
+        arrays += [v for s in engine.prefilling if s.partial for v in s.partial.values()]
+        if engine.prefix_cache is not None:
+            arrays += [v for block in engine.prefix_cache.blocks.values() for v in block.values()]
+        return sum(v.nbytes for v in arrays)
+
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak, steps, started = 0, 0, time.perf_counter()
+    while engine.busy:
+        engine.step()
+        steps += 1
+        peak = max(peak, held())
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    print(f"64 requests of {length} prompt tokens + {a.new_tokens} new, {steps} steps, "
+          f"{time.perf_counter() - started:.0f} s")
+    print(f"cache budget: {budget} positions x {per_position} bytes = {budget * per_position / 2**20:.1f} MiB")
+    print(f"peak cache held by the engine: {peak / 2**20:.1f} MiB ({peak / (budget * per_position):.2f}x the budget)")
+    print(f"process peak resident memory: {rss / 2**20:.0f} MiB ({rss_before / 2**20:.0f} MiB before the run)")
     return 0
 
 

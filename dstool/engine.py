@@ -118,9 +118,13 @@ class Engine:
     def clear(self) -> list[Sequence]:
         """Drop every sequence (waiting, prefilling, running) and the batch cache; the ones dropped."""
         held = [*self.running, *self.prefilling, *self.waiting]
-        self.waiting, self.prefilling, self.running = deque(), [], []
-        self.cache, self.mask = self._empty(0), np.zeros((0, 0), np.int64)
+        self.waiting, self.prefilling = deque(), []
+        self._drop_batch()
         return held
+
+    def _drop_batch(self) -> None:
+        """No running sequence, no batch cache."""
+        self.running, self.cache, self.mask = [], self._empty(0), np.zeros((0, 0), np.int64)
 
     def step(self) -> list[tuple[Sequence, int | None]]:
         """Admit and prefill newcomers, decode one token for the others; (sequence, new token) for each (None for a
@@ -141,7 +145,7 @@ class Engine:
                 yield self._decode()
             except _RunFailed as e:  # the batch's cache is gone with it: every running sequence ends
                 failed: list[tuple[Sequence, int | None]] = [s._fail(e.cause) for s in self.running]
-                self.running, self.cache, self.mask = [], self._empty(0), np.zeros((0, 0), np.int64)
+                self._drop_batch()
                 yield failed
         self._append([j for j in joining if not j[0].finished])
         self._keep([i for i, s in enumerate(self.running) if not s.finished])
@@ -292,6 +296,169 @@ class Engine:
         else:
             self.cache = {n: v[rows] for n, v in self.cache.items()}
         self.mask = mask
+
+
+class FusedRunner:
+    """Runs the fused graph on cache buffers, numpy arrays [rows, kv_heads, capacity, head_dim] by input name that the
+    op writes into (views of a larger buffer work: a run on rows 3..5 of the batch buffer writes there)."""
+
+    def __init__(self, session):
+        import onnxruntime as ort
+
+        self.session, self.ort_value = session, ort.OrtValue.ortvalue_from_numpy
+
+    def run(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+        """`ids` [rows, new] after `held` [rows] positions each -> logits [rows, new, vocab]; the new positions'
+        keys and values written into `buffers` (capacity >= held + new)."""
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
+        binding.bind_cpu_input("seqlens_k", (held + ids.shape[1] - 1).astype(np.int32))
+        binding.bind_cpu_input("total_sequence_length", np.array(int(held.max()) + ids.shape[1], np.int32))
+        binding.bind_output("logits")
+        for name, buffer in buffers.items():
+            value = self.ort_value(buffer)  # shares the array's memory (C-contiguous)
+            binding.bind_ortvalue_input(name, value)
+            binding.bind_ortvalue_output(name.replace("past_key_values.", "cache.", 1), value)
+        self.session.run_with_iobinding(binding)
+        return binding.copy_outputs_to_cpu()[0]
+
+
+class FusedEngine(Engine):
+    """The engine on the fused decoder graph (`dstool.fused_decoder`): the batch cache is one buffer per cache tensor,
+    a row per running sequence (rows 0..R-1, compacted when one leaves) and room for `capacity` positions (grown by
+    doubling when a row needs more, released when the batch empties); each row holds its own positions from the
+    first, so nothing is padded or masked, and a decoding step writes each row's new position in place — no cache
+    is copied per token. Prompts' first chunks are prefilled together; a chunk after cached positions (a long
+    prompt's next, or after a prefix-cache hit) runs one row at a time (the op's rule)."""
+
+    def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
+                 max_cache_tokens: int | None = None, max_prefill_tokens: int = 64,
+                 prefix_cache: PrefixCache | None = None):
+        super().__init__(session, cache_shapes, max_batch, max_cache_tokens, max_prefill_tokens, prefix_cache)
+        self.runner = FusedRunner(session)
+        self.held = np.zeros(0, np.int64)  # positions each running row holds
+
+    def _drop_batch(self) -> None:
+        self.running, self.cache, self.held = [], self._empty(0), np.zeros(0, np.int64)
+
+    def _buffers(self, rows: int, capacity: int) -> dict[str, np.ndarray]:
+        return {name: np.zeros((rows, heads, capacity, dim), np.float32)
+                for name, (heads, dim) in self.cache_shapes.items()}
+
+    def _fit(self, positions: int) -> None:
+        """Room in the batch buffer for max_batch rows of `positions`."""
+        first = next(iter(self.cache.values()))
+        if first.shape[2] >= positions:
+            return
+        capacity = max(positions, 2 * first.shape[2], 64)
+        grown = self._buffers(self.max_batch, capacity)
+        rows = len(self.running)
+        for name, buffer in grown.items():
+            buffer[:rows, :, :first.shape[2]] = self.cache[name][:rows]
+        self.cache = grown
+
+    def _run_fused(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+        try:
+            return self.runner.run(ids, held, buffers)
+        except Exception as e:  # noqa: BLE001 (whatever the runtime raises ends this run's sequences, not the engine)
+            raise _RunFailed(e) from e
+
+    def _prefill(self):
+        """The next chunks of the prefilling prompts, up to `max_prefill_tokens` in all: first chunks together in one
+        run, later ones (after cached positions) one run each. Each prompt's cache is a buffer of its own until it
+        joins the batch."""
+        budget, group = self.max_prefill_tokens if self.running else sum(len(s.prompt) for s in self.prefilling), []
+        for s in self.prefilling:
+            take = min(len(s.prompt) - s.prefilled, budget)
+            if take == 0:
+                break
+            group.append((s, take))
+            budget -= take
+        fresh = [(s, take) for s, take in group if s.prefilled == 0]
+        runs = [fresh] if fresh else []
+        runs += [[(s, take)] for s, take in group if s.prefilled > 0]
+        produced: list[tuple[Sequence, int | None]] = []
+        joining = []
+        for run in runs:
+            for s, _ in run:
+                if s.started_step is None:
+                    s.started_step = self.steps_started
+            if run is fresh:  # a buffer for them all, room for the longest whole prompt; a row each
+                buffers = self._buffers(len(run), max(len(s.prompt) for s, _ in run))
+                for b, (s, _) in enumerate(run):
+                    s.partial = {n: v[b:b + 1] for n, v in buffers.items()}
+            else:
+                s, _ = run[0]
+                if next(iter(s.partial.values())).shape[2] < len(s.prompt):  # the prefix cache's blocks only
+                    own = self._buffers(1, len(s.prompt))
+                    for n, v in s.partial.items():
+                        own[n][:, :, :v.shape[2]] = v
+                    s.partial = own
+                buffers = s.partial
+            width = max(take for _, take in run)
+            ids = np.zeros((len(run), width), np.int64)
+            for b, (s, take) in enumerate(run):
+                ids[b, :take] = s.prompt[s.prefilled:s.prefilled + take]
+            held = np.array([s.prefilled for s, _ in run], np.int64)
+            try:
+                logits = self._run_fused(ids, held, buffers)
+            except _RunFailed as e:  # this run's prompts end; nothing else held changed
+                produced += [s._fail(e.cause) for s, _ in run]
+                continue
+            for b, (s, take) in enumerate(run):
+                s.prefilled += take
+                if s.prefilled < len(s.prompt):
+                    continue
+                row, s.partial = s.partial, None
+                if self.prefix_cache is not None:
+                    self.prefix_cache.add(s.prompt, row)
+                    self._fit_prefix_cache()
+                produced.append(self._choose(s, logits[b, take - 1]))
+                joining.append((s, row))
+        done = {id(s) for s, _ in produced}
+        self.prefilling = [s for s in self.prefilling if id(s) not in done]
+        return produced, joining
+
+    def _decode(self) -> list[tuple[Sequence, int | None]]:
+        """One token for every row, its key and value written at the row's next position."""
+        rows = len(self.running)
+        self._fit(int(self.held.max()) + 1)
+        ids = np.array([[s.output[-1]] for s in self.running], np.int64)
+        logits = self._run_fused(ids, self.held, {n: v[:rows] for n, v in self.cache.items()})
+        self.held = self.held + 1
+        return [self._choose(s, logits[b, -1]) for b, s in enumerate(self.running)]
+
+    def _append(self, joining: list[tuple[Sequence, dict[str, np.ndarray]]]) -> None:
+        """The joining sequences' caches copied into the next rows of the batch buffer."""
+        if not joining:
+            return
+        self._fit(max(len(s.prompt) for s, _ in joining))
+        for s, row in joining:
+            at, length = len(self.running), len(s.prompt)
+            for name, buffer in self.cache.items():
+                buffer[at, :, :length] = row[name][0, :, :length]
+            self.running.append(s)
+            self.held = np.append(self.held, length)
+
+    def _keep(self, rows: list[int]) -> None:
+        """Keep these rows, moved up to fill the places of the others."""
+        if len(rows) == len(self.running):
+            return
+        if not rows:
+            self._drop_batch()
+            return
+        for to, row in enumerate(rows):
+            if to != row:
+                for buffer in self.cache.values():
+                    buffer[to, :, :self.held[row]] = buffer[row, :, :self.held[row]]
+        self.running = [self.running[i] for i in rows]
+        self.held = self.held[rows]
+
+
+def engine_for(session, *args, **kwargs) -> Engine:
+    """The engine for this decoder graph: the fused one's (it takes `seqlens_k`) or the exported one's."""
+    fused = any(i.name == "seqlens_k" for i in session.get_inputs())
+    return (FusedEngine if fused else Engine)(session, *args, **kwargs)
 
 
 class PrefixCache:

@@ -13,6 +13,7 @@ from dstool import __version__
 from dstool.config import CommandConfig, positional
 from dstool.serve.cache_url import AUTO, CacheURL
 
+STREAM_INTERVAL = 1  # tokens per streamed response: docs/export-serve.md has the measurement
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
@@ -42,6 +43,11 @@ class RepositorySettings(CommandConfig):
     response_cache: bool = Field(False, description="enable Triton's response cache for NAME and NAME_generate")
     prefix_cache: bool = Field(True, description="NAME_llm keeps computed prompt prefixes and reuses them (blocks of "
                                "16 tokens, least recently used out, within the engine's cache budget)")
+    fused_attention: bool = Field(True, description="NAME_llm runs a decoder with fused attention over a cache "
+                                  "updated in place (Llama-layout models; others keep the exported decoder)")
+    stream_interval: int = Field(STREAM_INTERVAL, ge=1, le=64, description="NAME_llm streams a request's tokens in "
+                                 "responses of this many (the first token and the last response always at once), "
+                                 "as vLLM's --stream-interval")
 
     @field_validator("name")
     @classmethod

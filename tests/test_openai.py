@@ -306,3 +306,76 @@ def test_logprobs_are_the_models_own(api, trained):
     assert len(content) == 5 and "".join(e.token for e in content) == pieces
     assert all(len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob, abs=1e-6)
                and e.bytes == list(e.token.encode()) for e in content)
+
+
+@pytest.mark.slow
+def test_a_stream_interval_groups_tokens_and_changes_nothing_else(repo, tmp_path):
+    """NAME_llm exported with a stream interval of 3: the first token comes alone, then three a response (the last
+    what is left); the ids, text, log-probabilities and usage are those of the same request unstreamed."""
+    import shutil
+
+    import numpy as np
+    import tritonclient.grpc as grpcclient
+    from google.protobuf import text_format
+
+    from dstool.proc import free_port
+    from dstool.serve.export.repository import read_config
+    from dstool.serve.runtime import triton
+
+    copy = tmp_path / "repo"
+    shutil.copytree(repo, copy)
+    config = copy / "dstool_lm_llm" / "config.pbtxt"
+    cfg = read_config(config)
+    assert cfg.parameters["stream_interval"].string_value == "1"  # the default
+    cfg.parameters["stream_interval"].string_value = "3"
+    config.write_text(text_format.MessageToString(cfg))
+    srv = triton.start(copy, triton.find_tritonserver(), free_port(), free_port(), free_port(),
+                       tmp_path / "triton.log")
+    gw = GatewayProcess(tmp_path / "gateway.log", config={"upstreams": [srv.http_url],
+                                                          "upstreams_grpc": [srv.grpc_url], "cache": "memory"})
+    try:
+        events = []
+        client = grpcclient.InferenceServerClient(srv.grpc_url)
+        client.start_stream(callback=lambda result, error: events.append((result, error)))
+        inputs = [grpcclient.InferInput("text_input", [1], "BYTES"), grpcclient.InferInput("max_new_tokens", [1],
+                                                                                            "INT32"),
+                  grpcclient.InferInput("stream", [1], "BOOL")]
+        inputs[0].set_data_from_numpy(np.array([b"ROMEO:\nBut soft"], dtype=np.object_))
+        inputs[1].set_data_from_numpy(np.array([11], np.int32))
+        inputs[2].set_data_from_numpy(np.array([True]))
+        client.async_stream_infer("dstool_lm_llm", inputs, parameters={"ignore_eos": True, "logprobs": 1})
+        client.stop_stream()  # waits for the final response
+        client.close()
+        assert all(e is None for _, e in events), events
+        ids = [r.as_numpy("output_ids").reshape(-1).tolist() for r, _ in events if r.as_numpy("output_ids") is not None]
+        assert [len(i) for i in ids] == [1, 3, 3, 3, 1]
+        assert all(len(r.as_numpy("logprobs").reshape(-1)) == len(i) for (r, _), i in zip(events, ids))
+        text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r, _ in events)
+        status, body = _post(srv.http_url, "/v2/models/dstool_lm_llm/generate",
+                             {"text_input": "ROMEO:\nBut soft", "max_new_tokens": 11, "ignore_eos": True})
+        assert status == 200, body
+        assert text == json.loads(body)["text_output"] and sum(ids, []) == json.loads(body)["output_ids"]
+
+        streamed = list(_client(gw, "none").completions.create(
+            model="dstool_lm", prompt="ROMEO:\nBut soft", max_tokens=11, temperature=0, stream=True, logprobs=1,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+            extra_headers={"Cache-Control": "no-cache"}))
+        plain = _client(gw, "none").completions.create(
+            model="dstool_lm", prompt="ROMEO:\nBut soft", max_tokens=11, temperature=0, logprobs=1,
+            extra_body={"ignore_eos": True}, extra_headers={"Cache-Control": "no-cache"})
+        rows = [c.choices[0] for c in streamed if c.choices]
+        assert "".join(r.text for r in rows) == plain.choices[0].text == text
+        assert sum(len(r.logprobs.tokens) for r in rows if r.logprobs) == 11 == len(plain.choices[0].logprobs.tokens)
+        assert streamed[-1].usage.completion_tokens == plain.usage.completion_tokens == 11
+        assert len([r for r in rows if r.text]) <= 5  # grouped: five responses at most, not eleven
+    finally:
+        gw.stop()
+        srv.stop()
+
+
+def _post(address: str, path: str, body: dict) -> tuple[int, bytes]:
+    host, port = address.split(":")
+    conn = http.client.HTTPConnection(host, int(port), timeout=120)
+    conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
+    answer = conn.getresponse()
+    return answer.status, answer.read()

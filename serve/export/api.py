@@ -39,17 +39,20 @@ def export(cfg: ExportConfig) -> Deployment:
     hf_dir = source / compressed.model if compressed else source
     work = Path(tempfile.mkdtemp(prefix="dstool-export-"))
     try:
+        fused = None
         if compressed:
             logits, decoder = (source / compressed.graphs[role].path for role in ("logits", "decoder"))
             log.info(f"dstool export: the graphs of {source} as its manifest names them ({_recipe_label(compressed)})")
         else:
-            logits, decoder = onnx_graphs(hf_dir, work).values()
+            graphs = onnx_graphs(hf_dir, work, ("logits", "decoder", "fused") if cfg.fused_attention else
+                                 ("logits", "decoder"))
+            logits, decoder, fused = graphs["logits"], graphs["decoder"], graphs.get("fused")
         eos, positions = generation_facts(hf_dir)
         repo.mkdir(parents=True, exist_ok=True)
         dlog.to_file(repo / "dstool-export.log")
         placed = repository.write_repository(repo, cfg.settings(), repository.Artefacts(
             logits_onnx=logits, decoder_onnx=decoder, tokenizer_dir=hf_dir, eos_token_ids=eos,
-            max_positions=positions))
+            max_positions=positions, fused_onnx=fused))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     version = int(placed["logits"].name)

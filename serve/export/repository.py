@@ -202,6 +202,7 @@ class Artefacts:
     eos_token_ids: list[int]
     max_positions: int
     default_max_new_tokens: int = 32
+    fused_onnx: Path | None = None  # the fused-attention decoder NAME_llm runs (dstool.fused_decoder), if any
 
 
 def prompt_bytes_bound(tokenizer_dir: Path, positions: int) -> int:
@@ -259,13 +260,19 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                               "max_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions),
                               "max_prefill_tokens": str(ENGINE_PREFILL_TOKENS),
                               "prefix_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions if s.prefix_cache else 0),
-                              "prefix_cache_block": str(PREFIX_CACHE_BLOCK), **generation}}
+                              "prefix_cache_block": str(PREFIX_CACHE_BLOCK),
+                              "stream_interval": str(s.stream_interval),
+                              **({"fused_decoder": "fused/model.onnx"} if a.fused_onnx else {}), **generation}}
         for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
             for source in BESIDE.get(role, []):
                 shutil.copy2(source, folder / source.name)
+            if role == "llm" and a.fused_onnx:
+                (folder / "fused").mkdir()
+                for f in (a.fused_onnx, Path(str(a.fused_onnx) + ".data")):
+                    shutil.copy2(f, folder / "fused" / f.name)
             if role != "generate":
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():

@@ -48,7 +48,8 @@ def generation_facts(hf_dir: Path) -> tuple[list[int], int]:
 
 def onnx_graphs(hf_dir: Path, work: Path, roles: tuple[str, ...] = ("logits", "decoder")) -> dict[str, Path]:
     """fp32 ONNX graphs of a Hugging Face folder written under `work` (`logits`: token ids -> logits; `decoder`: the
-    key/value-cache decoder), each parity-checked against PyTorch."""
+    key/value-cache decoder; `fused`: the fused-attention decoder, where the architecture has one), each
+    parity-checked against PyTorch."""
     import torch  # the export extra: a serving install exports compress outputs without it
     from transformers import AutoModelForCausalLM
 
@@ -63,4 +64,14 @@ def onnx_graphs(hf_dir: Path, work: Path, roles: tuple[str, ...] = ("logits", "d
     if "decoder" in roles:
         log.info("dstool export: ONNX decoder with key/value cache (parity-checked on prefill and decoding steps)")
         graphs["decoder"] = export_decoder_model(model, work / "decoder").path
+    if "fused" in roles:
+        from dstool.fused_decoder import export_fused_decoder, unsupported
+
+        why = unsupported(model.config)
+        if why:
+            log.info(f"dstool export: no fused-attention decoder ({why}): NAME_llm runs the decoder above")
+        else:
+            log.info("dstool export: fused-attention decoder for NAME_llm (parity-checked on prefill, decoding steps "
+                     "and a chunk after cached positions)")
+            graphs["fused"] = export_fused_decoder(model, work / "fused")
     return graphs

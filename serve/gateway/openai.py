@@ -283,9 +283,9 @@ class OpenAIFrontend:
                         continue
                     if "error" in d:
                         raise _upstream_error(400, orjson.dumps(d), model)
-                    choice.tokens += 1
-                    choice.prompt_tokens = int(d.get("prompt_tokens", 0))
-                    choice.cached_tokens = int(d.get("prompt_cached_tokens", 0))
+                    choice.tokens += len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
+                    choice.prompt_tokens = int(d.get("prompt_tokens", choice.prompt_tokens))
+                    choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
                     rows = ranked(d)
                     if choice.whole:
                         choice.ranked += rows

@@ -27,7 +27,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
-from engine import Engine, PrefixCache, Sequence
+from engine import PrefixCache, Sequence, engine_for
 from ort_options import session_options
 from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
@@ -45,6 +45,7 @@ class Stream:
     def __init__(self, sender, stream: bool):
         self.sender, self.stream, self.sent = sender, stream, ""
         self.ranked: list[tuple[float, np.ndarray, np.ndarray]] = []
+        self.pending: list[int] = []  # streamed tokens not sent yet (the stream interval)
         self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
 
 
@@ -144,20 +145,21 @@ class TritonPythonModel:
         config = json.loads(args["model_config"])
         params = {k: v["string_value"] for k, v in config["parameters"].items()}
         folder = os.path.join(args["model_repository"], args["model_version"])
-        decoder = os.path.join(os.path.dirname(args["model_repository"]), params["decoder"], args["model_version"],
-                               "model.onnx")
+        decoder = os.path.join(folder, params["fused_decoder"]) if "fused_decoder" in params else os.path.join(
+            os.path.dirname(args["model_repository"]), params["decoder"], args["model_version"], "model.onnx")
         opts = session_options(ort)
         session = ort.InferenceSession(decoder, opts, providers=["CPUExecutionProvider"])
         shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
         budget = int(params["max_cache_tokens"])
         # (a repository exported before the prefix cache: none)
         prefix_tokens, block = int(params.get("prefix_cache_tokens", 0)), int(params.get("prefix_cache_block", 16))
-        self.engine = Engine(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
+        self.engine = engine_for(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
                              PrefixCache(block, prefix_tokens) if prefix_tokens else None)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.default_new_tokens = int(params["default_max_new_tokens"])
         self.max_positions = int(params["max_positions"])
+        self.stream_interval = int(params.get("stream_interval", 1))
         # (a repository exported before this parameter: a bound as generous as any tokenizer's)
         self.max_prompt_bytes = int(params.get("max_prompt_bytes", 256 * self.max_positions))
         self.streams: dict[str, Stream] = {}
@@ -307,15 +309,19 @@ class TritonPythonModel:
 
     def _emit(self, sequence, token):
         out = self.streams[sequence.id]
-        if not out.stream and not sequence.finished:
-            return
+        if out.stream:
+            out.pending.append(token)
+        if not sequence.finished and (not out.stream or 1 < len(sequence.output) and
+                                      len(out.pending) < self.stream_interval):
+            return  # the first token goes at once; then a response every stream_interval tokens, and the last
         text = self.tokenizer.decode(sequence.output, skip_special_tokens=True)
-        if out.stream:  # the new token's text
+        if out.stream:  # the new tokens' text
             if text.endswith("\ufffd") and not sequence.finished:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
-            response = self._response(delta, [token], sequence, out.ranked[-1:])
+            ids, out.pending = out.pending, []
+            response = self._response(delta, ids, sequence, out.ranked[-len(ids):] if out.ranked else [])
         else:  # the whole text
             response = self._response(text, sequence.output, sequence, out.ranked)
         self._send(out, response, FINAL if sequence.finished else 0)
