@@ -389,12 +389,12 @@ class FusedEngine(Engine):
                     s.partial = {n: v[b:b + 1] for n, v in buffers.items()}
             else:
                 s, _ = run[0]
-                if next(iter(s.partial.values())).shape[2] < len(s.prompt):  # the prefix cache's blocks only
+                buffers = s.partial or {}
+                if next(iter(buffers.values())).shape[2] < len(s.prompt):  # the prefix cache's blocks only
                     own = self._buffers(1, len(s.prompt))
-                    for n, v in s.partial.items():
+                    for n, v in buffers.items():
                         own[n][:, :, :v.shape[2]] = v
-                    s.partial = own
-                buffers = s.partial
+                    s.partial = buffers = own
             width = max(take for _, take in run)
             ids = np.zeros((len(run), width), np.int64)
             for b, (s, take) in enumerate(run):
@@ -409,7 +409,7 @@ class FusedEngine(Engine):
                 s.prefilled += take
                 if s.prefilled < len(s.prompt):
                     continue
-                row, s.partial = s.partial, None
+                row, s.partial = s.partial or {}, None
                 if self.prefix_cache is not None:
                     self.prefix_cache.add(s.prompt, row)
                     self._fit_prefix_cache()
