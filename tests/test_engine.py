@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstool.engine import Engine, PrefixCache, Sequence
+from dstool.engine import Engine, FusedEngine, PrefixCache, Sequence, engine_for
 from dstool.serve.export.repository import cache_shapes
 from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
@@ -14,15 +14,27 @@ PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\n", "KING RICHARD:\nNow is t
            "QUEEN:\nAy", "GLOUCESTER:\nWas ever woman in this humour wooed?", "LADY ANNE:\nFoul devil"]
 
 
-@pytest.fixture(scope="module")
-def setup(repo, trained):
+GRAPHS = {"exported": "dstool_lm_decoder/1/model.onnx", "fused": "dstool_lm_llm/1/fused/model.onnx"}
+
+
+def _setup(repo, trained, graph: str):
     import onnxruntime as ort
     from transformers import AutoTokenizer
 
-    session = ort.InferenceSession(str(repo / "dstool_lm_decoder" / "1" / "model.onnx"),
-                                   providers=["CPUExecutionProvider"])
+    session = ort.InferenceSession(str(repo / GRAPHS[graph]), providers=["CPUExecutionProvider"])
     tokenizer = AutoTokenizer.from_pretrained(trained)
     return session, cache_shapes(repo / "dstool_lm_generate" / "config.pbtxt"), tokenizer
+
+
+@pytest.fixture(scope="module", params=list(GRAPHS))
+def setup(repo, trained, request):
+    """The engine's graph: the exported decoder (Engine), or the fused-attention one NAME_llm runs (FusedEngine)."""
+    return _setup(repo, trained, request.param)
+
+
+@pytest.fixture(scope="module")
+def exported_setup(repo, trained):
+    return _setup(repo, trained, "exported")
 
 
 def _greedy(trained, prompt_ids: list[int], new_tokens: int) -> list[int]:
@@ -51,17 +63,20 @@ def test_sequences_join_and_leave_a_running_batch_and_stay_exact(setup, trained)
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     lengths = [12, 5, 16, 9, 14, 7]  # they finish at different steps and make room for the waiting ones
-    engine = Engine(session, shapes, max_batch=3)
+    engine = engine_for(session, shapes, max_batch=3)
     for i, (x, n) in enumerate(zip(ids, lengths)):
         engine.add(_sequence(str(i), x, n))
     sizes, out = [], {}
     while engine.busy:
         produced = engine.step()
         sizes.append(len(engine.running))
-        # one shared batch cache: each row masks exactly the tokens its sequence has seen, and no position is
-        # kept that no row uses (the longest leaving shrinks it)
-        assert engine.mask.sum(1).tolist() == [len(s.prompt) + len(s.output) - 1 for s in engine.running]
-        assert engine.mask.any(0).all() and all(v.shape[2] == engine.mask.shape[1] for v in engine.cache.values())
+        seen = [len(s.prompt) + len(s.output) - 1 for s in engine.running]
+        if isinstance(engine, FusedEngine):  # one buffer, a row each holding its own positions from the first
+            assert engine.held.tolist() == seen
+        else:  # one shared batch cache: each row masks exactly the tokens its sequence has seen, and no position
+            # is kept that no row uses (the longest leaving shrinks it)
+            assert engine.mask.sum(1).tolist() == seen
+            assert engine.mask.any(0).all() and all(v.shape[2] == engine.mask.shape[1] for v in engine.cache.values())
         for s, token in produced:
             out.setdefault(s.id, []).append(token)
     assert max(sizes) == 3 and len(sizes) < sum(lengths) / 2  # batched, and no waiting for the whole batch
@@ -72,7 +87,7 @@ def test_sequences_join_and_leave_a_running_batch_and_stay_exact(setup, trained)
 def test_a_newcomer_gets_its_first_token_in_the_step_it_joins(setup, trained):
     session, shapes, tokenizer = setup
     a, b = (tokenizer(p)["input_ids"] for p in PROMPTS[:2])
-    engine = Engine(session, shapes)
+    engine = engine_for(session, shapes)
     engine.add(_sequence("a", a, 20))
     for _ in range(4):
         engine.step()
@@ -86,9 +101,9 @@ def test_seeded_sampling_is_the_same_alone_and_in_a_crowd(setup):
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     params = {"temperature": 1.1, "top_p": 0.9, "seed": 11}
-    alone = Engine(session, shapes)
+    alone = engine_for(session, shapes)
     alone.add(_sequence("x", ids[0], 16, params))
-    crowd = Engine(session, shapes, max_batch=4)
+    crowd = engine_for(session, shapes, max_batch=4)
     for i, x in enumerate(ids):
         crowd.add(_sequence(str(i), x, 10 + i, {"temperature": 0.9} if i % 2 else {}))
     crowd.add(_sequence("x", ids[0], 16, params))
@@ -99,7 +114,7 @@ def test_the_cache_budget_makes_admission_wait(setup):
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     budget = max(len(x) for x in ids) + 8 + 20  # room for about two sequences at once
-    engine = Engine(session, shapes, max_batch=8, max_cache_tokens=budget)
+    engine = engine_for(session, shapes, max_batch=8, max_cache_tokens=budget)
     for i, x in enumerate(ids):
         engine.add(_sequence(str(i), x, 8))
     held = []
@@ -116,7 +131,7 @@ def test_the_cache_budget_makes_admission_wait(setup):
 def test_a_cancelled_sequence_leaves_and_the_others_stay_exact(setup, trained):
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
-    engine = Engine(session, shapes, max_batch=3)
+    engine = engine_for(session, shapes, max_batch=3)
     for i, x in enumerate(ids):
         engine.add(_sequence(str(i), x, 10))
     out: dict[str, list[int]] = {}
@@ -134,7 +149,7 @@ def test_prefill_is_bounded_per_step_while_others_decode_and_long_prompts_go_in_
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
     assert max(len(x) for x in ids) > 5
-    engine = Engine(session, shapes, max_batch=8, max_prefill_tokens=5)
+    engine = engine_for(session, shapes, max_batch=8, max_prefill_tokens=5)
     engine.add(_sequence("first", ids[0], 30))
     engine.step()  # nothing was running: the whole prompt at once
     for i, x in enumerate(ids[1:], 1):
@@ -165,14 +180,14 @@ def test_a_prefix_cache_reuses_shared_prefixes_of_every_length_and_stays_exact(s
     prompts += prompts[-3:] + [system]  # repeats, and a prompt that is a kept prefix itself (its last token computed)
 
     def run(prefix_cache: PrefixCache | None) -> dict[str, list[int]]:
-        engine = Engine(session, shapes, max_batch=4, prefix_cache=prefix_cache)
+        engine = engine_for(session, shapes, max_batch=4, prefix_cache=prefix_cache)
         for i, x in enumerate(prompts):
             engine.add(_sequence(str(i), x, 5))
         return _run(engine)
 
     plain = run(None)
     cache = PrefixCache(block=4, max_tokens=4096)
-    engine = Engine(session, shapes, max_batch=1, prefix_cache=cache)
+    engine = engine_for(session, shapes, max_batch=1, prefix_cache=cache)
     reused = 0
     for i, x in enumerate(prompts):  # one at a time: each finds what every earlier one left
         s = _sequence(str(i), x, 5)
@@ -240,6 +255,8 @@ def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_outp
             source)
         tokenizer.save_pretrained(source)
     dstool("export", str(source), "--repository", str(tmp_path / "repo"), "--name", "lm")
+    # no fused-attention graph: a compress output's graphs are served as they are; MLA is not GQA-shaped
+    assert not (tmp_path / "repo" / "lm_llm" / "1" / "fused").exists()
     session = ort.InferenceSession(str(tmp_path / "repo" / "lm_decoder" / "1" / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
     shapes = cache_shapes(tmp_path / "repo" / "lm_generate" / "config.pbtxt")
@@ -277,7 +294,7 @@ def test_a_failing_choice_ends_its_sequence_alone(setup, trained):
     sequences beside it stay exact and the engine goes on."""
     session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
-    engine = Engine(session, shapes)
+    engine = engine_for(session, shapes)
     greedy = Sampler(SamplingParams()).next
 
     def broken(logits, prompt, output):
@@ -308,8 +325,8 @@ class _Failing:
         return self.session.run(names, feeds)
 
 
-def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(setup, trained):
-    session, shapes, tokenizer = setup
+def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(exported_setup, trained):
+    session, shapes, tokenizer = exported_setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
     engine = Engine(_Failing(session, 2), shapes)
     engine.add(_sequence("a", ids[0], 6))
@@ -332,8 +349,8 @@ class _LastPositionOnly:
         return [v[:, -1:] if name == "logits" else v for name, v in zip(names, values)]
 
 
-def test_a_runner_with_last_position_logits_serves_one_prompt_at_a_time(setup, trained):
-    session, shapes, tokenizer = setup
+def test_a_runner_with_last_position_logits_serves_one_prompt_at_a_time(exported_setup, trained):
+    session, shapes, tokenizer = exported_setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:2]]
     alone = Engine(_LastPositionOnly(session), shapes, max_batch=1)
     for i, x in enumerate(ids):
