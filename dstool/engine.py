@@ -21,6 +21,11 @@ generation loop). Rows of different lengths are padded where they joined, and th
 keeps its own position ids. The cache is copied only when the batch changes: newcomers' rows appended, finished
 rows dropped (and columns no row uses any more with them).
 
+`FusedEngine` is the same loop on the fused-attention graph (`dstool.fused_decoder`, what NAME_llm runs for
+Llama-layout models): the batch cache is one buffer the graph updates in place, a row per sequence holding its own
+positions, so rows are neither padded nor masked and a decoding step copies no cache; `engine_for(session, ...)`
+picks the engine a graph needs.
+
 With a `PrefixCache`, a newcomer's prompt starts from the longest prefix an earlier prompt left in it (whole
 blocks of tokens, the very same ids from the first one on): those positions' keys and values are its cache so far,
 as if an earlier chunk had computed them, and only the rest of the prompt is prefilled.

@@ -313,22 +313,47 @@ def test_a_failing_choice_ends_its_sequence_alone(setup, trained):
 
 
 class _Failing:
-    """The decoder session, failing the next run whose batch has `rows` rows."""
+    """The decoder session, failing the next decoding step whose batch has `rows` rows (run as the exported graph
+    is, or with IO binding as the fused one is)."""
 
     def __init__(self, session, rows: int):
         self.session, self.rows = session, rows
+        self.get_inputs = session.get_inputs
 
-    def run(self, names, feeds):
-        if self.rows and feeds["input_ids"].shape[0] == self.rows and feeds["input_ids"].shape[1] == 1:
+    def _fail(self, ids) -> None:
+        if self.rows and ids.shape == (self.rows, 1):
             self.rows = 0
             raise RuntimeError("the runtime failed")
+
+    def run(self, names, feeds):
+        self._fail(feeds["input_ids"])
         return self.session.run(names, feeds)
 
+    def io_binding(self):
+        return _Binding(self.session.io_binding())
 
-def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(exported_setup, trained):
-    session, shapes, tokenizer = exported_setup
+    def run_with_iobinding(self, binding):
+        self._fail(binding.ids)
+        self.session.run_with_iobinding(binding.binding)
+
+
+class _Binding:
+    def __init__(self, binding):
+        self.binding = binding
+
+    def bind_cpu_input(self, name, value):
+        if name == "input_ids":
+            self.ids = value
+        self.binding.bind_cpu_input(name, value)
+
+    def __getattr__(self, name):
+        return getattr(self.binding, name)
+
+
+def test_a_failed_graph_run_ends_its_batch_and_the_engine_goes_on(setup, trained):
+    session, shapes, tokenizer = setup
     ids = [tokenizer(p)["input_ids"] for p in PROMPTS[:3]]
-    engine = Engine(_Failing(session, 2), shapes)
+    engine = engine_for(_Failing(session, 2), shapes)
     engine.add(_sequence("a", ids[0], 6))
     engine.add(_sequence("b", ids[1], 6))
     out = _run(engine)

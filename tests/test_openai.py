@@ -351,7 +351,7 @@ def test_a_stream_interval_groups_tokens_and_changes_nothing_else(repo, tmp_path
         assert [len(i) for i in ids] == [1, 3, 3, 3, 1]
         assert all(len(r.as_numpy("logprobs").reshape(-1)) == len(i) for (r, _), i in zip(events, ids))
         text = "".join(r.as_numpy("text_output").reshape(-1)[0].decode() for r, _ in events)
-        status, body = _post(srv.http_url, "/v2/models/dstool_lm_llm/generate",
+        status, body = _triton_post(srv.http_url, "/v2/models/dstool_lm_llm/generate",
                              {"text_input": "ROMEO:\nBut soft", "max_new_tokens": 11, "ignore_eos": True})
         assert status == 200, body
         assert text == json.loads(body)["text_output"] and sum(ids, []) == json.loads(body)["output_ids"]
@@ -373,7 +373,7 @@ def test_a_stream_interval_groups_tokens_and_changes_nothing_else(repo, tmp_path
         srv.stop()
 
 
-def _post(address: str, path: str, body: dict) -> tuple[int, bytes]:
+def _triton_post(address: str, path: str, body: dict) -> tuple[int, bytes]:
     host, port = address.split(":")
     conn = http.client.HTTPConnection(host, int(port), timeout=120)
     conn.request("POST", path, json.dumps(body), {"Content-Type": "application/json"})
