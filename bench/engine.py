@@ -45,7 +45,7 @@ def prepare(a, work: Path) -> Path:
 def main() -> int:
     import onnxruntime as ort
 
-    from dstool.engine import Engine, Sequence
+    from dstool.engine import Sequence, engine_for
     from dstool.serve.export.repository import cache_shapes
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
@@ -54,6 +54,8 @@ def main() -> int:
     p.add_argument("--name", default=None, help="the model family's name in the repository")
     p.add_argument("--new-tokens", type=int, default=64)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--graph", choices=["fused", "exported"], default="fused",
+                   help="the decoder NAME_llm runs (fused attention, where the export wrote it) or the exported one")
     p.add_argument("--memory", action="store_true", help="the cache memory under 64 concurrent long prompts instead")
     p.add_argument("--prompt-tokens", type=int, default=0, help="--memory: prompt length (default: 3/4 of the "
                    "model's positions)")
@@ -62,8 +64,11 @@ def main() -> int:
         repo = prepare(a, Path(tmp))
         name = a.name or next(d.name[:-len("_decoder")] for d in repo.iterdir() if d.name.endswith("_decoder"))
         version = max((d for d in (repo / f"{name}_decoder").iterdir() if d.name.isdigit()), key=lambda d: int(d.name))
+        fused = repo / f"{name}_llm" / version.name / "fused" / "model.onnx"
+        graph = fused if fused.exists() and a.graph == "fused" else version / "model.onnx"
+        print(f"graph: {graph.relative_to(repo)}")
         opts = ort.SessionOptions()
-        session = ort.InferenceSession(str(version / "model.onnx"), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(graph), opts, providers=["CPUExecutionProvider"])
         shapes = cache_shapes(repo / f"{name}_generate" / "config.pbtxt")
         rng = np.random.default_rng(0)
         if a.memory:
@@ -75,7 +80,7 @@ def main() -> int:
             return Sequence(str(i), prompts[i], a.new_tokens, Sampler(SamplingParams()).next, set())
 
         def one_stream() -> dict:
-            engine = Engine(session, shapes)
+            engine = engine_for(session, shapes)
             engine.add(sequence(0))
             started = time.perf_counter()
             engine.step()
@@ -85,7 +90,7 @@ def main() -> int:
             return {"tokens_per_s": a.new_tokens / (time.perf_counter() - started), "first_token_ms": first * 1e3}
 
         def together() -> dict:
-            engine = Engine(session, shapes)
+            engine = engine_for(session, shapes)
             for i in range(16):
                 engine.add(sequence(i))
             started = time.perf_counter()
@@ -94,7 +99,7 @@ def main() -> int:
             return {"tokens_per_s": 16 * a.new_tokens / (time.perf_counter() - started)}
 
         def staggered() -> dict:
-            engine = Engine(session, shapes)
+            engine = engine_for(session, shapes)
             arrived, waits, step = {}, [], 0
             started = time.perf_counter()
             while engine.busy or step < 16:
@@ -126,14 +131,14 @@ def memory(a, session, shapes: dict[str, tuple[int, int]], llm_config: Path, rng
     """64 long prompts at once on an engine set up as NAME_llm is: the peak cache memory it holds, per step."""
     import resource
 
-    from dstool.engine import Engine, PrefixCache, Sequence
+    from dstool.engine import PrefixCache, Sequence, engine_for
     from dstool.serve.export.repository import read_config
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
     params = {k: v.string_value for k, v in read_config(llm_config).parameters.items()}
     positions, budget = int(params["max_positions"]), int(params["max_cache_tokens"])
     prefix = int(params.get("prefix_cache_tokens", 0))
-    engine = Engine(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
+    engine = engine_for(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
                     PrefixCache(int(params["prefix_cache_block"]), prefix) if prefix else None)
     length = a.prompt_tokens or positions * 3 // 4
     shared = rng.integers(5, 4000, length // 2).tolist()

@@ -330,8 +330,9 @@ class FusedRunner:
 
 class FusedEngine(Engine):
     """The engine on the fused decoder graph (`dstool.fused_decoder`): the batch cache is one buffer per cache tensor,
-    a row per running sequence (rows 0..R-1, compacted when one leaves) and room for `capacity` positions (grown by
-    doubling when a row needs more, released when the batch empties); each row holds its own positions from the
+    a row per running sequence (rows 0..R-1, compacted when one leaves) and room for the positions the longest may
+    come to hold (prompt + max_new_tokens: made again when one needs more or the rest need half, released when the
+    batch empties); each row holds its own positions from the
     first, so nothing is padded or masked, and a decoding step writes each row's new position in place — no cache
     is copied per token. Prompts' first chunks are prefilled together; a chunk after cached positions (a long
     prompt's next, or after a prefix-cache hit) runs one row at a time (the op's rule)."""
@@ -350,17 +351,17 @@ class FusedEngine(Engine):
         return {name: np.zeros((rows, heads, capacity, dim), np.float32)
                 for name, (heads, dim) in self.cache_shapes.items()}
 
-    def _fit(self, positions: int) -> None:
-        """Room in the batch buffer for max_batch rows of `positions`."""
+    def _fit(self, positions: int, shrink: bool = False) -> None:
+        """Room in the batch buffer for max_batch rows of `positions` (made for exactly that many; with `shrink`,
+        also when the buffer has twice the room)."""
         first = next(iter(self.cache.values()))
-        if first.shape[2] >= positions:
+        if first.shape[2] >= positions and not (shrink and first.shape[2] >= 2 * positions):
             return
-        capacity = max(positions, 2 * first.shape[2], 64)
-        grown = self._buffers(self.max_batch, capacity)
-        rows = len(self.running)
-        for name, buffer in grown.items():
-            buffer[:rows, :, :first.shape[2]] = self.cache[name][:rows]
-        self.cache = grown
+        refit = self._buffers(self.max_batch, positions)
+        rows, kept = len(self.running), min(first.shape[2], positions)
+        for name, buffer in refit.items():
+            buffer[:rows, :, :kept] = self.cache[name][:rows, :, :kept]
+        self.cache = refit
 
     def _run_fused(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
         try:
@@ -437,7 +438,7 @@ class FusedEngine(Engine):
         """The joining sequences' caches copied into the next rows of the batch buffer."""
         if not joining:
             return
-        self._fit(max(len(s.prompt) for s, _ in joining))
+        self._fit(max(s.reserved for s in self.running + [s for s, _ in joining]))  # all they may come to hold
         for s, row in joining:
             at, length = len(self.running), len(s.prompt)
             for name, buffer in self.cache.items():
@@ -458,6 +459,7 @@ class FusedEngine(Engine):
                     buffer[to, :, :self.held[row]] = buffer[row, :, :self.held[row]]
         self.running = [self.running[i] for i in rows]
         self.held = self.held[rows]
+        self._fit(max(s.reserved for s in self.running), shrink=True)  # the longest gone: its room with it
 
 
 def engine_for(session, *args, **kwargs) -> Engine:
