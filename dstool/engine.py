@@ -180,6 +180,18 @@ class Engine:
                 held = sum(s.reserved for s in self.running + self.prefilling)
             self.prefix_cache.shrink(self.max_cache_tokens - held)
 
+    def _chunks(self) -> list[tuple[Sequence, int]]:
+        """The prefilling sequences and how many prompt tokens of each to prefill now: up to `max_prefill_tokens` in
+        all, or every admitted prompt whole when nothing is running (nobody to hold up)."""
+        budget, group = self.max_prefill_tokens if self.running else sum(len(s.prompt) for s in self.prefilling), []
+        for s in self.prefilling:
+            take = min(len(s.prompt) - s.prefilled, budget)
+            if take == 0:
+                break
+            group.append((s, take))
+            budget -= take
+        return group
+
     def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
         names = ["logits", *self.cache_outputs.values()]
         try:
@@ -192,14 +204,7 @@ class Engine:
         """The next chunks of the prefilling sequences' prompts, up to `max_prefill_tokens` in all, as one batch
         (each row its cache so far, then its chunk right-padded; the padding masked). Returns the first tokens of
         the sequences whose prompt is done, with their cache rows to join the batch."""
-        # nothing running: nobody to hold up, so every admitted prompt at once
-        budget, group = self.max_prefill_tokens if self.running else sum(len(s.prompt) for s in self.prefilling), []
-        for s in self.prefilling:
-            take = min(len(s.prompt) - s.prefilled, budget)
-            if take == 0:
-                break
-            group.append((s, take))
-            budget -= take
+        group = self._chunks()
         past_len = max(_positions(s.partial) for s, _ in group)
         width = max(take for _, take in group)
         rows = len(group)
@@ -373,13 +378,7 @@ class FusedEngine(Engine):
         """The next chunks of the prefilling prompts, up to `max_prefill_tokens` in all: first chunks together in one
         run, later ones (after cached positions) one run each. Each prompt's cache is a buffer of its own until it
         joins the batch."""
-        budget, group = self.max_prefill_tokens if self.running else sum(len(s.prompt) for s in self.prefilling), []
-        for s in self.prefilling:
-            take = min(len(s.prompt) - s.prefilled, budget)
-            if take == 0:
-                break
-            group.append((s, take))
-            budget -= take
+        group = self._chunks()
         fresh = [(s, take) for s, take in group if s.prefilled == 0]
         runs = [fresh] if fresh else []
         runs += [[(s, take)] for s, take in group if s.prefilled > 0]
