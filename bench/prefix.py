@@ -90,9 +90,12 @@ def start_vllm(python: Path, model: Path, work: Path) -> tuple[subprocess.Popen,
     from dstool.proc import free_port
 
     port = free_port()
+    template = work / "chat-template.jinja"  # NAME_llm's layout for a tokenizer without a chat template
+    template.write_text("{% for m in messages %}{{ m['role'] | upper }}:\n{{ m['content'] }}\n\n{% endfor %}"
+                        "{% if add_generation_prompt %}ASSISTANT:\n{% endif %}")
     proc = subprocess.Popen([str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                              "--served-model-name", "model", "--port", str(port), "--dtype", "float32",
-                             "--max-model-len", "1024"],
+                             "--max-model-len", "1024", "--chat-template", str(template)],
                             stdout=open(work / "vllm-serve.log", "w"), stderr=subprocess.STDOUT,
                             env=dict(os.environ, VLLM_CPU_OMP_THREADS_BIND="0-1", VLLM_CPU_KVCACHE_SPACE="2"))
     deadline = time.time() + 600
