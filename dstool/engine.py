@@ -342,19 +342,14 @@ class FusedEngine(Engine):
     is copied per token. Prompts' first chunks are prefilled together; a chunk after cached positions (a long
     prompt's next, or after a prefix-cache hit) runs one row at a time (the op's rule)."""
 
-    def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
-                 max_cache_tokens: int | None = None, max_prefill_tokens: int = 64,
-                 prefix_cache: PrefixCache | None = None):
-        super().__init__(session, cache_shapes, max_batch, max_cache_tokens, max_prefill_tokens, prefix_cache)
+    def __init__(self, session, *args, **kwargs):
+        """As `Engine`'s."""
+        super().__init__(session, *args, **kwargs)
         self.runner = FusedRunner(session)
         self.held = np.zeros(0, np.int64)  # positions each running row holds
 
     def _drop_batch(self) -> None:
         self.running, self.cache, self.held = [], self._empty(0), np.zeros(0, np.int64)
-
-    def _buffers(self, rows: int, capacity: int) -> dict[str, np.ndarray]:
-        return {name: np.zeros((rows, heads, capacity, dim), np.float32)
-                for name, (heads, dim) in self.cache_shapes.items()}
 
     def _fit(self, positions: int, shrink: bool = False) -> None:
         """Room in the batch buffer for max_batch rows of `positions` (made for exactly that many; with `shrink`,
@@ -362,7 +357,7 @@ class FusedEngine(Engine):
         first = next(iter(self.cache.values()))
         if first.shape[2] >= positions and not (shrink and first.shape[2] >= 2 * positions):
             return
-        refit = self._buffers(self.max_batch, positions)
+        refit = self._empty(self.max_batch, positions)
         rows, kept = len(self.running), min(first.shape[2], positions)
         for name, buffer in refit.items():
             buffer[:rows, :, :kept] = self.cache[name][:rows, :, :kept]
@@ -389,14 +384,14 @@ class FusedEngine(Engine):
                 if s.started_step is None:
                     s.started_step = self.steps_started
             if run is fresh:  # a buffer for them all, room for the longest whole prompt; a row each
-                buffers = self._buffers(len(run), max(len(s.prompt) for s, _ in run))
+                buffers = self._empty(len(run), max(len(s.prompt) for s, _ in run))
                 for b, (s, _) in enumerate(run):
                     s.partial = {n: v[b:b + 1] for n, v in buffers.items()}
             else:
                 s, _ = run[0]
                 buffers = s.partial or {}
                 if next(iter(buffers.values())).shape[2] < len(s.prompt):  # the prefix cache's blocks only
-                    own = self._buffers(1, len(s.prompt))
+                    own = self._empty(1, len(s.prompt))
                     for n, v in buffers.items():
                         own[n][:, :, :v.shape[2]] = v
                     s.partial = buffers = own

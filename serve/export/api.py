@@ -42,7 +42,8 @@ def export(cfg: ExportConfig) -> Deployment:
         fused = None
         if compressed:
             logits, decoder = (source / compressed.graphs[role].path for role in ("logits", "decoder"))
-            log.info(f"dstool export: the graphs of {source} as its manifest names them ({_recipe_label(compressed)})")
+            log.info(f"dstool export: the graphs of {source} as its manifest names them ({_recipe_label(compressed)}); "
+                     "no fused-attention decoder for a compress output: NAME_llm runs its decoder graph")
         else:
             graphs = onnx_graphs(hf_dir, work, ("logits", "decoder", "fused") if cfg.fused_attention else
                                  ("logits", "decoder"))
