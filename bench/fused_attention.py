@@ -50,7 +50,7 @@ def main() -> None:
         model = LlamaForCausalLM(preset_config("tiny", 512, {})).eval()
     cfg = model.config
     shape = (cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    fused_path = export_fused_decoder(model, work / "fused")
+    fused_path = export_fused_decoder(model, work / "fused").path
     exported = export_decoder_model(model, work / "exported")
     from dstool.fused_decoder import parity
 

@@ -24,6 +24,9 @@ PREFILL_TOLERANCE = 1e-3
 # ... and with the same 4-bit weights computed in int8 (the decoder) and fp32 (the logits graph). Measured on the tiny
 # preset: 0.017 (4-bit's own error against fp32 there: 0.24).
 MIXED_COMPUTE_TOLERANCE = 0.05
+# The fused-attention decoder quantized with the decoder's recipe (its Q, K and V weights packed into one MatMul,
+# quantized per output column as the three were) against the quantized decoder, on a prefill.
+FUSED_TOLERANCE = 0.05
 
 
 @dataclass
@@ -144,7 +147,9 @@ def quantize_int8(fp32: Path, out: Path, choice: Int8Choice) -> Path:
     quantize_dynamic(str(fp32), str(out), op_types_to_quantize=["MatMul", "Gather"], per_channel=choice.per_channel,
                      reduce_range=choice.reduce_range, weight_type=QuantType.QInt8,
                      nodes_to_exclude=choice.excluded_nodes, use_external_data_format=_save_kwargs(fp32),
-                     extra_options={"MatMulConstBOnly": not choice.activation_matmuls})
+                     extra_options={"MatMulConstBOnly": not choice.activation_matmuls,
+                                    # contrib ops' outputs (GroupQueryAttention) have no inferred type: fp32
+                                    "DefaultTensorType": onnx.TensorProto.FLOAT})
     strip_exporter_metadata(out)
     return out
 
@@ -279,6 +284,22 @@ def same_weight_nodes(source: Path, nodes: list[str], target: Path) -> list[str]
         raise StageFailed(f"{target.name}: {len(found)} MatMul nodes hold the weights of the {len(nodes)} kept in fp32 "
                           f"in {source.name}; the two graphs do not lay out the same weights")
     return found
+
+
+def fused_nodes(fused: Path, fp32_layers: list[str]) -> list[str]:
+    """The weight MatMuls of the fused-attention decoder `fused` in `fp32_layers` (lm_head, layer N)."""
+    prefixes = tuple("lm_head" if label == "lm_head" else f"layers.{label.split()[-1]}." for label in fp32_layers)
+    return [n for n in weight_matmuls(fused) if prefixes and n.startswith(prefixes)]
+
+
+def fused_prefill_diff(decoder_graph: Path, fused_graph: Path, vocab: int) -> float:
+    """max |logit diff| between the decoder graph's and the fused-attention decoder's prefills of the same tokens."""
+    from dstool.fused_decoder import prefill
+
+    ids = np.random.default_rng(4).integers(0, vocab, (2, 24))
+    decoder = ort_session(decoder_graph)
+    expected, _ = run_decoder(decoder, ids, empty_cache(decoder, len(ids)), 0)
+    return float(np.abs(prefill(ort_session(fused_graph), ids) - expected).max())
 
 
 def decoder_prefill_diff(logits_graph: Path, decoder_graph: Path, vocab: int) -> float:

@@ -321,7 +321,8 @@ class Export(CompressStep):
     name = "export"
 
     def what(self, cfg):
-        return "the result to ONNX: logits graph and key/value-cache decoder (parity-checked)"
+        return ("the result to ONNX: logits graph, key/value-cache decoder and (Llama layouts) the fused-attention "
+                "decoder, each parity-checked")
 
     def run(self, work):
         r = work.recipe
@@ -332,6 +333,12 @@ class Export(CompressStep):
             for role, e in (("logits", work.base.logits), ("decoder", work.base.decoder)):
                 shutil.copytree(e.path.parent, work.stage / "onnx" / role)
                 work.fp32[role] = dataclasses.replace(e, path=work.stage / "onnx" / role / e.path.name)
+        from dstool.fused_decoder import export_fused_decoder, unsupported
+
+        if why := unsupported(work.model.config):
+            log.info(f"no fused-attention decoder ({why}): NAME_llm will run the decoder graph")
+        else:
+            work.fp32["fused"] = export_fused_decoder(work.model, work.stage / "onnx" / "fused")
         work.deploy = {role: e.path for role, e in work.fp32.items()}
         log.info("max |logit diff| to PyTorch: " + ", ".join(f"{role} {e.max_abs_diff:.2e}"
                                                             for role, e in work.fp32.items()))
@@ -358,18 +365,44 @@ class Quantize(CompressStep):
             q_logits, q_decoder = self._int8(work, logits, decoder)
         else:
             q_logits, q_decoder = self._int4(work, logits, decoder)
-        for path in (q_logits, q_decoder):
+        quantized = {"logits": q_logits, "decoder": q_decoder}
+        if "fused" in work.deploy and (q_fused := self._fused(work, work.deploy["fused"])):
+            quantized["fused"] = q_fused
+        for path in quantized.values():
             _gate_integer_ops(path)
-        diff = quantize.decoder_prefill_diff(q_logits, q_decoder, work.model.config.vocab_size)
+        vocab = work.model.config.vocab_size
+        diff = quantize.decoder_prefill_diff(q_logits, q_decoder, vocab)
         assert work.recipe.quantization is not None
         mixed = work.recipe.quantization.accuracy_level is not None  # the decoder computes in int8, logits in fp32
-        if diff > (quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE):
+        limit = quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE
+        if diff > limit:
             raise StageFailed(f"the quantized decoder's prefill disagrees with the quantized logits graph (max |logit "
-                              f"diff| {diff:.3g} > {quantize.PREFILL_TOLERANCE})")
-        for path in (logits, decoder):  # the quantized files are the artefact
+                              f"diff| {diff:.3g} > {limit})")
+        if "fused" in quantized:
+            diff = quantize.fused_prefill_diff(q_decoder, quantized["fused"], vocab)
+            if diff > quantize.FUSED_TOLERANCE:
+                raise StageFailed(f"the quantized fused-attention decoder disagrees with the quantized decoder on a "
+                                  f"prefill (max |logit diff| {diff:.3g} > {quantize.FUSED_TOLERANCE})")
+        for path in work.deploy.values():  # the quantized files are the artefact
             path.unlink()
             Path(str(path) + ".data").unlink(missing_ok=True)
-        work.deploy = {"logits": q_logits, "decoder": q_decoder}
+        work.deploy = quantized
+
+    @staticmethod
+    def _fused(work: Work, fused: Path) -> Path | None:
+        """The fused-attention decoder with the decoder's recipe (None where that recipe has no fused form)."""
+        q = work.recipe.quantization
+        assert q is not None
+        if q.bits == 4:
+            return quantize.quantize_int4(fused, fused.with_name("model.int4.onnx"), accuracy_level=q.accuracy_level)
+        if q.activation_matmuls:  # the fused op computes attention scores in fp32: not the recipe measured
+            log.info("int8: no fused-attention decoder (the recipe quantizes the attention-score MatMuls, which the "
+                     "fused attention op computes in fp32): NAME_llm will run the decoder graph")
+            return None
+        q.fp32_nodes["fused"] = nodes = quantize.fused_nodes(fused, q.fp32_layers)
+        choice = quantize.Int8Choice(vnni=bool(q.cpu_vnni), reduce_range=bool(q.reduce_range),
+                                     per_channel=bool(q.per_channel), excluded_nodes=nodes, fp32_layers=q.fp32_layers)
+        return quantize.quantize_int8(fused, fused.with_name("model.int8.onnx"), choice)
 
     @staticmethod
     def _int8(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
@@ -583,11 +616,14 @@ def _graph(stage: Path, path: Path, parity: float) -> Graph:
 
 def _graph_logits(role: str, path: Path, ids: np.ndarray) -> np.ndarray:
     """The logits of a logits graph, or of a decoder graph's prefill on an empty cache."""
+    from dstool import fused_decoder
     from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
 
     session = ort_session(path)
     if role == "logits":
         return run_logits(session, ids)
+    if role == "fused":
+        return fused_decoder.prefill(session, ids)
     return run_decoder(session, ids, empty_cache(session, len(ids)), 0)[0]
 
 

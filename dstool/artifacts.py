@@ -453,8 +453,9 @@ class CompressedModel(Manifest):
     source: SourceModel = Field(description="the input model")
     settings: dict = Field(description="the CompressConfig it ran with")
     model: str = Field("model", description="Hugging Face folder of the compressed weights (and the tokenizer)")
-    graphs: dict[Literal["logits", "decoder"], Graph] = Field(
-        description="logits: ids -> logits; decoder: with a key/value cache (prefill and decoding steps)")
+    graphs: dict[Literal["logits", "decoder", "fused"], Graph] = Field(
+        description="logits: ids -> logits; decoder: with a key/value cache (prefill and decoding steps); fused: the "
+        "fused-attention decoder NAME_llm runs (Llama-layout models only), the same recipe as the decoder")
     recipe: Recipe = Field(description="what was done to the model, as data")
     figures: Figures = Field(description="measured in this run: before against after")
     torchao: TorchaoFigures | None = Field(None, description="--engine torchao: the PyTorch-side figures")

@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dstool.files import replace_folder
-from dstool.onnx_export import ParityError
+from dstool.onnx_export import OnnxExport, ParityError
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -47,8 +47,9 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3) -> Path:
-    """`model` (fp32, eval, `unsupported(model.config)` None) as `out_dir/model.onnx`, verified against PyTorch."""
+def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxExport:
+    """`model` (fp32, eval, `unsupported(model.config)` None) as `out_dir/model.onnx`, verified against PyTorch.
+    Its weight MatMuls are named by what they hold (`layers.I.qkv`, `.o`, `.gate`, `.up`, `.down`; `lm_head`)."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -57,7 +58,10 @@ def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3) -> Path:
     if not diff <= tolerance:
         raise ParityError(f"the fused decoder disagrees with PyTorch: max |logit diff| {diff:.3g} > {tolerance}")
     replace_folder(tmp, out_dir)
-    return out_dir / "model.onnx"
+    import onnx
+
+    graph = onnx.load(str(out_dir / "model.onnx"), load_external_data=False).graph
+    return OnnxExport(out_dir / "model.onnx", diff, [i.name for i in graph.input], [o.name for o in graph.output])
 
 
 def _write(model, path: Path) -> None:
@@ -76,8 +80,8 @@ def _write(model, path: Path) -> None:
         initializers.append(numpy_helper.from_array(np.ascontiguousarray(array, np.float32), name))
         return name
 
-    def node(op: str, inputs: list[str], output: str, **attrs) -> str:
-        nodes.append(h.make_node(op, inputs, [output], **attrs))
+    def node(op: str, inputs: list[str], output: str, name: str | None = None, **attrs) -> str:
+        nodes.append(h.make_node(op, inputs, [output], name=name, **attrs))
         return output
 
     def norm(x: str, weight: str, out: str) -> str:
@@ -85,7 +89,7 @@ def _write(model, path: Path) -> None:
                     epsilon=cfg.rms_norm_eps)
 
     def linear(x: str, weight: str, out: str) -> str:
-        return node("MatMul", [x, const(weight, weights[weight].T)], out)
+        return node("MatMul", [x, const(weight, weights[weight].T)], out, name=f"layers.{out}")
 
     with torch.no_grad():  # the module's own rotary tables: every rope scaling as transformers computes it
         cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(cfg.max_position_embeddings)[None])
@@ -102,7 +106,7 @@ def _write(model, path: Path) -> None:
         normed = norm(x, p + "input_layernorm.weight", f"{i}.ln1")
         proj = [p + f"self_attn.{n}_proj." for n in "qkv"]
         qkv = node("MatMul", [normed, const(p + "qkv", np.concatenate([weights[n + "weight"] for n in proj]).T)],
-                   f"{i}.qkv")
+                   f"{i}.qkv", name=f"layers.{i}.qkv")
         if proj[0] + "bias" in weights:  # Qwen2's
             qkv = node("Add", [qkv, const(p + "qkv.bias", np.concatenate([weights[n + "bias"] for n in proj]))],
                        f"{i}.qkv_b")
@@ -121,9 +125,9 @@ def _write(model, path: Path) -> None:
         x = node("Add", [attended, linear(act, p + "mlp.down_proj.weight", f"{i}.down")], f"{i}.out")
     normed = norm(x, "model.norm.weight", "normed")
     head = weights.get("lm_head.weight", weights["model.embed_tokens.weight"])
-    node("MatMul", [normed, const("lm_head.weight.T", head.T)], "logits")
+    node("MatMul", [normed, const("lm_head.weight.T", head.T)], "logits", name="lm_head")
     graph = h.make_model(h.make_graph(nodes, "dstool_fused_decoder", inputs, outputs, initializers),
-                         opset_imports=[h.make_opsetid("", 17), h.make_opsetid("com.microsoft", 1)])
+                         opset_imports=[h.make_opsetid("", 18), h.make_opsetid("com.microsoft", 1)])
     onnx.save(graph, str(path), save_as_external_data=True, location=path.name + ".data")
 
 
@@ -153,3 +157,10 @@ def parity(model, onnx_path: Path) -> float:
     row = {n: b[1:2] for n, b in buffers.items()}
     diffs.append(np.abs(runner.run(ids[1:2, 11:].numpy(), np.array([11]), row)[0] - ref[1, 11:]).max())
     return float(max(diffs))
+
+
+def prefill(session, ids: np.ndarray) -> np.ndarray:
+    """The logits of `ids` [batch, sequence] prefilled on an empty cache."""
+    from dstool.engine import FusedRunner
+
+    return FusedRunner(session).run(ids, np.zeros(len(ids), np.int64), cache_buffers(session, len(ids), ids.shape[1]))

@@ -149,6 +149,15 @@ def int8_output(trained, tmp_path_factory, worker_id) -> Path:
 
 
 @pytest.fixture(scope="session")
+def int4_output(trained, tmp_path_factory, worker_id) -> Path:
+    """`trained` quantized to 4 bits by `dstool compress` (its stdout beside it, in int4.stdout)."""
+    def build(out: Path) -> None:
+        proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3", "--output", str(out))
+        out.with_suffix(".stdout").write_text(proc.stdout)
+    return _built_once(tmp_path_factory, worker_id, "int4", build)
+
+
+@pytest.fixture(scope="session")
 def repo(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` exported (fp32, both graphs parity-checked) by `dstool export`."""
     return _built_once(tmp_path_factory, worker_id, "model_repository",

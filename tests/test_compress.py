@@ -51,7 +51,8 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
     m = _manifest(int8_output)
     q = m.recipe.quantization
     assert q and q.format == "int8-dynamic-qoperator" and q.cpu_vnni is not None and len(q.trials) >= 2
-    assert set(m.graphs) == {"logits", "decoder"}
+    # the fused-attention decoder holds the recipe unless it quantizes attention scores, which that op does in fp32
+    assert set(m.graphs) == {"logits", "decoder"} | (set() if q.activation_matmuls else {"fused"})
     for graph in m.graphs.values():
         assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(int8_output / graph.path)
         ort.InferenceSession(str(int8_output / graph.path), providers=["CPUExecutionProvider"])
@@ -75,18 +76,18 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
 
 
 @pytest.mark.slow
-def test_int4_cli(trained, int8_output, tmp_path):
-    out = tmp_path / "int4"
-    proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3",
-                  "--output", str(out))
+def test_int4_cli(int8_output, int4_output):
+    out = int4_output
     m = _manifest(out)
     # the fp32 baseline of `trained` was made for int8_output and kept: reused here, its figures as they were measured
     assert "baseline graphs and figures reused" in (out / "compress.log").read_text()
     kept = CompressedModel.read(int8_output).figures.before
     assert [getattr(m.figures.before, k) for k in ("parameters", "onnx_bytes", "perplexity", "zero_shot_accuracy")] \
         == [getattr(kept, k) for k in ("parameters", "onnx_bytes", "perplexity", "zero_shot_accuracy")]
-    assert str(out / m.graphs["logits"].path) in proc.stdout
+    assert str(out / m.graphs["logits"].path) in out.with_suffix(".stdout").read_text()
+    assert set(m.graphs) == {"logits", "decoder", "fused"}  # the fused-attention decoder by the same recipe
     assert all("MatMulNBits" in _ops(out / g.path) for g in m.graphs.values())
+    assert "GroupQueryAttention" in _ops(out / m.graphs["fused"].path)
     assert m.recipe.quantization.block_size == 32
     assert m.figures.compression_ratio < 0.25 and abs(m.figures.perplexity_change_pct) < 5
 
@@ -255,6 +256,13 @@ def test_fp32_layers_stay_fp32_in_both_graphs(repo, trained, tmp_path):
     assert kept_a == kept_b and len(kept_a) == 1 and "MatMulInteger" in _ops(b)
     vocab = json.loads((trained / "config.json").read_text())["vocab_size"]
     assert quantize.decoder_prefill_diff(a, b, vocab) <= quantize.PREFILL_TOLERANCE
+    # the fused-attention decoder: its lm_head found by name (its Q, K, V weights are packed, so no digest matches)
+    fused = repo / "dstool_lm_llm" / "1" / "fused" / "model.onnx"
+    nodes = quantize.fused_nodes(fused, ["lm_head"])
+    assert nodes == ["lm_head"] and len(quantize.fused_nodes(fused, ["layer 1"])) == 5
+    c = quantize.quantize_int8(fused, tmp_path / "fused.onnx", choice.with_excluded(nodes))
+    assert sorted(quantize.matmul_weight_digests(c).values()) == kept_a and "MatMulInteger" in _ops(c)
+    assert quantize.fused_prefill_diff(b, c, vocab) <= quantize.FUSED_TOLERANCE
 
 
 def test_quality_measures(repo, trained):

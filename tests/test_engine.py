@@ -228,24 +228,25 @@ def _common(a: list[int], b: list[int]) -> list[int]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("variant", ["int8", "tiny-moe"])
-def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_output, tmp_path):
-    """What `dstool compress` writes (int8 here; 4-bit in bench/serve.py) and the DeepSeek-V3 preset (MLA + MoE):
-    exported and decoded by the engine token for token as transformers does (MoE, in a batch of three) or as the
-    same graph decoding the sequence by itself (int8: its activation ranges are per call, so batch mates change
-    them)."""
+@pytest.mark.parametrize("variant", ["int8", "int4", "tiny-moe"])
+def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_output, int4_output, tmp_path):
+    """What `dstool compress` writes and the DeepSeek-V3 preset (MLA + MoE): exported and decoded by the engine token
+    for token as transformers does (MoE, in a batch of three) or as the decoder graph decoding the sequence by itself
+    (int8: its activation ranges are per call, so batch mates change them; 4-bit: NAME_llm's fused-attention decoder
+    by the same recipe, in a batch of three)."""
     import onnxruntime as ort
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dstool import models
+    from dstool.artifacts import CompressedModel
     from dstool.onnx_export import empty_cache, run_decoder
 
     from conftest import dstool
 
     tokenizer = AutoTokenizer.from_pretrained(trained)
-    if variant == "int8":
-        source = int8_output
+    if variant in ("int8", "int4"):
+        source = int8_output if variant == "int8" else int4_output
     else:
         source = tmp_path / "moe"
         torch.manual_seed(0)
@@ -255,8 +256,11 @@ def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_outp
             source)
         tokenizer.save_pretrained(source)
     dstool("export", str(source), "--repository", str(tmp_path / "repo"), "--name", "lm")
-    # no fused-attention graph: a compress output's graphs are served as they are; MLA is not GQA-shaped
-    assert not (tmp_path / "repo" / "lm_llm" / "1" / "fused").exists()
+    # a compress output's graphs are served as they are (int8 here quantizes attention scores, which the fused
+    # attention op does in fp32: no fused graph); MLA is not GQA-shaped
+    fused = tmp_path / "repo" / "lm_llm" / "1" / "fused" / "model.onnx"
+    has_fused = variant != "tiny-moe" and "fused" in CompressedModel.read(source).graphs
+    assert fused.exists() == has_fused and (has_fused or variant != "int4")
     session = ort.InferenceSession(str(tmp_path / "repo" / "lm_decoder" / "1" / "model.onnx"),
                                    providers=["CPUExecutionProvider"])
     shapes = cache_shapes(tmp_path / "repo" / "lm_generate" / "config.pbtxt")
@@ -271,11 +275,14 @@ def test_the_engine_serves_compressed_and_moe_models(variant, trained, int8_outp
         return out
 
     # int8: one at a time (max_batch 1) the engine is the graph alone; in a batch each still gets its 8 tokens
-    engine = Engine(session, shapes, max_batch=1 if variant == "int8" else 3)
+    engine = Engine(session, shapes, max_batch=1 if variant == "int8" else 3) if variant != "int4" else \
+        engine_for(ort.InferenceSession(str(fused), providers=["CPUExecutionProvider"]), shapes, max_batch=3)
     for i, x in enumerate(ids):
         engine.add(Sequence(str(i), x, 8, Sampler(SamplingParams()).next, set()))
     out = _run(engine)
-    if variant == "int8":
+    if variant == "int4":
+        assert isinstance(engine, FusedEngine) and [out[str(i)] for i in range(3)] == [alone(x, 8) for x in ids]
+    elif variant == "int8":
         assert [out[str(i)] for i in range(3)] == [alone(x, 8) for x in ids]
         batched = Engine(session, shapes, max_batch=3)
         for i, x in enumerate(ids):

@@ -29,7 +29,7 @@ def test_the_fused_decoder_equals_transformers(kind, tmp_path):
 
     model = _model(kind)
     assert unsupported(model.config) is None
-    path = export_fused_decoder(model, tmp_path / "fused")  # gated: prefill, steps, a chunk after cached positions
+    path = export_fused_decoder(model, tmp_path / "fused").path  # gated: prefill, steps, a chunk after cached positions
     assert parity(model, path) < 1e-4
     other = _model("qwen2" if kind != "qwen2" else "llama")  # the gate sees a wrong graph
     if other.config.vocab_size == model.config.vocab_size:

@@ -12,6 +12,7 @@ import onnx
 import pytest
 import torch
 
+from dstool import fused_decoder
 from dstool.artifacts import CompressedModel
 from dstool.compress import load, sparse
 from dstool.onnx_export import empty_cache, export_logits_model, ort_session, run_decoder, run_logits
@@ -59,7 +60,8 @@ def test_sparsity_output_zeros_storage_and_graphs(sparse_output):
     t = s.storage
     files = list((out / "model").glob("*.safetensors"))
     assert [f.name for f in files] == ["model.sparse.safetensors"]
-    assert t.model_bytes == files[0].stat().st_size and t.encoded == {"model": 28, "logits": 28, "decoder": 28}
+    assert t.model_bytes == files[0].stat().st_size
+    assert t.encoded == {"model": 28, "logits": 28, "decoder": 28, "fused": 20}  # Q, K and V packed in the last
     masked = sum(w.numel() for w in weights.values())
     kept = sum(int(w.count_nonzero()) for w in weights.values())
     expected = t.model_dense_bytes - 4 * masked + 4 * kept + masked / 8  # fp32 values + 1 bit an entry
@@ -69,7 +71,7 @@ def test_sparsity_output_zeros_storage_and_graphs(sparse_output):
         size = (out / g.path).stat().st_size + (out / g.data).stat().st_size
         assert t.onnx_bytes[role] == size < 0.75 * t.onnx_dense_bytes[role]
         graph = onnx.load(str(out / g.path), load_external_data=False).graph
-        assert sum(n.op_type == "CumSum" for n in graph.node) == 28
+        assert sum(n.op_type == "CumSum" for n in graph.node) == t.encoded[role]
     assert m.figures.after.onnx_bytes == t.onnx_bytes["logits"]
     assert m.figures.compression_ratio == t.onnx_bytes["logits"] / m.figures.before.onnx_bytes
 
@@ -81,6 +83,7 @@ def test_sparsity_output_zeros_storage_and_graphs(sparse_output):
     decoder = ort_session(out / m.graphs["decoder"].path)
     prefill = run_decoder(decoder, ids, empty_cache(decoder, 2), 0)[0]
     assert np.abs(logits - ref).max() < 1e-4 and np.abs(prefill - logits).max() < 1e-4
+    assert np.abs(fused_decoder.prefill(ort_session(out / m.graphs["fused"].path), ids) - logits).max() < 1e-4
     report = (out / "report.md").read_text()
     assert "kernels: dense" in report and "no faster" in report
 
@@ -106,6 +109,8 @@ def test_export_deploys_the_sparse_graphs(sparse_output, tmp_path):
         assert (folder / "1" / "model.onnx.data").stat().st_mode & 0o044  # readable by a server in another account
     deployed = run_logits(ort_session(tmp_path / "r" / names["logits"] / "1" / "model.onnx"), ids)
     assert np.abs(deployed - expected).max() == 0
+    fused = ort_session(tmp_path / "r" / names["llm"] / "1" / "fused" / "model.onnx")  # NAME_llm's, stored sparse
+    assert np.abs(fused_decoder.prefill(fused, ids) - expected).max() < 1e-4
 
 
 def test_storage_round_trip_is_exact_and_onnx_runtime_folds_it(trained, tmp_path):

@@ -42,8 +42,12 @@ def export(cfg: ExportConfig) -> Deployment:
         fused = None
         if compressed:
             logits, decoder = (source / compressed.graphs[role].path for role in ("logits", "decoder"))
-            log.info(f"dstool export: the graphs of {source} as its manifest names them ({_recipe_label(compressed)}); "
-                     "no fused-attention decoder for a compress output: NAME_llm runs its decoder graph")
+            if cfg.fused_attention and "fused" in compressed.graphs:
+                fused = source / compressed.graphs["fused"].path
+            log.info(f"dstool export: the graphs of {source} as its manifest names them ({_recipe_label(compressed)}"
+                     + ("; NAME_llm runs its fused-attention decoder)" if fused else
+                        "; NAME_llm runs its decoder graph: " + ("--no-fused-attention)" if not cfg.fused_attention
+                                                                 else "it has no fused-attention decoder)")))
         else:
             graphs = onnx_graphs(hf_dir, work, ("logits", "decoder", "fused") if cfg.fused_attention else
                                  ("logits", "decoder"))

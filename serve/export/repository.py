@@ -271,8 +271,10 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                 shutil.copy2(source, folder / source.name)
             if role == "llm" and a.fused_onnx:
                 (folder / "fused").mkdir()
-                for f in (a.fused_onnx, Path(str(a.fused_onnx) + ".data")):
-                    shutil.copy2(f, folder / "fused" / f.name)
+                shutil.copy2(a.fused_onnx, folder / "fused" / "model.onnx")
+                data = Path(str(a.fused_onnx) + ".data")  # the graph names its weights file: kept as it is
+                if data.exists():
+                    shutil.copy2(data, folder / "fused" / data.name)
             if role != "generate":
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():

@@ -73,5 +73,5 @@ def onnx_graphs(hf_dir: Path, work: Path, roles: tuple[str, ...] = ("logits", "d
         else:
             log.info("dstool export: fused-attention decoder for NAME_llm (parity-checked on prefill, decoding steps "
                      "and a chunk after cached positions)")
-            graphs["fused"] = export_fused_decoder(model, work / "fused")
+            graphs["fused"] = export_fused_decoder(model, work / "fused").path
     return graphs
