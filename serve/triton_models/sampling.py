@@ -119,6 +119,8 @@ class Sampler:
         self.params = params
         self.logprobs = logprobs
         self.rng = np.random.default_rng(params.seed) if not params.greedy else None
+        self.plain_greedy = self.rng is None and params.repetition_penalty == 1.0 and not (
+            params.presence_penalty or params.frequency_penalty)
 
     def ranked(self, logits: np.ndarray, token: int) -> tuple[float, np.ndarray, np.ndarray]:
         """Log-probabilities under the model's own distribution (the raw logits, before penalties and temperature:
@@ -169,6 +171,10 @@ class Sampler:
         return scores
 
     def next(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> int:
+        if self.plain_greedy:  # argmax stops at the first NaN: a finite pick means no NaN and no inf, as below
+            token = int(np.argmax(logits))
+            if np.isfinite(logits[token]):
+                return token
         logits = self.penalized(logits, prompt, output)
         if self.rng is None:
             return int(np.argmax(logits))
