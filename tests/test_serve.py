@@ -45,8 +45,9 @@ def test_repository_layout_and_schema(repo, trained):
     deployed = Repository.read(repo).deployments
     assert [(d.name, d.version, d.compressed, d.recipe) for d in deployed] == [("dstool_lm", 1, None, None)]
     assert deployed[0].source.kind == "hf-model" and deployed[0].source.path == str(trained.resolve())
-    assert deployed[0].graphs == {role: sha256_file(repo / model_names("dstool_lm")[role] / "1" / "model.onnx")
-                                  for role in ("logits", "decoder")}
+    assert deployed[0].graphs == {**{role: sha256_file(repo / model_names("dstool_lm")[role] / "1" / "model.onnx")
+                                     for role in ("logits", "decoder")},
+                                  "fused": sha256_file(repo / "dstool_lm_llm" / "1" / "fused" / "model.onnx")}
     model = repo / "dstool_lm"
     assert sorted(p.name for p in (model / "1").iterdir() if p.name != "__pycache__") == [
         "model.onnx", "model.onnx.data", "model.py", "ort_options.py"]  # (and __pycache__ once Triton loaded it)
@@ -164,6 +165,9 @@ def test_export_of_a_compress_output_deploys_what_its_manifest_names(int8_output
     for role in ("logits", "decoder"):
         assert deployed.graphs[role] == compressed.graphs[role].sha256 == sha256_file(r / model_names("lm8")[role] /
                                                                                        "1" / "model.onnx")
+    if "fused" in compressed.graphs:  # NAME_llm's, as compress made it
+        assert deployed.graphs["fused"] == compressed.graphs["fused"].sha256 == sha256_file(
+            r / "lm8_llm" / "1" / "fused" / "model.onnx")
         repository.validate(r / model_names("lm8")[role] / "config.pbtxt", r / model_names("lm8")[role] / "1" /
                             "model.onnx")
     assert "-bit" in result.stdout or "int8" in result.stdout.lower()

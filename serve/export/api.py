@@ -65,7 +65,8 @@ def export(cfg: ExportConfig) -> Deployment:
         name=cfg.name, version=version, models=repository.model_names(cfg.name),
         source=compressed.source if compressed else artifacts.source_model(hf_dir),
         compressed=str(source.resolve()) if compressed else None, recipe=compressed.recipe if compressed else None,
-        graphs={role: sha256_file(placed[role] / "model.onnx") for role in ("logits", "decoder")},
+        graphs={**{role: sha256_file(placed[role] / "model.onnx") for role in ("logits", "decoder")},
+                **({"fused": sha256_file(placed["llm"] / "fused" / "model.onnx")} if fused else {})},
         settings=cfg.model_dump(mode="json", exclude={"model", "repository"}))
     _record(repo, deployment)
     log.info(f"dstool export: {repo} version {version} of {', '.join(p.parent.name for p in placed.values())} "

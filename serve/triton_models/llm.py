@@ -88,13 +88,17 @@ class Outbox:
                     pb_utils.Logger.log_error(f"dstool_llm: a call to Triton failed ({type(e).__name__}: {e})")
             if time.monotonic() - polled >= CANCEL_POLL_S:
                 polled = time.monotonic()
-                try:
-                    gone = [i for i, out in list(self.streams.items()) if out.sender.is_cancelled()]
-                except Exception as e:  # noqa: BLE001
-                    pb_utils.Logger.log_error(f"dstool_llm: could not ask for cancellations ({e})")
-                    gone = []
+                gone = [i for i, out in list(self.streams.items()) if _cancelled(out.sender)]
                 if gone:
                     self.on_cancelled(gone)
+
+
+def _cancelled(sender) -> bool:
+    """Whether the request's client has gone (False for a request that has just ended: its sender is closed)."""
+    try:
+        return sender.is_cancelled()
+    except Exception:  # noqa: BLE001
+        return False
 
 
 class Metrics:
