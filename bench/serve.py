@@ -307,8 +307,8 @@ def main() -> int:
                     lambda s, url=front["http"]: asyncio.run(_openai_streams(url, "fp32", prompt, s, a.new_tokens))
             loop = Loop(root / "repo-fp32", "fp32", model_dir)
             systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
-            engine = OneProcessEngine(root / "repo-fp32", "fp32", model_dir)
-            systems["dstool engine, one process"] = lambda s: engine.run(prompt, s, a.new_tokens)
+            one_process = OneProcessEngine(root / "repo-fp32", "fp32", model_dir)
+            systems["dstool engine, one process"] = lambda s: one_process.run(prompt, s, a.new_tokens)
             ids = loop.tokenizer(prompt)["input_ids"]
             print(f"prompt: {len(ids)} tokens", flush=True)
             started_peers = []
