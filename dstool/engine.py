@@ -324,12 +324,14 @@ class FusedRunner:
         buffers are the same memory and shape (each decoding step of a batch that did not change)."""
         key = [(b.__array_interface__["data"][0], b.shape) for b in buffers.values()]
         if self.binding is None or key != self.bound:
-            self.binding, self.bound, self.held_arrays = self.session.io_binding(), key, list(buffers.values())
-            self.binding.bind_output("logits")  # the first output (bound again each run: its shape changes)
+            self.release()
+            binding = self.session.io_binding()
+            binding.bind_output("logits")  # the first output (bound again each run: its shape changes)
             for name, buffer in buffers.items():
                 value = self.ort_value(buffer)  # shares the array's memory (C-contiguous)
-                self.binding.bind_ortvalue_input(name, value)
-                self.binding.bind_ortvalue_output(name.replace("past_key_values.", "cache.", 1), value)
+                binding.bind_ortvalue_input(name, value)
+                binding.bind_ortvalue_output(name.replace("past_key_values.", "cache.", 1), value)
+            self.binding, self.bound, self.held_arrays = binding, key, list(buffers.values())
         binding = self.binding
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input("seqlens_k", (held + ids.shape[1] - 1).astype(np.int32))
@@ -337,6 +339,10 @@ class FusedRunner:
         binding.bind_output("logits")
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()  # the logits alone (copying every output copied the whole cache)
+
+    def release(self) -> None:
+        """Forget the bound buffers (the arrays are kept alive only while bound)."""
+        self.binding, self.bound, self.held_arrays = None, None, []
 
 
 class FusedEngine(Engine):
@@ -356,6 +362,7 @@ class FusedEngine(Engine):
 
     def _drop_batch(self) -> None:
         self.running, self.cache, self.held = [], self._empty(0), np.zeros(0, np.int64)
+        self.runner.release()  # the batch buffer goes with it
 
     def _fit(self, positions: int, shrink: bool = False) -> None:
         """Room in the batch buffer for max_batch rows of `positions` (made for exactly that many; with `shrink`,
