@@ -211,6 +211,9 @@ def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
 
 # ---- 5. a slow reader holds bounded memory ------------------------------------------------------------------------
 def test_slow_readers_hold_bounded_memory(stack, server):
+    """What the gateway holds for a stream it cannot deliver: bounded by its read-ahead and event queue, not by how
+    fast the engine makes tokens. Uncached here: a cacheable stream also keeps what it relayed, for its cache entry
+    (bounded by --max-entry-bytes a request), which grows with the engine's speed until the client's socket fills."""
     gateway = psutil.Process(stack.proc.pid)
     timed_chat(stack.http_port)
     baseline = gateway.memory_info().rss
@@ -223,7 +226,7 @@ def test_slow_readers_hold_bounded_memory(stack, server):
         s.connect(("127.0.0.1", stack.http_port))
         data = json.dumps(body).encode()
         s.sendall(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  b"Content-Length: %d\r\n\r\n" % len(data) + data)
+                  b"Cache-Control: no-cache\r\nContent-Length: %d\r\n\r\n" % len(data) + data)
         readers.append(s)
     peak = baseline
     for _ in range(20):  # 10 s of reading 1 byte a second

@@ -12,13 +12,16 @@ response with the whole text and ids.
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
 prompt holds up neither the engine nor the requests behind it. Requests join the running batch at the next decoding
-step, from one engine thread; a request whose client has gone (cancelled) leaves the batch at the next step. A
-sequence that fails ends alone with its error; should the engine loop itself fail, what it held ends with the error
-and the loop starts again (counted in dstool_llm_engine_restarts_total).
+step, from one engine thread. What goes to Triton (responses, metrics: each a round trip to the server process) is
+handed to an outbox thread, in order, so the engine computes the next step meanwhile, at most AHEAD_STEPS steps
+ahead; that thread also looks for requests whose client has gone (cancelled) every CANCEL_POLL_S, and they leave the
+batch at the next step. A sequence that fails ends alone with its error; should the engine loop itself fail, what
+it held ends with the error and the loop starts again (counted in dstool_llm_engine_restarts_total).
 """
 
 import json
 import os
+import queue
 import threading
 import time
 import uuid
@@ -33,6 +36,8 @@ from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+CANCEL_POLL_S = 0.05  # how often the outbox asks Triton which requests were cancelled (a round trip each)
+AHEAD_STEPS = 2  # engine steps whose calls may wait in the outbox; beyond that the engine waits for it
 
 
 class RequestError(ValueError):
@@ -49,8 +54,65 @@ class Stream:
         self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
 
 
+class Outbox:
+    """A thread that makes the engine's calls into Triton in the order they were posted, and every CANCEL_POLL_S
+    asks which of `streams` were cancelled, handing their ids to `on_cancelled`."""
+
+    def __init__(self, streams, on_cancelled):
+        self.streams, self.on_cancelled = streams, on_cancelled
+        self.queue: queue.SimpleQueue = queue.SimpleQueue()
+        self.ahead = threading.Semaphore(AHEAD_STEPS)
+        self.thread = threading.Thread(target=self._run, name="dstool-outbox", daemon=True)
+        self.thread.start()
+
+    def post(self, call, *args):
+        self.queue.put((call, args))
+
+    def end_step(self):
+        """The end of one engine step's calls. Waits while AHEAD_STEPS steps are still to be made, so the engine
+        never runs ahead of what its clients were sent: the outbox holds bounded memory, and a client that hangs up
+        is seen while its sequence still runs (unbounded, a short sequence could end unseen)."""
+        self.ahead.acquire()
+        self.queue.put((self.ahead.release, ()))
+
+    def close(self):
+        """Make what was posted, then stop."""
+        self.queue.put(None)
+        self.thread.join(30)
+
+    def _run(self):
+        polled = time.monotonic()
+        while True:
+            try:
+                item = self.queue.get(timeout=CANCEL_POLL_S)
+            except queue.Empty:
+                item = ()
+            if item is None:
+                return
+            if item:
+                call, args = item
+                try:
+                    call(*args)
+                except Exception as e:  # noqa: BLE001 (one failed call must not stop the others)
+                    pb_utils.Logger.log_error(f"dstool_llm: a call to Triton failed ({type(e).__name__}: {e})")
+            if time.monotonic() - polled >= CANCEL_POLL_S:
+                polled = time.monotonic()
+                gone = [i for i, out in list(self.streams.items()) if _cancelled(out.sender)]
+                if gone:
+                    self.on_cancelled(gone)
+
+
+def _cancelled(sender) -> bool:
+    """Whether the request's client has gone (False for a request that has just ended: its sender is closed)."""
+    try:
+        return sender.is_cancelled()
+    except Exception:  # noqa: BLE001
+        return False
+
+
 class Metrics:
-    """The engine's own figures, on Triton's /metrics (the python backend's custom metrics)."""
+    """The engine's own figures, on Triton's /metrics (the python backend's custom metrics): values read in the
+    engine thread, published through the outbox (gauges only when they change)."""
 
     SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
 
@@ -90,6 +152,8 @@ class Metrics:
         self.running = sequences.Metric(labels={**labels, "state": "running"})
         self.restarts = restarts.Metric(labels=labels)
         self.cancelled = cancelled.Metric(labels=labels)
+        self.post = lambda call, *args: call(*args)  # the outbox's, once there is one
+        self.published: dict[str, float] = {}  # the gauges' values as last set
 
     def close(self):
         """The metrics before their families (the python backend's rule)."""
@@ -101,27 +165,43 @@ class Metrics:
     def first_token(self, sequence, out, began):
         """A sequence's first token, in a step that began at `began` (monotonic)."""
         started = out.started_at if out.started_at is not None else began
-        self.queue_steps.observe(sequence.started_step - out.arrived_step - 1)
-        self.queue.observe(started - out.arrived)
-        self.first.observe(time.monotonic() - out.arrived)
-        self.prompt.increment(len(sequence.prompt) - sequence.cached)
+        self.post(self._first, sequence.started_step - out.arrived_step - 1, started - out.arrived,
+                  time.monotonic() - out.arrived, len(sequence.prompt) - sequence.cached)
+
+    def _first(self, steps, queued, first, prompt):
+        self.queue_steps.observe(steps)
+        self.queue.observe(queued)
+        self.first.observe(first)
+        self.prompt.increment(prompt)
+
+    def count(self, name, n=1):
+        self.post(lambda: getattr(self, name).increment(n))
 
     def step(self, engine, streams, began, tokens):
         for sequence in engine.prefilling:  # begun, its prompt still being prefilled in chunks
             out = streams.get(sequence.id)
             if out is not None and out.started_at is None and sequence.started_step == engine.steps_started:
                 out.started_at = began
-        self.tokens.increment(tokens)
-        self.waiting.set(len(engine.waiting) + len(engine.prefilling))
-        self.running.set(len(engine.running))
+        counters = {"tokens": tokens}
+        gauges: dict[str, float] = {"waiting": len(engine.waiting) + len(engine.prefilling),
+                                    "running": len(engine.running)}
         cache = engine.prefix_cache
         if cache is not None:
             hit, miss = cache.hit, cache.looked_up - cache.hit
-            self.prefix_hit.increment(hit - self.counted[0])
-            self.prefix_miss.increment(miss - self.counted[1])
+            counters.update(prefix_hit=hit - self.counted[0], prefix_miss=miss - self.counted[1])
             self.counted = (hit, miss)
-            self.prefix_ratio.set(cache.hit / cache.looked_up if cache.looked_up else 0.0)
-            self.prefix_held.set(cache.tokens)
+            gauges.update(prefix_ratio=cache.hit / cache.looked_up if cache.looked_up else 0.0,
+                          prefix_held=cache.tokens)
+        self.post(self._publish, counters, gauges)
+
+    def _publish(self, counters, gauges):
+        for name, n in counters.items():
+            if n:
+                getattr(self, name).increment(n)
+        for name, value in gauges.items():
+            if self.published.get(name) != value:
+                getattr(self, name).set(value)
+                self.published[name] = value
 
 
 class Request:
@@ -165,7 +245,10 @@ class TritonPythonModel:
         self.streams: dict[str, Stream] = {}
         self.metrics = Metrics(args["model_name"], args["model_version"])
         self.incoming: list[Sequence] = []
+        self.cancelled: set[str] = set()  # ids the outbox found cancelled, for the engine loop
         self.wake = threading.Condition()
+        self.outbox = Outbox(self.streams, self._on_cancelled)
+        self.metrics.post = self.outbox.post
         self.stopping = False
         self.intake = ThreadPoolExecutor(2, thread_name_prefix="dstool-intake")
         self.thread = self._start()
@@ -212,21 +295,26 @@ class TritonPythonModel:
             self.incoming.append(sequence)
             self.wake.notify()
 
+    def _on_cancelled(self, ids):
+        with self.wake:
+            self.cancelled.update(ids)
+            self.wake.notify()
+
     def finalize(self):
         with self.wake:
             self.stopping = True
             self.wake.notify()
         self.intake.shutdown(wait=True, cancel_futures=True)
         self.thread.join(30)
-        self.metrics.close()
         for out in self.streams.values():  # unloading: what is still generating ends here, said so
             self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError("the model is being unloaded")))
         self.streams.clear()
+        self.outbox.close()
+        self.metrics.close()
 
-    @staticmethod
-    def _send(out, response=None, flags=FINAL):
-        """A response (or the final flag alone) to a request."""
-        out.sender.send(response, flags=flags)
+    def _send(self, out, response=None, flags=FINAL):
+        """A response (or the final flag alone) to a request, through the outbox."""
+        self.outbox.post(lambda: out.sender.send(response, flags=flags))
 
     def _chat_prompt(self, messages):
         try:
@@ -275,7 +363,7 @@ class TritonPythonModel:
                 self._loop()
                 return
             except Exception as e:  # noqa: BLE001 (nothing may stop the engine for good)
-                self.metrics.restarts.increment(1)
+                self.metrics.count("restarts")
                 pb_utils.Logger.log_error(f"dstool_llm: the engine loop failed ({type(e).__name__}: {e}); "
                                           "the sequences it held end with the error, the loop starts again")
                 self._fail_all(f"the engine failed ({type(e).__name__}: {e})")
@@ -288,13 +376,14 @@ class TritonPythonModel:
                 if self.stopping:
                     return
                 incoming, self.incoming = self.incoming, []
+                cancelled, self.cancelled = self.cancelled, set()
             for sequence in incoming:
                 self.engine.add(sequence)
-            held = self.engine.running + self.engine.prefilling + list(self.engine.waiting)
-            for sequence in [s for s in held if self.streams[s.id].sender.is_cancelled()]:
-                self.engine.cancel(sequence.id)  # its client has gone; Triton still waits for the final flag
-                self.metrics.cancelled.increment(1)
-                self._send(self.streams.pop(sequence.id))
+            held = {s.id for s in self.engine.running + self.engine.prefilling + list(self.engine.waiting)}
+            for sequence_id in cancelled & held:
+                self.engine.cancel(sequence_id)  # its client has gone; Triton still waits for the final flag
+                self.metrics.count("cancelled")
+                self._send(self.streams.pop(sequence_id))
             began, made = time.monotonic(), 0
             for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
                 for sequence, token in produced:
@@ -306,6 +395,7 @@ class TritonPythonModel:
                     self._emit(sequence, token)
                 made += len(produced)
             self.metrics.step(self.engine, self.streams, began, made)
+            self.outbox.end_step()
 
     def _emit(self, sequence, token):
         out = self.streams[sequence.id]
