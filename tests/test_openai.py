@@ -145,8 +145,15 @@ def test_errors_in_openais_form(api):
         _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, echo=True)
     with pytest.raises(openai.BadRequestError, match="top_p must be"):
         _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, top_p=0)
-    with pytest.raises(openai.AuthenticationError):
+    # Refused before the route is known (a wrong key, a body over the limit): still OpenAI's error object on /v1
+    with pytest.raises(openai.AuthenticationError) as wrong_key:
         _client(api, key="wrong").models.list()
+    assert (wrong_key.value.type, wrong_key.value.code) == ("invalid_request_error", "invalid_api_key")
+    assert "bearer token" in wrong_key.value.message
+    with pytest.raises(openai.APIStatusError) as too_big:
+        _client(api).completions.create(model="dstool_lm", prompt="x" * (5 << 20), max_tokens=2)
+    assert too_big.value.status_code == 413 and too_big.value.type == "invalid_request_error"
+    assert "exceeds the gateway's limit" in too_big.value.message
 
 
 def test_raw_sse_ends_with_done(api):

@@ -88,9 +88,13 @@ def _phrase(status: int) -> str:
         return "Unknown"
 
 
-def error_response(status: int, message: str) -> HttpResponse:
-    """KServe v2 error body."""
-    return HttpResponse(status, [orjson.dumps({"error": message})], [("Content-Type", "application/json")])
+def error_response(status: int, message: str, openai: bool = False) -> HttpResponse:
+    """KServe v2 error body, or with `openai` (a /v1/ path) OpenAI's error object, as OpenAI words a wrong key."""
+    error: str | dict[str, str | None] = message
+    if openai:
+        error = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
+                 "param": None, "code": "invalid_api_key" if status == 401 else None}
+    return HttpResponse(status, [orjson.dumps({"error": error})], [("Content-Type", "application/json")])
 
 
 def opts_out(req: HttpRequest) -> bool:
@@ -323,24 +327,25 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- answering -----------------------------------------------------------------------------------------
     def _dispatch(self, req: HttpRequest, keep_alive: bool) -> None:
+        openai = req.path.startswith("/v1/")
         try:
             response = self.frontend.handle(req)
         except Exception as e:  # a bug must not take the connection's other requests with it
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}")
+            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
         if isinstance(response, HttpResponse):
             self._release()
             self._write(response, keep_alive)
         else:
             self.busy = True
-            self.task = asyncio.ensure_future(self._finish(response, keep_alive))
+            self.task = asyncio.ensure_future(self._finish(response, keep_alive, openai))
             self.frontend.answering.add(self.task)  # the loop holds tasks weakly: a cancelled one must still run
             self.task.add_done_callback(self.frontend.answering.discard)
 
-    async def _finish(self, pending, keep_alive: bool) -> None:
+    async def _finish(self, pending, keep_alive: bool, openai: bool) -> None:
         try:
             response = await pending
         except Exception as e:
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}")
+            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
         self._release()
         if isinstance(response, StreamingResponse):
             await self._stream(response, keep_alive)
@@ -411,7 +416,8 @@ class HttpConnection(asyncio.Protocol):
         a client that writes its whole body before reading still gets the 413 or 401)."""
         if self.transport is None:
             return
-        self.transport.writelines(error_response(status, message).encode(keep_alive=False))
+        target = _origin_form(self.url.decode("latin-1")) or ""
+        self.transport.writelines(error_response(status, message, target.startswith("/v1/")).encode(keep_alive=False))
         self._release()
         self.frontend.connections.discard(self)
         if self.transport.can_write_eof():
