@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 import httptools
 import orjson
 
+from dstool.serve.gateway.protocol import OpenAIError
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable, within
 
 if TYPE_CHECKING:  # the router builds on this module's types; only its type is named here
@@ -90,11 +91,12 @@ def _phrase(status: int) -> str:
 
 def error_response(status: int, message: str, openai: bool = False) -> HttpResponse:
     """KServe v2 error body, or with `openai` (a /v1/ path) OpenAI's error object, as OpenAI words a wrong key."""
-    error: str | dict[str, str | None] = message
     if openai:
-        error = {"message": message, "type": "server_error" if status >= 500 else "invalid_request_error",
-                 "param": None, "code": "invalid_api_key" if status == 401 else None}
-    return HttpResponse(status, [orjson.dumps({"error": error})], [("Content-Type", "application/json")])
+        body = OpenAIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error",
+                           code="invalid_api_key" if status == 401 else None).body()
+    else:
+        body = orjson.dumps({"error": message})
+    return HttpResponse(status, [body], [("Content-Type", "application/json")])
 
 
 def opts_out(req: HttpRequest) -> bool:
