@@ -120,3 +120,12 @@ def timed_chat(port: int, content: str = "Speak, Juliet.", headers: dict | None 
                            {"Cache-Control": "no-cache", **(headers or {})})
     assert status == 200, body
     return time.monotonic() - started
+
+
+def llm_requests(server) -> int:
+    """Requests Triton's dstool_lm_llm has taken."""
+    conn = http.client.HTTPConnection(*server.http_url.split(":"), timeout=30)
+    conn.request("GET", "/v2/models/dstool_lm_llm/stats")
+    stats = json.loads(conn.getresponse().read())
+    conn.close()
+    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])

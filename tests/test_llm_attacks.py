@@ -313,7 +313,8 @@ def test_a_seed_near_the_top_of_its_range_serves_every_choice(stack):
 
 # ---- 8. a parameter that changes the answer is served or refused, never ignored -----------------------------------
 REFUSED = [
-    (_chat(response_format={"type": "json_object"}), "response_format"),
+    (_chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integr"}}}),
+     "response_format"),
     (_chat(response_format="nonsense"), "response_format"),
     (_chat(tool_choice="auto"), "tool_choice"),
     (_chat(modalities=["text", "audio"]), "modalities"),

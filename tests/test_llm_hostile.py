@@ -34,11 +34,12 @@ def _openai_kinds() -> list[tuple[str, str, dict | bytes]]:
     chat = {"model": "dstool_lm", "messages": [{"role": "user", "content": "Speak."}], "max_tokens": 3}
     kinds = []
     fields = ["model", "max_tokens", "n", "stop", "stream", "stream_options", "logprobs", "ignore_eos", "user",
-              "logit_bias", *SAMPLING]
+              "logit_bias", "response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+              "guided_grammar", *SAMPLING]
     for path, base, own in (("/v1/completions", completion, ["prompt", "echo", "suffix", "best_of"]),
                             ("/v1/chat/completions", chat,
-                             ["messages", "top_logprobs", "max_completion_tokens", "response_format", "tools",
-                              "tool_choice", "modalities", "parallel_tool_calls"])):
+                             ["messages", "top_logprobs", "max_completion_tokens", "tools", "tool_choice",
+                              "modalities", "parallel_tool_calls"])):
         for field in fields + own:
             for value in ODD:
                 kinds.append((f"{path} {field}={value!r:.30}", path, {**base, field: value}))
@@ -62,7 +63,8 @@ def _generate_kinds() -> list[tuple[str, str, dict | bytes]]:
             path = f"/v2/models/{model}/{route}"
             base = {"text_input": "JULIET:", "max_new_tokens": 3}
             inputs = ["text_input", "max_new_tokens", "stop_token_ids", "stream", "id", "parameters"]
-            for field in inputs + (SAMPLING + ["logprobs", "ignore_eos"] if route == "generate_stream" else []):
+            for field in inputs + (SAMPLING + ["logprobs", "ignore_eos", "structured_outputs", "tools"]
+                                   if route == "generate_stream" else []):
                 for value in ODD:
                     kinds.append((f"{path} {field}={value!r:.30}", path, {**base, field: value}))
             if route == "generate":
@@ -101,7 +103,7 @@ def _grpc_cases():
     good = [("text_input", np.array([b"KING:"], dtype=np.object_), "BYTES"),
             ("max_new_tokens", np.array([3], np.int32), "INT32")]
     cases = []
-    for name in [*SAMPLING, "logprobs", "ignore_eos", "stream"]:
+    for name in [*SAMPLING, "logprobs", "ignore_eos", "stream", "structured_outputs", "tools"]:
         for value in (True, -1, 0, 1.5, 2**62, 1e308, 5e-324, "", "x", "1e309"):
             cases.append((f"{name}={value!r}", {name: value}, good))
     odd_inputs = [

@@ -10,6 +10,7 @@ import json
 import pytest
 
 from gatewaylib import GatewayProcess
+from llmlib import llm_requests
 
 TOKEN = "sk-dstool-test"
 
@@ -205,15 +206,6 @@ def test_bad_openai_requests_get_openai_errors(api, path, body, status, needle):
     assert answer["error"]["code"] is None, answer  # a missing route is no missing model
 
 
-def _llm_requests(server) -> int:
-    """Requests Triton's dstool_lm_llm has taken."""
-    conn = http.client.HTTPConnection(*server.http_url.split(":"), timeout=30)
-    conn.request("GET", "/v2/models/dstool_lm_llm/stats")
-    stats = json.loads(conn.getresponse().read())
-    conn.close()
-    return int(stats["model_stats"][0]["inference_stats"]["success"]["count"])
-
-
 def _post(api, path: str, body: dict, headers: dict | None = None) -> tuple[int, str, bytes]:
     conn = http.client.HTTPConnection("127.0.0.1", api.http_port, timeout=120)
     conn.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {TOKEN}",
@@ -227,31 +219,31 @@ def _post(api, path: str, body: dict, headers: dict | None = None) -> tuple[int,
 def test_generate_stream_hits_are_streams_and_draws_are_never_cached(api, server):
     path = "/v2/models/dstool_lm_llm/generate_stream"
     greedy = {"text_input": "MENENIUS:\nWhat work", "max_new_tokens": 8, "stream": True}
-    before = _llm_requests(server)
+    before = llm_requests(server)
     first = _post(api, path, greedy)
     second = _post(api, path, greedy)
     assert first == second and first[0] == 200 and first[1].startswith("text/event-stream")
     events = [e for e in first[2].split(b"\n\n") if e]
     assert len(events) > 1 and all(e.startswith(b"data: {") for e in events)  # token by token, from the cache too
-    assert _llm_requests(server) == before + 1  # the repeat never reached Triton
+    assert llm_requests(server) == before + 1  # the repeat never reached Triton
 
     seeded = {**greedy, "temperature": 1.0, "seed": 11}
     assert _post(api, path, seeded) == _post(api, path, seeded)
     other_seed = _post(api, path, {**seeded, "seed": 12})  # the key covers every sampling parameter
     hotter = _post(api, path, {**seeded, "temperature": 1.5})
-    assert _llm_requests(server) == before + 4
+    assert llm_requests(server) == before + 4
     drawn = {**greedy, "temperature": 1.0}
     _post(api, path, drawn)
     _post(api, path, drawn)
-    assert _llm_requests(server) == before + 6  # sampling without a seed: every request is a new draw
+    assert llm_requests(server) == before + 6  # sampling without a seed: every request is a new draw
     assert other_seed[0] == hotter[0] == 200
     _post(api, path, greedy, {"Cache-Control": "no-cache"})
-    assert _llm_requests(server) == before + 7  # the client opted out
+    assert llm_requests(server) == before + 7  # the client opted out
 
     whole = {"text_input": "MENENIUS:\nWhat work", "max_new_tokens": 8}
     one = _post(api, "/v2/models/dstool_lm_llm/generate", whole)
     assert one == _post(api, "/v2/models/dstool_lm_llm/generate", whole) and one[0] == 200
-    assert _llm_requests(server) == before + 8
+    assert llm_requests(server) == before + 8
     assert json.loads(one[2])["text_output"] == "".join(json.loads(e[len(b"data: "):])["text_output"]
                                                         for e in events)
 
@@ -259,7 +251,7 @@ def test_generate_stream_hits_are_streams_and_draws_are_never_cached(api, server
 def test_openai_answers_from_the_cache_equal_fresh_ones(api, server):
     client = _client(api)
     messages = [{"role": "user", "content": "Speak of the king."}]
-    before = _llm_requests(server)
+    before = llm_requests(server)
 
     def streamed():
         chunks = list(client.chat.completions.create(model="dstool_lm", messages=messages, max_tokens=9,
@@ -272,14 +264,14 @@ def test_openai_answers_from_the_cache_equal_fresh_ones(api, server):
     assert fresh == cached and len(fresh[0]) > 1  # a cached answer still arrives piece by piece
     whole = client.chat.completions.create(model="dstool_lm", messages=messages, max_tokens=9, temperature=0)
     assert whole.choices[0].message.content == "".join(fresh[0]) and whole.usage == fresh[1]
-    assert _llm_requests(server) == before + 1
+    assert llm_requests(server) == before + 1
     seeded = [client.completions.create(model="dstool_lm", prompt="KING:", max_tokens=6, seed=5, n=2)
               for _ in range(2)]
     assert [c.text for c in seeded[0].choices] == [c.text for c in seeded[1].choices]
-    assert _llm_requests(server) == before + 3  # n=2: two seeds, each computed once
+    assert llm_requests(server) == before + 3  # n=2: two seeds, each computed once
     client.completions.create(model="dstool_lm", prompt="KING:", max_tokens=6)  # temperature 1, no seed
     client.completions.create(model="dstool_lm", prompt="KING:", max_tokens=6)
-    assert _llm_requests(server) == before + 5
+    assert llm_requests(server) == before + 5
 
 
 def test_logprobs_are_the_models_own(api, trained):

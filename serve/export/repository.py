@@ -116,7 +116,7 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
 # decode loop is the core's (dstool/engine.py, numpy only), the rest sit beside the models in triton_models/.
 ENGINE_PY = Path(engine.__file__)
 BESIDE = {"generate": [ENGINE_PY, MODELS_PY / "sampling.py"],
-          "llm": [ENGINE_PY, MODELS_PY / "sampling.py", MODELS_PY / "ort_options.py"]}
+          "llm": [ENGINE_PY, MODELS_PY / "sampling.py", MODELS_PY / "grammar.py", MODELS_PY / "ort_options.py"]}
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 # prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
 ENGINE_PREFILL_TOKENS = 64

@@ -20,12 +20,14 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from typing import Any
 
 import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
 from dstool.serve.gateway.tensors import GatewayError
+from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
@@ -82,8 +84,9 @@ class Choice:
     """One choice's text as it comes from the model, cut at the first stop string, and (for an answer sent whole,
     `whole`) its tokens' logprobs; a stream's go out as they come and are not kept."""
 
-    def __init__(self, index: int, stops: list[str], whole: bool = True):
+    def __init__(self, index: int, stops: list[str], whole: bool = True, calls: Calls | None = None):
         self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
+        self.calls = calls  # the text read as tool calls, when the request has tools
         self.ranked: list[Ranked] = []
         self.prompt_tokens = self.cached_tokens = 0  # the prompt's tokens, and those the engine's prefix cache held
         self.finish_reason: str | None = None
@@ -137,20 +140,31 @@ class Reply:
         for c in self.choices:
             c.end(self.max_tokens)
             lp = logprobs_field(self.chat, c.ranked) if self.logprobs else None
-            rows.append({"index": c.index, "message": {"role": "assistant", "content": c.text}, "logprobs": lp,
+            message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            if c.calls is not None:
+                content, _, _ = c.calls.feed(c.text)
+                content += c.calls.end()
+                message["content"] = content or None
+                if c.calls.calls:
+                    message["tool_calls"] = [call.whole() for call in c.calls.calls]
+                    c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
+            rows.append({"index": c.index, "message": message, "logprobs": lp,
                          "finish_reason": c.finish_reason} if self.chat else
                         {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": rows, "usage": self.usage()}
 
     def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
-              rows: list[Ranked] | None = None) -> bytes:
+              rows: list[Ranked] | None = None, calls: list[dict] | None = None) -> bytes:
         lp = None
         if self.logprobs and rows:
             lp = logprobs_field(self.chat, rows, self.offsets[index])
             self.offsets[index] += sum(len(r.token) for r in rows)
         if self.chat:
-            delta = {"role": "assistant", "content": ""} if role else {} if text is None else {"content": text}
+            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {} if text is None else \
+                {"content": text}
+            if calls:
+                delta["tool_calls"] = calls
             row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -199,8 +213,12 @@ class OpenAIFrontend:
 
     async def _complete(self, req: HttpRequest, chat: bool):
         request = parse(req.body, ChatCompletionRequest if chat else CompletionRequest)
+        await asyncio.to_thread(request.check_grammars)
         max_tokens = request.max_new_tokens or self.default_max_tokens
-        choices = [Choice(i, request.stop, whole=not request.stream) for i in range(request.n)]
+        calls = isinstance(request, ChatCompletionRequest) and request.tool_mode != "none"
+        choices = [Choice(i, request.stop, whole=not request.stream, calls=Calls(
+            request.tool_list, request.tool_mode) if isinstance(request, ChatCompletionRequest) and calls else None)
+            for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         opt_out = opts_out(req)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
@@ -256,14 +274,21 @@ class OpenAIFrontend:
             choice, text, rows = event
             if text is None:
                 rest = choice.end(reply.max_tokens)
-                if rest:
-                    yield reply.chunk(choice.index, rest, None)
+                for part in _stream_parts(reply, choice, rest, []):
+                    yield part
+                if choice.calls is not None:
+                    rest = choice.calls.end()
+                    if rest:
+                        yield reply.chunk(choice.index, rest, None)
+                    if choice.calls.calls and choice.finish_reason == "stop":
+                        choice.finish_reason = "tool_calls"
                 yield reply.chunk(choice.index, None if reply.chat else "", choice.finish_reason)
                 done += 1
                 if done == len(reply.choices):
                     break
-            elif text or (reply.logprobs and rows):
-                yield reply.chunk(choice.index, text, None, rows=rows)
+            else:
+                for part in _stream_parts(reply, choice, text, rows):
+                    yield part
             event = await events.get()
         if reply.include_usage:
             yield reply.usage_chunk()
@@ -305,6 +330,33 @@ class OpenAIFrontend:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:
+    """The chunks that new text of a choice makes: its text as content, or (with tools) the content and tool-call
+    deltas read from it — a named function's arguments as they come (its id and name first), each call of
+    `required` or `auto` once it is complete."""
+    if choice.calls is None:
+        return [reply.chunk(choice.index, text, None, rows=rows)] if text or (reply.logprobs and rows) else []
+    before = len(choice.calls.calls)
+    named = choice.calls.mode not in ("auto", "required")
+    content, found, arguments = choice.calls.feed(text)
+    parts = []
+    if content or (reply.logprobs and rows and not (found or arguments)):
+        parts.append(reply.chunk(choice.index, content or None, None, rows=rows))
+        rows = []
+    if named and (arguments or not choice.calls.announced):
+        call = choice.calls.calls[0]
+        delta: dict = {"index": 0, "function": {"arguments": arguments}}
+        if not choice.calls.announced:
+            delta = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name,
+                                                                                 "arguments": arguments}}
+            choice.calls.announced = True
+        parts.append(reply.chunk(choice.index, None, None, rows=rows, calls=[delta]))
+    elif found:
+        parts.append(reply.chunk(choice.index, None, None, rows=rows, calls=[
+            {"index": before + i, **call.whole()} for i, call in enumerate(found)]))
+    return parts
 
 
 def _upstream_error(status: int, body: bytes, model: str) -> OpenAIError:

@@ -9,15 +9,19 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
 
+from dstool.serve.gateway import tools as tooling
 from dstool.serve.gateway.core import addressable
+from dstool.serve.triton_models.grammar import GrammarError, grammar_of
 from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
 
 MAX_N = 16  # choices per request
 MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
             "seed")
+# structured outputs as vLLM names them: its older guided_* fields, and each one's structured_outputs kind
+GUIDED = {"guided_json": "json", "guided_regex": "regex", "guided_choice": "choice", "guided_grammar": "grammar"}
 
 
 class OpenAIError(Exception):
@@ -76,6 +80,14 @@ class _Request(BaseModel):
     frequency_penalty: Any = None
     seed: Any = None
     logit_bias: Any = None
+    response_format: Any = None  # structured outputs: OpenAI's way, vLLM's guided_* fields, or structured_outputs
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    _structured: dict | None = PrivateAttr(default=None)  # the grammar asked for, as NAME_llm takes it
+    _structured_param: str = PrivateAttr(default="")  # the field it came from
     # taken, not used: they do not change the answer
     user: str | None = None
     metadata: dict[str, str] | None = None
@@ -134,6 +146,69 @@ class _Request(BaseModel):
         _unserved("logit_bias", v, {})
 
     @model_validator(mode="after")
+    def _grammar(self):
+        """The one structured output asked for, compiled here (a schema the engine cannot use is a 400 naming the
+        field), as NAME_llm's structured_outputs."""
+        asked = [(name, getattr(self, name)) for name in ("response_format", "structured_outputs", *GUIDED)
+                 if getattr(self, name) is not None]
+        asked = [(name, value) for name, value in asked if not (name == "response_format" and value ==
+                                                                {"type": "text"})]
+        if len(asked) > 1:
+            raise OpenAIError(400, f"ask for one structured output: '{asked[0][0]}' and '{asked[1][0]}' were both "
+                                   "given", asked[1][0])
+        if asked:
+            self._structured, self._structured_param = self._structured_spec(*asked[0])
+        return self
+
+    def check_grammars(self) -> None:
+        """Every grammar of the request compiled (the answer's, each tool's schema): OpenAIError (400) naming the
+        field of one the engine cannot use. Up to tens of milliseconds for a large schema: run it off the event
+        loop."""
+        for spec, param in self._grammars():
+            try:
+                grammar_of(spec)
+            except GrammarError as e:
+                raise OpenAIError(400, f"'{param}': {str(e).split(': ', 1)[-1]}", param) from None
+
+    def _grammars(self) -> list[tuple[dict, str]]:
+        return [(self._structured, self._structured_param)] if self._structured is not None else []
+
+    @staticmethod
+    def _structured_spec(name: str, value: Any) -> tuple[dict, str]:
+        """(NAME_llm's structured_outputs, the field a mistake in it concerns)."""
+        if name in GUIDED:
+            return {GUIDED[name]: value}, name
+        if name == "structured_outputs":
+            if not isinstance(value, dict) or len(value) != 1:
+                raise OpenAIError(400, "'structured_outputs' must be an object with one of json, json_object, regex, "
+                                       "choice, grammar", name)
+            kind = next(iter(value))
+            return value, f"structured_outputs.{kind}"
+        kind = value.get("type") if isinstance(value, dict) else None
+        if kind == "json_object" and set(value) == {"type"}:
+            return {"json_object": True}, name
+        if kind == "json_schema" and set(value) == {"type", "json_schema"} and isinstance(value["json_schema"], dict):
+            js = value["json_schema"]
+            unknown = sorted(set(js) - {"name", "schema", "strict", "description"})
+            if unknown:
+                raise OpenAIError(400, f"Unrecognized request argument supplied: response_format.json_schema."
+                                       f"{unknown[0]}", f"response_format.json_schema.{unknown[0]}")
+            if not isinstance(js.get("name"), str) or not tooling.NAME.fullmatch(js["name"]):
+                raise OpenAIError(400, "'response_format.json_schema.name' is required: 1-64 letters, digits, '_' or "
+                                       "'-'", "response_format.json_schema.name")
+            if "strict" in js and not isinstance(js["strict"], bool) and js["strict"] is not None:
+                raise OpenAIError(400, "'response_format.json_schema.strict' must be true or false",
+                                  "response_format.json_schema.strict")
+            schema = js.get("schema", {})
+            if not isinstance(schema, dict):
+                raise OpenAIError(400, "'response_format.json_schema.schema' must be a JSON schema (an object)",
+                                  "response_format.json_schema.schema")
+            return {"json": schema}, "response_format.json_schema.schema"
+        raise OpenAIError(400, "'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                               "{\"type\": \"json_schema\", \"json_schema\": {\"name\": ..., \"schema\": {...}}}, "
+                               f"got {shown(value)}", name)
+
+    @model_validator(mode="after")
     def _together(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
@@ -160,7 +235,14 @@ class _Request(BaseModel):
             fields["ignore_eos"] = True
         if self.top_logprobs_asked is not None:
             fields["logprobs"] = self.top_logprobs_asked
+        if self.structured is not None:
+            fields["structured_outputs"] = orjson.dumps(self.structured).decode()
         return fields
+
+    @property
+    def structured(self) -> dict | None:
+        """The grammar the answer must follow (NAME_llm's structured_outputs), or None."""
+        return self._structured
 
     def prompt_fields(self) -> dict:
         raise NotImplementedError
@@ -207,25 +289,26 @@ class CompletionRequest(_Request):
 
 class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
-    ROLES: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "assistant")
+    ROLES: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "assistant", "tool")
 
     role: Any
-    content: Any
+    content: Any = None
     name: Any = None
+    tool_calls: Any = None  # an assistant's calls
+    tool_call_id: Any = None  # a tool message's answer to a call
 
     @field_validator("role", mode="before")
     @classmethod
     def _role(cls, v: Any) -> str:
         if v not in cls.ROLES:
-            raise ValueError(f"'role' must be one of {', '.join(cls.ROLES)} (tool messages need tools, which this "
-                             f"server does not serve yet), got {shown(v)}")
+            raise ValueError(f"'role' must be one of {', '.join(cls.ROLES)}, got {shown(v)}")
         return v
 
     @field_validator("content", mode="before")
     @classmethod
-    def _content(cls, v: Any) -> str:
-        """Text, or a list of text parts (joined by newlines, as vLLM joins them)."""
-        if isinstance(v, str):
+    def _content(cls, v: Any) -> str | None:
+        """Text, or a list of text parts (joined by newlines, as vLLM joins them); None only beside tool_calls."""
+        if v is None or isinstance(v, str):
             return v
         if isinstance(v, list) and v and all(isinstance(p, dict) and p.get("type") == "text" and set(p) ==
                                              {"type", "text"} and isinstance(p["text"], str) for p in v):
@@ -233,15 +316,57 @@ class ChatMessage(BaseModel):
         raise ValueError("'content' must be text or a list of text parts ({\"type\": \"text\", \"text\": ...}): "
                          "this server serves text only")
 
-    @field_validator("name", mode="before")
+    @field_validator("name", "tool_call_id", mode="before")
     @classmethod
-    def _name(cls, v: Any) -> str | None:
+    def _name(cls, v: Any, info) -> str | None:
         if v is not None and (not isinstance(v, str) or not v):
-            raise ValueError(f"'name' must be a non-empty string, got {shown(v)}")
+            raise ValueError(f"'{info.field_name}' must be a non-empty string, got {shown(v)}")
         return v
 
+    @field_validator("tool_calls", mode="before")
+    @classmethod
+    def _tool_calls(cls, v: Any) -> list[dict] | None:
+        if v is None:
+            return None
+        if not isinstance(v, list) or not v or not all(
+                isinstance(c, dict) and c.get("type", "function") == "function" and isinstance(c.get("id"), str) and
+                isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str) and
+                isinstance(c["function"].get("arguments"), str) for c in v):
+            raise ValueError("'tool_calls' must be a list of {\"id\": ..., \"type\": \"function\", \"function\": "
+                             "{\"name\": ..., \"arguments\": JSON text}}")
+        return v
+
+    @model_validator(mode="after")
+    def _shape(self):
+        if self.tool_calls is not None and self.role != "assistant":
+            raise ValueError("'tool_calls' belongs to assistant messages only")
+        if (self.tool_call_id is not None) != (self.role == "tool"):
+            raise ValueError("a tool message needs 'tool_call_id' (the call it answers), and only a tool message "
+                             "has one")
+        if self.content is None and self.tool_calls is None:
+            raise ValueError("'content' is required (an assistant message may have tool_calls instead)")
+        return self
+
     def wire(self) -> dict:
-        return {"role": self.role, "content": self.content, **({"name": self.name} if self.name else {})}
+        """As NAME_llm takes it: role, content, and name, tool_calls (arguments as objects, as chat templates read
+        them) or tool_call_id where given."""
+        out: dict = {"role": self.role, "content": self.content or ""}
+        if self.name:
+            out["name"] = self.name
+        if self.tool_calls:
+            out["tool_calls"] = [{"id": c["id"], "type": "function", "function": {
+                "name": c["function"]["name"], "arguments": _arguments(c["function"]["arguments"])}}
+                for c in self.tool_calls]
+        if self.tool_call_id:
+            out["tool_call_id"] = self.tool_call_id
+        return out
+
+
+def _arguments(text: str) -> Any:
+    try:
+        return orjson.loads(text)
+    except orjson.JSONDecodeError:
+        return text
 
 
 class ChatCompletionRequest(_Request):
@@ -254,8 +379,7 @@ class ChatCompletionRequest(_Request):
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    parallel_tool_calls: bool | None = None  # without tools it asks for nothing
-    response_format: Any = None
+    parallel_tool_calls: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None
@@ -284,20 +408,50 @@ class ChatCompletionRequest(_Request):
     def _top_logprobs(cls, v: Any) -> int | None:
         return None if v is None else _integer("top_logprobs", v, 0, MAX_LOGPROBS)
 
-    @field_validator("tools", "functions", mode="before")
-    @classmethod
-    def _tools(cls, v: Any, info) -> None:
-        _unserved(info.field_name, v, [])
+    _tools: list[tooling.Tool] = PrivateAttr(default_factory=list)
+    _tool_choice: str = PrivateAttr(default="none")
 
-    @field_validator("tool_choice", "function_call", mode="before")
+    @field_validator("functions", "function_call", mode="before")
     @classmethod
-    def _tool_choice(cls, v: Any, info) -> None:
-        _unserved(info.field_name, v, "none")  # "none" asks for what this server does anyway: no tool calls
+    def _functions(cls, v: Any, info) -> None:
+        if v is not None:
+            raise ValueError(f"'{info.field_name}' is OpenAI's deprecated form: send 'tools' and 'tool_choice'")
 
-    @field_validator("response_format", mode="before")
+    @field_validator("parallel_tool_calls", mode="before")
     @classmethod
-    def _response_format(cls, v: Any) -> None:
-        _unserved("response_format", v, {"type": "text"})
+    def _parallel(cls, v: Any) -> bool | None:
+        return None if v is None else _flag("parallel_tool_calls", v)
+
+    @model_validator(mode="after")
+    def _tooling(self):
+        try:
+            self._tools = tooling.read_tools(self.tools) if self.tools is not None else []
+            self._tool_choice = tooling.read_choice(self.tool_choice, self._tools)
+        except tooling.ToolError as e:
+            raise OpenAIError(400, str(e), e.param) from None
+        if self._tool_choice not in ("none", "auto"):
+            if self._structured is not None:
+                raise OpenAIError(400, f"tool_choice {self.tool_choice!r} makes the answer a tool call: leave the "
+                                       "structured output ('response_format', guided_*) out, or use tool_choice "
+                                       "auto", "tool_choice")
+            self._structured = tooling.grammar(self._tools, self._tool_choice,
+                                               self.parallel_tool_calls is not False)
+            self._structured_param = "tools"
+        return self
+
+    def _grammars(self) -> list[tuple[dict, str]]:
+        """Each tool's parameters schema, then the answer's grammar (a forced call's is made of those schemas)."""
+        own = [({"json": t.parameters}, f"tools[{i}].function.parameters") for i, t in enumerate(self._tools)]
+        return own + ([] if self._structured_param == "tools" else super()._grammars())
+
+    @property
+    def tool_list(self) -> list[tooling.Tool]:
+        return self._tools
+
+    @property
+    def tool_mode(self) -> str:
+        """none, auto, required, or the name of the function to call."""
+        return self._tool_choice
 
     @field_validator("modalities", mode="before")
     @classmethod
@@ -320,7 +474,10 @@ class ChatCompletionRequest(_Request):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def prompt_fields(self) -> dict:
-        return {"messages": orjson.dumps([m.wire() for m in self.messages]).decode()}
+        fields = {"messages": orjson.dumps([m.wire() for m in self.messages]).decode()}
+        if self._tools:
+            fields["tools"] = orjson.dumps([t.wire() for t in self._tools]).decode()
+        return fields
 
     @property
     def top_logprobs_asked(self) -> int | None:

@@ -31,6 +31,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from engine import PrefixCache, Sequence, engine_for
+from grammar import Grammars
 from ort_options import session_options
 from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
@@ -237,6 +238,7 @@ class TritonPythonModel:
                              PrefixCache(block, prefix_tokens) if prefix_tokens else None)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.eos = set(json.loads(params["eos_token_ids"]))
+        self.grammars = Grammars(self.tokenizer, self.eos)
         self.default_new_tokens = int(params["default_max_new_tokens"])
         self.max_positions = int(params["max_positions"])
         self.stream_interval = int(params.get("stream_interval", 1))
@@ -316,7 +318,7 @@ class TritonPythonModel:
         """A response (or the final flag alone) to a request, through the outbox."""
         self.outbox.post(lambda: out.sender.send(response, flags=flags))
 
-    def _chat_prompt(self, messages):
+    def _chat_prompt(self, messages, tools):
         try:
             chat = json.loads(messages)
         except (ValueError, RecursionError):
@@ -327,23 +329,44 @@ class TritonPythonModel:
             raise RequestError('messages must be a JSON list of {"role": ..., "content": ..., optional "name": ...} '
                                "with text content")
         for i, m in enumerate(chat):
-            extra = sorted(set(m) - {"role", "content", "name"})
-            if extra:
-                raise RequestError(f"messages[{i}] has {extra[0]!r}, which this model does not read: send role, "
-                                   "content and name only")
+            unread = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+            if unread:
+                raise RequestError(f"messages[{i}] has {unread[0]!r}, which this model does not read: send role, "
+                                   "content, name, tool_calls and tool_call_id only")
         if self.tokenizer.chat_template:
-            prompt = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+            extra: dict = {"tools": tools} if tools else {}
+            prompt = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **extra)
             named = [i for i, m in enumerate(chat) if m.get("name")]
             if named and prompt == self.tokenizer.apply_chat_template(
                     [{k: v for k, v in m.items() if k != "name"} for m in chat], tokenize=False,
-                    add_generation_prompt=True):
+                    add_generation_prompt=True, **extra):
                 raise RequestError(f"messages[{named[0]}].name: this model's chat template does not use a message's "
                                    "name: leave it out")
             return prompt
-        return "".join(f"{(m.get('name') or m['role']).upper()}:\n{m['content']}\n\n" for m in chat) + "ASSISTANT:\n"
+        return default_layout(chat, tools)
+
+    def _tools(self, read):
+        """The request's tools parameter (JSON text of OpenAI tool objects), or None."""
+        try:
+            value = json.loads(read.parameters or "{}").get("tools")
+        except ValueError:
+            return None
+        if value is None:
+            return None
+        try:
+            tools = json.loads(value) if isinstance(value, str) else None
+        except (ValueError, RecursionError):
+            tools = None
+        if not isinstance(tools, list) or not all(isinstance(t, dict) for t in tools):
+            raise RequestError("tools must be the JSON text of a list of tool objects "
+                               '({"type": "function", "function": {"name": ..., "parameters": {...}}})')
+        if read.messages is None:
+            raise RequestError("tools go with messages (a chat), not text_input")
+        return tools
 
     def _sequence(self, read):
-        prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages)
+        tools = self._tools(read)
+        prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools)
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
@@ -351,7 +374,7 @@ class TritonPythonModel:
         try:
             new_tokens, sampler, stop_ids = request_choices(
                 read.parameters, len(ids), read.max_new_tokens, self.default_new_tokens, positions, read.stop_ids,
-                self.eos)
+                self.eos, self.grammars)
         except SamplingError as e:
             raise RequestError(str(e)) from None
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), sampler
@@ -444,6 +467,25 @@ class TritonPythonModel:
     def _fail_all(self, error):
         for sequence in self.engine.clear():
             self._fail(sequence, error)
+
+
+def default_layout(chat, tools):
+    """A chat laid out for a tokenizer without a chat template, as the corpus lays out a play's speeches: "NAME-OR-ROLE:
+    \nCONTENT\n\n" ending in "ASSISTANT:\n"; with tools, a first SYSTEM speech lists them and asks for calls as
+    <tool_call>{"name": ..., "arguments": {...}}</tool_call>, and an assistant's calls are written so."""
+    speeches = []
+    if tools:
+        listed = "\n".join(json.dumps(t.get("function", t)) for t in tools)
+        speeches.append(("SYSTEM", "You may call these tools, each call written as <tool_call>{\"name\": NAME, "
+                                   "\"arguments\": {...}}</tool_call>:\n" + listed))
+    for m in chat:
+        content = m["content"]
+        for call in m.get("tool_calls") or []:
+            f = call.get("function", {})
+            content += "<tool_call>" + json.dumps({"name": f.get("name"), "arguments": f.get("arguments")}) + \
+                "</tool_call>"
+        speeches.append(((m.get("name") or m["role"]).upper(), content))
+    return "".join(f"{who}:\n{content}\n\n" for who, content in speeches) + "ASSISTANT:\n"
 
 
 def _text(request, name, limit, positions):

@@ -113,13 +113,16 @@ class SamplingParams:
 
 class Sampler:
     """One request's choices: `next(logits, prompt, output)` -> token id; with `logprobs` (K), `ranked(logits,
-    token)` -> the token's log-probability, and the K most likely tokens' ids and log-probabilities."""
+    token)` -> the token's log-probability, and the K most likely tokens' ids and log-probabilities. With a
+    `constraint` (grammar.Constraint: structured outputs), only the tokens its grammar allows are chosen from, after
+    the penalties and before temperature and the rest."""
 
-    def __init__(self, params: SamplingParams, logprobs: int | None = None):
+    def __init__(self, params: SamplingParams, logprobs: int | None = None, constraint=None):
         self.params = params
         self.logprobs = logprobs
+        self.constraint = constraint
         self.rng = np.random.default_rng(params.seed) if not params.greedy else None
-        self.plain_greedy = self.rng is None and params.repetition_penalty == 1.0 and not (
+        self.plain_greedy = self.rng is None and constraint is None and params.repetition_penalty == 1.0 and not (
             params.presence_penalty or params.frequency_penalty)
 
     def ranked(self, logits: np.ndarray, token: int) -> tuple[float, np.ndarray, np.ndarray]:
@@ -176,20 +179,27 @@ class Sampler:
             if np.isfinite(logits[token]):
                 return token
         logits = self.penalized(logits, prompt, output)
+        if self.constraint is not None:
+            logits[~self.constraint.allowed(logits.size)] = -np.inf
         if self.rng is None:
-            return int(np.argmax(logits))
-        cumulative = np.cumsum(_softmax(self.warped(logits)))
-        # the first token whose cumulative probability exceeds a uniform draw (never one with probability 0)
-        return int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+            token = int(np.argmax(logits))
+        else:
+            cumulative = np.cumsum(_softmax(self.warped(logits)))
+            # the first token whose cumulative probability exceeds a uniform draw (never one with probability 0)
+            token = int(np.searchsorted(cumulative, self.rng.random() * cumulative[-1], side="right"))
+        if self.constraint is not None:
+            self.constraint.accept(token)
+        return token
 
 
 def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndarray | None, default_new_tokens: int,
                     max_positions: int, stop_token_ids: np.ndarray | None,
-                    eos: set[int]) -> tuple[int, Sampler, set[int]]:
+                    eos: set[int], grammars=None) -> tuple[int, Sampler, set[int]]:
     """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
     prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
     and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids);
-    the `logprobs` parameter (alternatives per token, 0-20) is the sampler's.
+    the `logprobs` parameter (alternatives per token, 0-20) is the sampler's, and so is `structured_outputs` (a
+    grammar the answer must follow, made by `grammars`, grammar.Grammars: a caller without one refuses it).
     SamplingError names a mistake."""
     new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
     if new_tokens < 1:
@@ -198,10 +208,23 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
         raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                             f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
     params = json.loads(parameters or "{}")
-    sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS))
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise SamplingError(f"ignore_eos must be true or false, got {shown(ignore_eos)}")
+    constraint = None
+    if params.get("structured_outputs") is not None:
+        if grammars is None:
+            raise SamplingError("structured_outputs: this model does not enforce grammars; ask the streaming model "
+                                "(NAME_llm) or the gateway's OpenAI route")
+        if ignore_eos:
+            raise SamplingError("ignore_eos cannot go with structured_outputs: the grammar decides where the answer "
+                                "ends; leave ignore_eos out")
+        try:
+            constraint = grammars.constraint(params["structured_outputs"])
+        except ValueError as e:  # grammar.GrammarError: the grammar cannot be used
+            raise SamplingError(str(e)) from None
+    sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS),
+                      constraint)
     stops = set() if ignore_eos else set(eos)
     if stop_token_ids is not None:
         stops |= set(np.asarray(stop_token_ids).reshape(-1).tolist())
