@@ -16,12 +16,12 @@ import pytest
 @pytest.fixture
 def llm(monkeypatch):
     from dstool import engine
-    from dstool.serve.triton_models import ort_options, sampling
+    from dstool.serve.triton_models import grammar, ort_options, sampling
 
     fake = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
                                  Logger=types.SimpleNamespace(log_error=lambda message: None))
     for name, module in {"triton_python_backend_utils": fake, "engine": engine, "ort_options": ort_options,
-                         "sampling": sampling}.items():
+                         "sampling": sampling, "grammar": grammar}.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "dstool.serve.triton_models.llm", raising=False)
     return importlib.import_module("dstool.serve.triton_models.llm")

@@ -197,3 +197,51 @@ def test_langchain_bind_tools_and_with_structured_output(api):
     Add.model_validate(message.tool_calls[0]["args"])
     person = llm.with_structured_output(Person, method="json_schema").invoke("Who goes there?")
     assert isinstance(person, Person)
+
+
+def test_the_responses_api_with_the_official_client(api):
+    client = _client(api)
+    plain = client.responses.create(model="dstool_lm", input="Who goes there?", instructions="Answer as a guard.",
+                                    max_output_tokens=12, temperature=0)
+    chat = client.chat.completions.create(model="dstool_lm", max_tokens=12, temperature=0, messages=[
+        {"role": "system", "content": "Answer as a guard."}, {"role": "user", "content": "Who goes there?"}])
+    assert plain.output_text == chat.choices[0].message.content and plain.object == "response"
+    assert plain.usage.input_tokens == chat.usage.prompt_tokens and plain.usage.output_tokens <= 12
+    assert plain.status == ("incomplete" if chat.choices[0].finish_reason == "length" else "completed")
+
+    flat = [{"type": "function", **ADD["function"]}]
+    called = client.responses.create(model="dstool_lm", input="2 + 3?", tools=flat, max_output_tokens=60,
+                                     tool_choice={"type": "function", "name": "add"}, temperature=1.0)
+    call = called.output[0]
+    assert called.status == "completed" and call.type == "function_call" and call.name == "add"
+    jsonschema.validate(json.loads(call.arguments), _schema(ADD))
+    answered = client.responses.create(model="dstool_lm", tools=flat, max_output_tokens=8, temperature=0, input=[
+        {"role": "user", "content": "2 + 3?"},
+        {"type": "function_call", "call_id": call.call_id, "name": "add", "arguments": call.arguments},
+        {"type": "function_call_output", "call_id": call.call_id, "output": "5"}])
+    assert answered.usage.input_tokens > called.usage.input_tokens
+
+    schema = Person.model_json_schema()
+    shaped = client.responses.create(model="dstool_lm", input="Who?", max_output_tokens=200, temperature=1.0, text={
+        "format": {"type": "json_schema", "name": "Person", "schema": schema, "strict": True}})
+    jsonschema.validate(json.loads(shaped.output_text), schema)
+
+    with client.responses.stream(model="dstool_lm", input="2 + 3?", tools=flat, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=80, temperature=1.0) as stream:
+        kinds = [event.type for event in stream]
+        final = stream.get_final_response()
+    assert kinds[:3] == ["response.created", "response.in_progress", "response.output_item.added"]
+    assert kinds[-3:] == ["response.function_call_arguments.done", "response.output_item.done",
+                          "response.completed"]
+    jsonschema.validate(json.loads(final.output[0].arguments), _schema(ADD))
+
+    import openai
+
+    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
+                         ({"max_output_tokens": 0}, "max_output_tokens"),
+                         ({"tools": [{"type": "web_search"}]}, "tools[0]"),
+                         ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integr"}}}},
+                          "text.format.schema")):
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.responses.create(model="dstool_lm", input="Hi", **extra)
+        assert refused.value.param == param, (extra, refused.value.body)

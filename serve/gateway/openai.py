@@ -1,5 +1,8 @@
-"""The OpenAI API on the gateway's HTTP port: /v1/models, /v1/completions and /v1/chat/completions, served by a
-model family's NAME_llm (the streaming, continuous-batching model) through Triton's generate extension.
+"""The OpenAI API on the gateway's HTTP port: /v1/models, /v1/completions, /v1/chat/completions and /v1/responses
+(responses.py: run as the chat completion it asks for), served by a model family's NAME_llm (the streaming,
+continuous-batching model) through Triton's generate extension. Structured outputs (response_format, vLLM's
+guided_* and structured_outputs) are NAME_llm's grammar; tools (tools.py) are shown to the model, a forced call is
+made under its schema, and the text is read back as tool calls.
 
 `model` is the family's name (`dstool_lm`: its NAME_llm answers). Sampling parameters go to the model as they
 are (temperature — OpenAI's default 1 —, top_p, seed, presence/frequency_penalty, and vLLM's top_k, min_p,
@@ -26,6 +29,7 @@ import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from dstool.serve.gateway.responses import Writer, parse_responses, renamed
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
@@ -190,12 +194,17 @@ class OpenAIFrontend:
         try:
             if req.path == "/v1/models" and req.method == "GET":
                 return await self._models()
-            if req.path in ("/v1/completions", "/v1/chat/completions"):
+            if req.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                 if req.method != "POST":
                     raise OpenAIError(405, f"use POST for {req.path}")
-                return await self._complete(req, chat=req.path == "/v1/chat/completions")
-            raise OpenAIError(404, f"no route {req.method} {req.path}: the API has /v1/models, /v1/completions and "
-                                   "/v1/chat/completions")
+                if req.path == "/v1/responses":
+                    return await self._respond(req)
+                request = parse(req.body, ChatCompletionRequest if req.path == "/v1/chat/completions" else
+                                CompletionRequest)
+                await asyncio.to_thread(request.check_grammars)
+                return await self._complete(request, opts_out(req))
+            raise OpenAIError(404, f"no route {req.method} {req.path}: the API has /v1/models, /v1/completions, "
+                                   "/v1/chat/completions and /v1/responses")
         except OpenAIError as e:
             return error_response(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
@@ -211,16 +220,31 @@ class OpenAIFrontend:
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
 
-    async def _complete(self, req: HttpRequest, chat: bool):
-        request = parse(req.body, ChatCompletionRequest if chat else CompletionRequest)
-        await asyncio.to_thread(request.check_grammars)
+    async def _respond(self, req: HttpRequest):
+        """POST /v1/responses: the chat completion it asks for, written back in the Responses API's shape."""
+        asked = parse_responses(req.body)
+        body = asked.chat()
+        try:
+            request = parse(orjson.dumps(body), ChatCompletionRequest)
+            await asyncio.to_thread(request.check_grammars)
+        except OpenAIError as e:
+            raise renamed(e) from None
+        answer = await self._complete(request, opts_out(req))
+        writer = Writer(asked, body)
+        if isinstance(answer, StreamingResponse):
+            return StreamingResponse(200, answer.headers, writer.events(answer.body), answer.close)
+        return HttpResponse(200, [orjson.dumps(writer.whole(orjson.loads(b"".join(answer.chunks))))],
+                            [("Content-Type", "application/json")])
+
+    async def _complete(self, request, opt_out: bool):
+        """A completion or chat completion request, validated: its answer, whole or streamed."""
+        chat = isinstance(request, ChatCompletionRequest)
         max_tokens = request.max_new_tokens or self.default_max_tokens
         calls = isinstance(request, ChatCompletionRequest) and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream, calls=Calls(
             request.tool_list, request.tool_mode) if isinstance(request, ChatCompletionRequest) and calls else None)
             for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
-        opt_out = opts_out(req)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
                                                                  "max_new_tokens": max_tokens}, c, events, opt_out))
                  for c in choices]

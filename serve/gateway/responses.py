@@ -1,0 +1,314 @@
+"""OpenAI's Responses API (POST /v1/responses), stateless: a request is read as its own type, turns into the chat
+completion it asks for (input items -> messages, `instructions` -> a system message first, function tools, `text.format`
+-> response_format), runs as one, and its answer is written back as a Response object — or, streamed, as the
+Responses events (response.created ... response.completed) made from the chat chunks as they come.
+
+Nothing is stored: `store` true, `previous_response_id` and `background` are refused (send the conversation as
+input items, as a stateless client does); so are fields that change the answer and are not served (`reasoning`,
+`include`, hosted tools)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+import orjson
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from dstool.serve.gateway.protocol import OpenAIError, _error
+from dstool.serve.triton_models.sampling import shown
+
+# chat fields -> the Responses field a client sent
+PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
+          "response_format": "text.format", "messages": "input"}
+
+
+class ResponsesRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    model: Any = None
+    input: Any = None
+    instructions: Any = None
+    max_output_tokens: Any = None
+    temperature: Any = None
+    top_p: Any = None
+    tools: Any = None
+    tool_choice: Any = None
+    parallel_tool_calls: Any = None
+    text: Any = None
+    stream: Any = False
+    store: Any = None
+    previous_response_id: Any = None
+    background: Any = None
+    reasoning: Any = None
+    include: Any = None
+    truncation: Any = None
+    max_tool_calls: Any = None
+    top_logprobs: Any = None
+    # taken, not used: they do not change the answer
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    def chat(self) -> dict:
+        """The chat completion request this asks for; OpenAIError (400) naming a field not served or wrong."""
+        unserved: tuple[tuple[str, tuple[Any, ...]], ...] = (
+            ("store", (False, None)), ("previous_response_id", (None,)), ("background", (False, None)),
+            ("reasoning", (None,)), ("include", (None, [])), ("truncation", (None, "disabled")),
+            ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)))
+        for name, asks_nothing in unserved:
+            value = getattr(self, name)
+            if not any(value == a and type(value) is type(a) for a in asks_nothing):
+                why = "this server keeps no responses: send the conversation as input items" if name in (
+                    "store", "previous_response_id", "background") else "it is not supported by this server"
+                raise OpenAIError(400, f"'{name}' {shown(value)}: {why}", name)
+        body: dict = {"model": self.model, "messages": [*self._instructions(), *_messages(self.input)],
+                      "stream": self.stream}
+        for name, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
+                           ("parallel_tool_calls", "parallel_tool_calls")):
+            if getattr(self, name) is not None:
+                body[chat] = getattr(self, name)
+        if self.tools is not None:
+            body["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)] if isinstance(self.tools, list) \
+                else self.tools
+        if self.tool_choice is not None:
+            choice = self.tool_choice
+            if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
+                choice = {"type": "function", "function": {"name": choice["name"]}}
+            body["tool_choice"] = choice
+        if self.text is not None:
+            body["response_format"] = _format(self.text)
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    def _instructions(self) -> list[dict]:
+        if self.instructions is None:
+            return []
+        if not isinstance(self.instructions, str):
+            raise OpenAIError(400, f"'instructions' must be a string, got {shown(self.instructions)}", "instructions")
+        return [{"role": "system", "content": self.instructions}]
+
+
+def _messages(value: Any) -> list[dict]:
+    """Input items as chat messages: a string is one user message; messages keep their role (their content text or
+    input_text/output_text parts); function_call items become an assistant's tool_calls, function_call_output
+    items tool messages."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if not isinstance(value, list) or not value:
+        raise OpenAIError(400, "'input' must be text or a non-empty list of input items", "input")
+    messages: list[dict] = []
+    for i, item in enumerate(value):
+        at = f"input[{i}]"
+        kind = item.get("type", "message") if isinstance(item, dict) else None
+        if kind == "message":
+            unknown = sorted(set(item) - {"type", "role", "content", "id", "status"})
+            if unknown:
+                raise OpenAIError(400, f"Unrecognized request argument supplied: {at}.{unknown[0]}",
+                                  f"{at}.{unknown[0]}")
+            messages.append({"role": item.get("role"), "content": _content(item.get("content"), at)})
+        elif kind == "function_call":
+            call = {"id": item.get("call_id"), "type": "function",
+                    "function": {"name": item.get("name"), "arguments": item.get("arguments")}}
+            if messages and messages[-1]["role"] == "assistant" and "tool_calls" in messages[-1]:
+                messages[-1]["tool_calls"].append(call)
+            else:
+                messages.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            output = item.get("output")
+            messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
+                             "content": output if isinstance(output, str) else _content(output, f"{at}.output")})
+        else:
+            raise OpenAIError(400, f"'{at}' must be a message, function_call or function_call_output item, got "
+                                   f"{shown(item)}", at)
+    return messages
+
+
+def _content(value: Any, at: str) -> Any:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and value and all(
+            isinstance(p, dict) and p.get("type") in ("input_text", "output_text") and isinstance(p.get("text"), str)
+            for p in value):
+        return [{"type": "text", "text": p["text"]} for p in value]
+    raise OpenAIError(400, f"'{at}.content' must be text or a list of input_text parts: this server serves text only",
+                      f"{at}.content")
+
+
+def _tool(tool: Any, i: int) -> Any:
+    """A Responses function tool (flat) as a chat tool."""
+    if isinstance(tool, dict) and tool.get("type") == "function":
+        return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
+    raise OpenAIError(400, f"'tools[{i}]' must be a function tool: this server serves no hosted tools",
+                      f"tools[{i}]")
+
+
+def _format(text: Any) -> Any:
+    fmt = text.get("format") if isinstance(text, dict) and set(text) <= {"format", "verbosity"} else None
+    if not isinstance(fmt, dict):
+        raise OpenAIError(400, "'text' must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", "
+                               "...}}", "text")
+    if fmt.get("type") == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return fmt
+
+
+def parse_responses(body: bytes) -> ResponsesRequest:
+    try:
+        value = orjson.loads(body)
+    except orjson.JSONDecodeError as e:
+        raise OpenAIError(400, f"the body is not JSON: {e}") from None
+    if not isinstance(value, dict):
+        raise OpenAIError(400, "the body must be a JSON object")
+    try:
+        return ResponsesRequest.model_validate(value)
+    except ValidationError as e:
+        raise _error(e) from None
+
+
+def renamed(e: OpenAIError) -> OpenAIError:
+    """A chat request's error in the Responses request's names."""
+    for chat, ours in PARAMS.items():
+        if e.param and e.param.startswith(chat):
+            e.param = ours + e.param[len(chat):]
+            e.message = e.message.replace(f"'{chat}", f"'{ours}")
+            break
+    return e
+
+
+class Writer:
+    """A Response object built from a chat completion: whole (`whole`), or as Responses events from its stream's
+    chunks (`events`)."""
+
+    def __init__(self, request: ResponsesRequest, chat: dict):
+        self.request, self.chat = request, chat
+        self.ident = "resp_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.sequence = 0
+
+    def response(self, status: str, output: list[dict], usage: dict | None = None, reason: str | None = None) -> dict:
+        r = self.request
+        fmt = self.chat.get("response_format") or {"type": "text"}
+        if fmt.get("type") == "json_schema":
+            fmt = {"type": "json_schema", **fmt["json_schema"]}
+        return {"id": self.ident, "object": "response", "created_at": self.created, "status": status,
+                "error": None, "incomplete_details": {"reason": reason} if reason else None,
+                "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": r.model,
+                "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
+                "previous_response_id": None, "reasoning": None, "store": False,
+                "temperature": r.temperature if r.temperature is not None else 1.0, "text": {"format": fmt},
+                "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
+                "tools": r.tools or [], "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled",
+                "usage": _usage(usage) if usage else None, "user": r.user, "metadata": r.metadata or {}}
+
+    def whole(self, completion: dict) -> dict:
+        choice = completion["choices"][0]
+        message = choice["message"]
+        output = []
+        if message.get("content") or not message.get("tool_calls"):
+            output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"] or "", "completed"))
+        for call in message.get("tool_calls") or []:
+            output.append(_call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"],
+                                     call["function"]["arguments"], "completed"))
+        cut = choice["finish_reason"] == "length"
+        return self.response("incomplete" if cut else "completed", output, completion["usage"],
+                             "max_output_tokens" if cut else None)
+
+    def _event(self, kind: str, **fields) -> bytes:
+        self.sequence += 1
+        return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
+            {"type": kind, "sequence_number": self.sequence - 1, **fields}) + b"\n\n"
+
+    async def events(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+        """The Responses events of a chat stream (its `data:` chunks, the last with usage, then [DONE])."""
+        yield self._event("response.created", response=self.response("in_progress", []))
+        yield self._event("response.in_progress", response=self.response("in_progress", []))
+        output: list[dict] = []
+        text: dict | None = None  # the message item being written
+        calls: dict[int, dict] = {}  # tool-call index -> its function_call item
+        finish, usage = None, None
+        async for chunk in chunks:
+            if not chunk.startswith(b"data: {"):
+                continue
+            d = orjson.loads(chunk[len(b"data: "):])
+            if "error" in d:
+                yield self._event("error", code=d["error"].get("code"), message=d["error"].get("message"),
+                                  param=d["error"].get("param"))
+                return
+            usage = d.get("usage") or usage
+            for c in d.get("choices") or []:
+                delta, finish = c.get("delta") or {}, c.get("finish_reason") or finish
+                if delta.get("content"):
+                    if text is None:
+                        text = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
+                        output.append(text)
+                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=text)
+                        yield self._event("response.content_part.added", item_id=text["id"],
+                                          output_index=len(output) - 1, content_index=0, part=_part(""))
+                    text["content"][0]["text"] += delta["content"]
+                    yield self._event("response.output_text.delta", item_id=text["id"],
+                                      output_index=output.index(text), content_index=0, delta=delta["content"],
+                                      logprobs=[])
+                for tc in delta.get("tool_calls") or []:
+                    if tc["index"] not in calls:
+                        if text is not None:
+                            for event in self._close_text(text, output):
+                                yield event
+                            text = None
+                        f = tc.get("function") or {}
+                        item = _call_item("fc_" + uuid.uuid4().hex, tc.get("id"), f.get("name"), "", "in_progress")
+                        calls[tc["index"]] = item
+                        output.append(item)
+                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=item)
+                    item = calls[tc["index"]]
+                    piece = (tc.get("function") or {}).get("arguments") or ""
+                    if piece:
+                        item["arguments"] += piece
+                        yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                          output_index=output.index(item), delta=piece)
+        if text is not None:
+            for event in self._close_text(text, output):
+                yield event
+        for item in calls.values():
+            item["status"] = "completed"
+            yield self._event("response.function_call_arguments.done", item_id=item["id"],
+                              output_index=output.index(item), name=item["name"], arguments=item["arguments"])
+            yield self._event("response.output_item.done", output_index=output.index(item), item=item)
+        cut = finish == "length"
+        final = self.response("incomplete" if cut else "completed", output, usage,
+                              "max_output_tokens" if cut else None)
+        yield self._event("response.incomplete" if cut else "response.completed", response=final)
+
+    def _close_text(self, text: dict, output: list[dict]) -> list[bytes]:
+        at, part = output.index(text), text["content"][0]
+        text["status"] = "completed"
+        return [self._event("response.output_text.done", item_id=text["id"], output_index=at, content_index=0,
+                            text=part["text"], logprobs=[]),
+                self._event("response.content_part.done", item_id=text["id"], output_index=at, content_index=0,
+                            part=part),
+                self._event("response.output_item.done", output_index=at, item=text)]
+
+
+def _part(text: str) -> dict:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+def _message_item(ident: str, text: str, status: str) -> dict:
+    return {"type": "message", "id": ident, "status": status, "role": "assistant", "content": [_part(text)]}
+
+
+def _call_item(ident: str, call_id: str | None, name: str | None, arguments: str, status: str) -> dict:
+    return {"type": "function_call", "id": ident, "call_id": call_id, "name": name, "arguments": arguments,
+            "status": status}
+
+
+def _usage(usage: dict) -> dict:
+    return {"input_tokens": usage["prompt_tokens"],
+            "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
+            "total_tokens": usage["total_tokens"]}
