@@ -7,7 +7,10 @@ weights) is exported first. Greedy, 25-token prompts, medians of interleaved rou
 - 1 stream: tokens/s and time to the first token;
 - 16 streams submitted together: tokens/s (what a static batch does too);
 - 16 streams arriving one per decoding step: tokens/s and the queue wait of each (steps from its arrival to
-  its first token: 1 means it joined the running batch at the next step).
+  its first token: 1 means it joined the running batch at the next step);
+- 16 streams submitted together, each under a JSON schema (structured outputs: llguidance's mask every token; an
+  array of at least 1,000 short strings, so no stream ends early): tokens/s, and the grammar's share of a step (the
+  time its masks and token checks took, over the run's time).
 
 With --memory instead: 64 requests with long prompts (--prompt-tokens, default 3/4 of the model's positions, each its
 own text after a shared first half, so the prefix cache holds something) arrive together at an engine set up as
@@ -28,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
+SCHEMA = {"type": "array", "items": {"type": "string", "maxLength": 12}, "minItems": 1000}
 sys.path.insert(0, str(HERE))
 
 
@@ -47,6 +51,7 @@ def main() -> int:
 
     from dstool.engine import Sequence, engine_for
     from dstool.serve.export.repository import cache_shapes
+    from dstool.serve.triton_models.grammar import Grammars
     from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -75,9 +80,35 @@ def main() -> int:
             return memory(a, session, shapes, repo / f"{name}_llm" / "config.pbtxt", rng)
         prompts = [rng.integers(5, 4000, 25).tolist() for _ in range(16)]
 
-        def sequence(i: int) -> Sequence:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(repo / f"{name}_llm" / version.name)
+        grammars = Grammars(tokenizer, {tokenizer.eos_token_id})
+        in_grammar = [0.0]  # seconds spent in the grammar's masks and token checks
+
+        def timed(constraint):
+            allowed, accept = constraint.allowed, constraint.accept
+
+            def allowed_timed(size):
+                began = time.perf_counter()
+                try:
+                    return allowed(size)
+                finally:
+                    in_grammar[0] += time.perf_counter() - began
+
+            def accept_timed(token):
+                began = time.perf_counter()
+                accept(token)
+                in_grammar[0] += time.perf_counter() - began
+
+            constraint.allowed, constraint.accept = allowed_timed, accept_timed
+            return constraint
+
+        def sequence(i: int, schema: bool = False) -> Sequence:
             # eos never stops a run (every stream makes new_tokens tokens, as in the other systems' runs)
-            return Sequence(str(i), prompts[i], a.new_tokens, Sampler(SamplingParams()).next, set())
+            constraint = timed(grammars.constraint({"json": SCHEMA})) if schema else None
+            return Sequence(str(i), prompts[i], a.new_tokens, Sampler(SamplingParams(), constraint=constraint).next,
+                            set())
 
         def one_stream() -> dict:
             engine = engine_for(session, shapes)
@@ -98,6 +129,17 @@ def main() -> int:
                 engine.step()
             return {"tokens_per_s": 16 * a.new_tokens / (time.perf_counter() - started)}
 
+        def under_schema() -> dict:
+            engine = engine_for(session, shapes)
+            for i in range(16):
+                engine.add(sequence(i, schema=True))
+            in_grammar[0] = 0.0
+            started = time.perf_counter()
+            while engine.busy:
+                engine.step()
+            took = time.perf_counter() - started
+            return {"tokens_per_s": 16 * a.new_tokens / took, "grammar_share_pct": 100 * in_grammar[0] / took}
+
         def staggered() -> dict:
             engine = engine_for(session, shapes)
             arrived, waits, step = {}, [], 0
@@ -115,7 +157,8 @@ def main() -> int:
 
         runs: dict[str, list[dict]] = {}
         for r in range(a.rounds):
-            for label, fn in (("1 stream", one_stream), ("16 together", together), ("16 staggered", staggered)):
+            for label, fn in (("1 stream", one_stream), ("16 together", together), ("16 staggered", staggered),
+                              ("16 together, JSON schema", under_schema)):
                 runs.setdefault(label, []).append(fn())
             print(f"round {r + 1} of {a.rounds} done", flush=True)
     print(f"\n{a.new_tokens} new tokens per stream, 25-token prompts, greedy; medians of {a.rounds} rounds\n")

@@ -126,10 +126,17 @@ def _infer(cfg) -> int:
         return _infer_edge(cfg)
     from dstool.serve.runtime import client
 
-    if cfg.prompt is not None and (cfg.stream or cfg.openai):
-        pieces = client.openai_text(cfg.address, cfg.model, cfg.prompt, cfg.max_new_tokens, cfg.sampling(),
-                                    cfg.stream) if cfg.openai else \
-            client.stream_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens, cfg.sampling())
+    structured = cfg.structured()
+    if cfg.prompt is not None and (cfg.stream or cfg.openai or structured):  # a grammar is MODEL_llm's to enforce
+        if cfg.openai:
+            pieces = client.openai_text(cfg.address, cfg.model, cfg.prompt, cfg.max_new_tokens, {
+                **cfg.sampling(), **({"structured_outputs": structured} if structured else {})}, cfg.stream)
+        else:
+            pieces = client.stream_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens, {
+                **cfg.sampling(), **({"structured_outputs": json.dumps(structured)} if structured else {})})
+        if structured and not cfg.stream:  # the answer alone, whole: a program reads it as JSON
+            print("".join(pieces))
+            return 0
         print(cfg.prompt, end="", flush=True)
         for piece in pieces:
             print(piece, end="", flush=True)
@@ -147,18 +154,22 @@ def _infer(cfg) -> int:
 
 def _infer_edge(cfg) -> int:
     from dstool.serve import edge
+    from dstool.serve.triton_models.grammar import Grammars
     from dstool.serve.triton_models.sampling import SamplingError, request_choices
 
     model = edge.EdgeModel(cfg.edge, cfg.memory_cap_mb)
     prompt_ids = model.tokenizer.encode(cfg.prompt).ids
+    structured = cfg.structured()
+    params = {**cfg.sampling(), **({"structured_outputs": json.dumps(structured)} if structured else {})}
+    eos = set(model.manifest.eos_token_ids)
     try:
-        new_tokens, sampler, stops = request_choices(json.dumps(cfg.sampling()), len(prompt_ids), cfg.max_new_tokens,
-                                                     32, model.manifest.max_positions, None,
-                                                     set(model.manifest.eos_token_ids))
+        new_tokens, sampler, stops = request_choices(json.dumps(params), len(prompt_ids), cfg.max_new_tokens, 32,
+                                                     model.manifest.max_positions, None, eos,
+                                                     Grammars(model.tokenizer, eos))
     except SamplingError as e:
         raise UsageError(str(e)) from None
     result = model.generate(cfg.prompt, new_tokens, sampler.next, stops)
-    print(cfg.prompt + result.text)
+    print(result.text if structured else cfg.prompt + result.text)
     dlog.log.info(f"dstool infer: {edge.stats_line(result.stats)}")
     return 0
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -296,6 +297,32 @@ class SamplingOptions(CommandConfig):
     presence_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's presence penalty")
     frequency_penalty: float | None = Field(None, ge=-2, le=2, description="OpenAI's frequency penalty")
     seed: int | None = Field(None, ge=0, description="the same seed, the same sampled text")
+    json_schema: str | None = Field(None, description="a JSON schema file the answer must follow (structured "
+                                    "outputs: enforced by the grammar engine while sampling)",
+                                    json_schema_extra={"cli": {"metavar": "FILE"}})
+
+    def structured(self) -> dict | None:
+        """--json-schema as the models' structured_outputs parameter (checked when the config was read)."""
+        return None if self.json_schema is None else {"json": json.loads(Path(self.json_schema).read_text())}
+
+    @field_validator("json_schema")
+    @classmethod
+    def _json_schema(cls, v: str | None) -> str | None:
+        if v is None:
+            return v
+        from dstool.serve.triton_models.grammar import GrammarError, grammar_of
+
+        try:
+            schema = json.loads(Path(v).read_text())
+        except OSError as e:
+            raise ValueError(f"--json-schema {v}: cannot read it ({e.strerror})") from None
+        except ValueError as e:
+            raise ValueError(f"--json-schema {v}: not JSON ({e})") from None
+        try:
+            grammar_of({"json": schema})
+        except GrammarError as e:
+            raise ValueError(f"--json-schema {v}: {str(e).split(': ', 1)[-1]}") from None
+        return v
 
     def sampling(self) -> dict:
         """The options given, as the models' request parameters."""
@@ -349,8 +376,12 @@ class InferConfig(SamplingOptions):
     def _one_input(self) -> InferConfig:
         if (self.prompt is None) == (self.ids is None):
             raise ValueError("give a PROMPT to generate from, or --ids for the tensor model (one of the two)")
-        if self.ids is not None and (self.stream or self.openai or self.sampling()):
-            raise ValueError("--stream, --openai and sampling options generate text: give a PROMPT, not --ids")
+        if self.ids is not None and (self.stream or self.openai or self.sampling() or self.json_schema):
+            raise ValueError("--stream, --openai, --json-schema and sampling options generate text: give a PROMPT, "
+                             "not --ids")
+        if self.json_schema and not self.kv_cache:
+            raise ValueError("--json-schema is enforced by MODEL_llm, which always decodes with the key/value cache: "
+                             "drop --no-kv-cache")
         if self.openai and self.protocol != "http":
             raise ValueError("--openai speaks HTTP to the gateway: drop --protocol grpc")
         if self.edge is None and self.memory_cap_mb is not None:
@@ -390,6 +421,9 @@ class BatchConfig(SamplingOptions):
     column: str = Field("prompt", description="the input column of text")
     ids_column: str | None = Field(None, description="an input column of token-id lists to use instead of text "
                                    "(--engine onnx)")
+    schema_column: str | None = Field(None, description="an input column of JSON schemas (JSON text), one per row, "
+                                      "each row's answer following its own (an empty cell: --json-schema's, or "
+                                      "none); --engine onnx")
     max_new_tokens: int | None = Field(None, ge=1, le=2**31 - 1, description="tokens to generate per row (default: "
                                        "the model's)")
     master: str | None = Field(None, description="Spark master: local[N], spark://HOST:7077, k8s://..., yarn "
@@ -417,7 +451,11 @@ class BatchConfig(SamplingOptions):
         if self.ids_column is not None and self.engine == "triton":
             raise ValueError("--ids-column needs --engine onnx (the served generation model takes text): give a text "
                              "--column or --engine onnx")
-        if self.task == "score" and (self.sampling() or self.max_new_tokens is not None):
-            raise ValueError("--task score reads the texts as they are: drop the sampling and --max-new-tokens "
-                             "options")
+        if self.task == "score" and (self.sampling() or self.max_new_tokens is not None or self.json_schema or
+                                     self.schema_column):
+            raise ValueError("--task score reads the texts as they are: drop the sampling, --json-schema, "
+                             "--schema-column and --max-new-tokens options")
+        if (self.json_schema or self.schema_column) and self.engine == "triton":
+            raise ValueError("--json-schema and --schema-column need --engine onnx (the grammar runs in each "
+                             "executor's sampler; the served generate model enforces none)")
         return self

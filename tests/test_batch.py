@@ -185,3 +185,30 @@ def test_bad_input_is_one_line_or_recorded_per_row(repo, tmp_path):
     m = _batch(input=str(tmp_path / "ids.jsonl"), repository=str(repo), output=str(tmp_path / "o4"),
                ids_column="ids", on_error="record", max_new_tokens=4)
     assert m.figures.rows == 1 and "outside the vocabulary" in (tmp_path / "o4" / "failures.jsonl").read_text()
+
+
+def test_a_json_schema_per_job_and_per_row(repo, tmp_path):
+    """Every answer follows its row's schema, or the job's (the grammar runs in the executors' sampler)."""
+    import jsonschema
+
+    job = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 10},
+                                            "age": {"type": "integer", "minimum": 0, "maximum": 120}},
+           "required": ["name", "age"]}
+    own = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"]}
+    (tmp_path / "job.json").write_text(json.dumps(job))
+    rows = [{"prompt": f"KING {i}:", "schema": json.dumps(own) if i % 2 else None} for i in range(6)]
+    rows.append({"prompt": "QUEEN:", "schema": "{not json"})
+    (tmp_path / "in.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    m = _batch(input=str(tmp_path / "in.jsonl"), repository=str(repo), output=str(tmp_path / "o"), partitions=1,
+               json_schema=str(tmp_path / "job.json"), schema_column="schema", max_new_tokens=120, temperature=1.0,
+               seed=4, on_error="record")
+    assert m.figures.rows == 6 and m.figures.failed == 1
+    for _, row in _rows(tmp_path / "o").iterrows():
+        assert row["finish_reason"] == "stop", row["text"]
+        jsonschema.validate(json.loads(row["text"]), own if row["row"] % 2 else job)
+    assert "schema is not a JSON schema" in (tmp_path / "o" / "failures.jsonl").read_text()
+    (tmp_path / "bad.json").write_text('{"type": "integr"}')
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--json-schema", str(tmp_path / "bad.json")),
+                         "integr")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--json-schema", str(tmp_path / "job.json"),
+                             "--engine", "triton"), "--engine onnx")

@@ -215,3 +215,15 @@ def test_bad_input_is_one_line(package, trained, tmp_path):
                              str(tmp_path / "o")), "more than the model's 4 decoder layers")
     one_line_usage_error(cli("infer", "--edge", str(tmp_path / "notes"), "ROMEO:"), "dstool export --target edge")
     one_line_usage_error(cli("infer", "ROMEO:", "--memory-cap-mb", "64"), "--memory-cap-mb applies to --edge only")
+
+
+def test_infer_edge_follows_a_json_schema(package, tmp_path):
+    import jsonschema
+
+    schema = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 8},
+                                               "n": {"type": "integer", "minimum": 0, "maximum": 50}},
+              "required": ["word", "n"]}
+    (tmp_path / "schema.json").write_text(json.dumps(schema))
+    out = dstool("infer", "--edge", str(package), PROMPTS[1], "--max-new-tokens", "60", "--temperature", "1",
+                 "--seed", "2", "--json-schema", str(tmp_path / "schema.json"))
+    jsonschema.validate(json.loads(out.stdout.splitlines()[0]), schema)  # the answer alone, then the figures

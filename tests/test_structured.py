@@ -245,3 +245,16 @@ def test_the_responses_api_with_the_official_client(api):
         with pytest.raises(openai.BadRequestError) as refused:
             client.responses.create(model="dstool_lm", input="Hi", **extra)
         assert refused.value.param == param, (extra, refused.value.body)
+
+
+def test_dstool_infer_json_schema_on_triton_and_the_openai_route(api, server, tmp_path):
+    from conftest import cli, dstool, one_line_usage_error
+
+    schema = Person.model_json_schema()
+    (tmp_path / "person.json").write_text(json.dumps(schema))
+    for url, extra in ((server.http_url, ()), (server.grpc_url, ("--protocol", "grpc")), (api.http_url, ("--openai",))):
+        out = dstool("infer", "Who goes there?", "--url", url, "--json-schema", str(tmp_path / "person.json"),
+                     "--max-new-tokens", "200", "--temperature", "1", "--seed", "6", *extra)
+        jsonschema.validate(json.loads(out.stdout), schema)
+    (tmp_path / "bad.json").write_text('{"type": "object", "properties": {"a": {"type": "strin"}}}')
+    one_line_usage_error(cli("infer", "x", "--json-schema", str(tmp_path / "bad.json")), "strin")

@@ -168,7 +168,9 @@ def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
         "cache_shapes": repository.cache_shapes(llm / "config.pbtxt"),
         "eos": tuple(json.loads(params["eos_token_ids"])), "max_positions": int(params["max_positions"]),
         "max_prompt_bytes": int(params.get("max_prompt_bytes", 256 * int(params["max_positions"]))),
-        "default_new_tokens": int(params["default_max_new_tokens"]), "sampling": json.dumps(cfg.sampling()),
+        "default_new_tokens": int(params["default_max_new_tokens"]), "sampling": json.dumps(
+            {**cfg.sampling(), **({"structured_outputs": json.dumps(cfg.structured())} if cfg.json_schema else {})}),
+        "schema_column": cfg.schema_column,
         "max_new_tokens": cfg.max_new_tokens, "max_batch": cfg.max_batch, "concurrency": cfg.concurrency,
         "url": cfg.url}
 
@@ -257,6 +259,9 @@ def _read(spark, cfg: BatchConfig):
         raise UsageError(f"input {cfg.input} has no column '{wanted}' (it has: {', '.join(df.columns) or 'none'}): "
                          f"pass {flag} NAME")
     _check_column_type(cfg, df.schema[wanted].dataType)
+    if cfg.schema_column is not None and cfg.schema_column not in df.columns:
+        raise UsageError(f"input {cfg.input} has no column '{cfg.schema_column}' (it has: {', '.join(df.columns)}): "
+                         "--schema-column names the column of JSON schemas")
     digest = hashlib.sha256()
     for p in files if local else []:
         digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{sha256_file(p)}\n".encode())
@@ -287,8 +292,9 @@ def _job_digest(cfg: BatchConfig, source: BatchInput, d: Deployment, partitions:
     """What decides the output's rows: a re-run with the same digest resumes."""
     decided = {"input": source.fingerprint, "rows": source.rows, "model": [d.name, d.version, d.graphs],
                "partitions": partitions,
-               **cfg.model_dump(include={"task", "engine", "column", "ids_column", "max_new_tokens", "format",
-                                         *cfg.sampling()})}
+               "structured": cfg.structured(),
+               **cfg.model_dump(include={"task", "engine", "column", "ids_column", "schema_column", "max_new_tokens",
+                                         "format", *cfg.sampling()})}
     return hashlib.sha256(json.dumps(decided, sort_keys=True).encode()).hexdigest()
 
 

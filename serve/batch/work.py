@@ -44,7 +44,8 @@ class Plan:
     max_positions: int
     max_prompt_bytes: int  # longer text cannot fit in max_positions: refused untokenized
     default_new_tokens: int
-    sampling: str  # the request parameters, JSON
+    sampling: str  # the request parameters, JSON (structured_outputs: --json-schema's grammar)
+    schema_column: str | None  # a column of JSON schemas, each row's own grammar
     max_new_tokens: int | None
     max_batch: int
     concurrency: int
@@ -125,15 +126,34 @@ def _prepare(rows: list[tuple[int, dict]], make) -> tuple[dict, list[tuple[int, 
     return made, failures
 
 
-def _choices(plan: Plan, prompt_tokens: int):
+def _choices(plan: Plan, prompt_tokens: int, row: dict):
     from dstool.serve.triton_models.sampling import SamplingError, request_choices
 
     asked = None if plan.max_new_tokens is None else np.array([plan.max_new_tokens])
+    parameters = plan.sampling
+    own = row.get(plan.schema_column) if plan.schema_column else None
+    if own:  # this row's schema, in place of the job's
+        try:
+            parameters = json.dumps({**json.loads(plan.sampling),
+                                     "structured_outputs": json.dumps({"json": json.loads(own)})})
+        except (ValueError, TypeError, RecursionError):
+            raise RowFailed(f"{plan.schema_column} is not a JSON schema (JSON text): {str(own)[:60]!r}") from None
     try:
-        return request_choices(plan.sampling, prompt_tokens, asked, plan.default_new_tokens, plan.max_positions,
-                               None, set(plan.eos))
+        return request_choices(parameters, prompt_tokens, asked, plan.default_new_tokens, plan.max_positions,
+                               None, set(plan.eos), _grammars(plan))
     except SamplingError as e:
         raise RowFailed(str(e)) from None
+
+
+def _grammars(plan: Plan):
+    """The grammar engine's view of the tokenizer, made once per executor."""
+    from dstool.serve.triton_models.grammar import Grammars
+
+    tokenizer = _load("tokenizer", plan.tokenizer)
+    with _LOCK:
+        if ("grammars", plan.tokenizer) not in _LOADED:
+            _LOADED["grammars", plan.tokenizer] = Grammars(tokenizer, set(plan.eos))
+        return _LOADED["grammars", plan.tokenizer]
 
 
 # ---- loaded once per executor process --------------------------------------------------------------------
@@ -175,7 +195,7 @@ def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict]
 
     def job(row: dict) -> tuple:
         ids = _prompt_ids(plan, tokenizer, row)
-        return (ids, *_choices(plan, len(ids)), row.get(plan.column))
+        return (ids, *_choices(plan, len(ids), row), row.get(plan.column))
 
     jobs, failures = _prepare(rows, job)
     made = (_generate_onnx if plan.engine == "onnx" else _generate_triton)(plan, jobs, failures)

@@ -123,8 +123,9 @@ def _short(value) -> str:
 
 
 class Grammars:
-    """A tokenizer's view for llguidance (built once, on first use: about a second) and the constraints made from
-    it. `tokenizer` is the model's fast Hugging Face tokenizer, `eos` its end-of-sequence ids."""
+    """A tokenizer's view for llguidance (built once, on first use: tens to hundreds of milliseconds) and the
+    constraints made from it. `tokenizer` is the model's fast Hugging Face tokenizer (or a `tokenizers.Tokenizer`),
+    `eos` its end-of-sequence ids."""
 
     def __init__(self, tokenizer, eos: set[int]):
         self.tokenizer, self.eos = tokenizer, sorted(eos)
@@ -138,7 +139,10 @@ class Grammars:
 
                 if not self.eos:
                     raise GrammarError("structured outputs need the model's end-of-sequence token, and it has none")
-                self.built = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos)
+                if hasattr(self.tokenizer, "backend_tokenizer"):  # a Hugging Face fast tokenizer
+                    self.built = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos)
+                else:  # the `tokenizers` library's own
+                    self.built = llguidance.LLTokenizer(self.tokenizer.to_str(), eos_token=self.eos)
             return self.built
 
     def constraint(self, spec) -> Constraint:
