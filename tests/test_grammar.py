@@ -95,7 +95,7 @@ def test_grammars_the_engine_cannot_use_are_named(spec, needle):
 def test_request_choices_takes_a_grammar_only_where_one_can_be_enforced(grammars):
     spec = json.dumps({"structured_outputs": '{"json_object": true}'})
     _, sampler, _ = request_choices(spec, 3, None, 8, 64, None, {0}, grammars[0])
-    assert sampler.constraint is not None and not sampler.plain_greedy
+    assert sampler.constraint is not None
     with pytest.raises(SamplingError, match="does not enforce grammars"):
         request_choices(spec, 3, None, 8, 64, None, {0})
     with pytest.raises(SamplingError, match="ignore_eos"):

@@ -144,9 +144,15 @@ def test_a_conversation_with_tool_results_and_auto(api, server):
     before = llm_requests(server)  # a cached tool call replays as a tool call, whole and streamed
     again = client.chat.completions.create(model="dstool_lm", messages=ASK, tools=TOOLS, tool_choice="required",
                                            parallel_tool_calls=False, max_tokens=80, temperature=0)
+    streamed = list(client.chat.completions.create(model="dstool_lm", messages=ASK, tools=TOOLS, stream=True,
+                                                   tool_choice="required", parallel_tool_calls=False, max_tokens=80,
+                                                   temperature=0))
     assert llm_requests(server) == before
     assert again.choices[0].message.tool_calls[0].function == call.function
-    assert again.choices[0].finish_reason == "tool_calls"
+    assert again.choices[0].finish_reason == "tool_calls" == streamed[-1].choices[0].finish_reason
+    deltas = [d for c in streamed for d in c.choices[0].delta.tool_calls or []]
+    assert [(d.function.name, d.function.arguments) for d in deltas] == [(call.function.name,
+                                                                          call.function.arguments)]
 
 
 def test_refused_structured_requests_name_the_field(api):

@@ -203,6 +203,9 @@ class OpenAIFrontend:
                                 CompletionRequest)
                 await asyncio.to_thread(request.check_grammars)
                 return await self._complete(request, opts_out(req))
+            if req.path == "/v1/embeddings":
+                raise OpenAIError(404, "no route /v1/embeddings: dstool serves causal language models, whose hidden "
+                                       "states are no trained embedding (docs/structured-outputs.md)")
             raise OpenAIError(404, f"no route {req.method} {req.path}: the API has /v1/models, /v1/completions, "
                                    "/v1/chat/completions and /v1/responses")
         except OpenAIError as e:
@@ -227,9 +230,9 @@ class OpenAIFrontend:
         try:
             request = parse(orjson.dumps(body), ChatCompletionRequest)
             await asyncio.to_thread(request.check_grammars)
+            answer = await self._complete(request, opts_out(req))
         except OpenAIError as e:
             raise renamed(e) from None
-        answer = await self._complete(request, opts_out(req))
         writer = Writer(asked, body)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(200, answer.headers, writer.events(answer.body), answer.close)
@@ -240,10 +243,10 @@ class OpenAIFrontend:
         """A completion or chat completion request, validated: its answer, whole or streamed."""
         chat = isinstance(request, ChatCompletionRequest)
         max_tokens = request.max_new_tokens or self.default_max_tokens
-        calls = isinstance(request, ChatCompletionRequest) and request.tool_mode != "none"
-        choices = [Choice(i, request.stop, whole=not request.stream, calls=Calls(
-            request.tool_list, request.tool_mode) if isinstance(request, ChatCompletionRequest) and calls else None)
-            for i in range(request.n)]
+        tooled = chat and request.tool_mode != "none"
+        choices = [Choice(i, request.stop, whole=not request.stream,
+                          calls=Calls(request.tool_list, request.tool_mode) if tooled else None)
+                   for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
                                                                  "max_new_tokens": max_tokens}, c, events, opt_out))

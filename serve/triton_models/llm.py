@@ -1,13 +1,14 @@
 """Triton python-backend model (decoupled): text generation on the continuous-batching engine (engine.py beside
 this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
 
-text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", optional "name"}, ...], laid out by
-the tokenizer's chat template, or without one as the corpus lays out a play's speeches: "NAME-OR-ROLE:\nCONTENT\n\n"
-ending in "ASSISTANT:\n") (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1], stream BOOL [1];
-sampling as request parameters) -> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1],
-prompt_cached_tokens INT32 [1] (the prompt's tokens the engine's prefix cache held, not computed again). With
-`stream` true, one response per token (the text it adds, and its id) and the last one marked final; otherwise one
-response with the whole text and ids.
+text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", optional "name", "tool_calls",
+"tool_call_id"}, ...], laid out by the tokenizer's chat template, or without one as the corpus lays out a play's
+speeches: "NAME-OR-ROLE:\nCONTENT\n\n" ending in "ASSISTANT:\n"; the `tools` parameter, JSON text of OpenAI tool
+objects, goes to the template or starts the layout) (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1],
+stream BOOL [1]; sampling as request parameters, and `structured_outputs`: a grammar the answer follows, grammar.py)
+-> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1], prompt_cached_tokens INT32 [1] (the
+prompt's tokens the engine's prefix cache held, not computed again). With `stream` true, one response per token (the
+text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long

@@ -122,7 +122,7 @@ class Sampler:
         self.logprobs = logprobs
         self.constraint = constraint
         self.rng = np.random.default_rng(params.seed) if not params.greedy else None
-        self.plain_greedy = self.rng is None and constraint is None and params.repetition_penalty == 1.0 and not (
+        self.unpenalized_greedy = self.rng is None and params.repetition_penalty == 1.0 and not (
             params.presence_penalty or params.frequency_penalty)
 
     def ranked(self, logits: np.ndarray, token: int) -> tuple[float, np.ndarray, np.ndarray]:
@@ -174,13 +174,17 @@ class Sampler:
         return scores
 
     def next(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> int:
-        if self.plain_greedy:  # argmax stops at the first NaN: a finite pick means no NaN and no inf, as below
-            token = int(np.argmax(logits))
-            if np.isfinite(logits[token]):
+        allowed = None if self.constraint is None else self.constraint.allowed(logits.size)
+        if self.unpenalized_greedy:  # argmax stops at the first NaN: a finite pick means no NaN and no inf, as below
+            scores = logits if allowed is None else np.where(allowed, logits, -np.inf)
+            token = int(np.argmax(scores))
+            if np.isfinite(scores[token]):
+                if self.constraint is not None:
+                    self.constraint.accept(token)
                 return token
         logits = self.penalized(logits, prompt, output)
-        if self.constraint is not None:
-            logits[~self.constraint.allowed(logits.size)] = -np.inf
+        if allowed is not None:
+            logits[~allowed] = -np.inf
         if self.rng is None:
             token = int(np.argmax(logits))
         else:
