@@ -178,6 +178,17 @@ def test_refused_structured_requests_name_the_field(api):
         status, _, body = post(api.http_port, "/v1/chat/completions", {**chat, **extra})
         error = json.loads(body)["error"]
         assert status == 400 and error["param"] == param and error["type"] == "invalid_request_error", (extra, body)
+    # a request longer than the model's positions, as OpenAI words it, in each route's own names
+    for path, body, param in (("/v1/chat/completions", {**chat, "max_tokens": 100000}, "messages"),
+                              ("/v1/completions", {"model": "dstool_lm", "prompt": "x", "max_tokens": 100000},
+                               "prompt"),
+                              ("/v1/responses", {"model": "dstool_lm", "input": "x", "max_output_tokens": 100000},
+                               "input")):
+        status, _, answer = post(api.http_port, path, body)
+        error = json.loads(answer)["error"]
+        assert status == 400 and error["code"] == "context_length_exceeded" and error["param"] == param, answer
+        assert "maximum context length is 1024 tokens" in error["message"] and "100000 in the completion" in \
+            error["message"]
     # the engine's own check, on Triton's generate extension
     status, _, body = post(api.http_port, "/v2/models/dstool_lm_llm/generate",
                            {"text_input": "x", "ignore_eos": True, "structured_outputs": '{"json_object": true}'})

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -35,6 +36,8 @@ from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
+# how the engine words a request longer than the model's positions (sampling.request_choices)
+TOO_LONG = re.compile(r"prompt \((\d+) tokens\) \+ max_new_tokens \((\d+)\) exceed the model's (\d+) positions")
 # Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
 # Triton's sending waits), so a slow reader holds a bounded amount here.
 EVENTS_AHEAD = 64
@@ -328,13 +331,13 @@ class OpenAIFrontend:
                                            protocol="openai")
             async with contextlib.aclosing(g.events) as stream:
                 if g.status != 200:
-                    raise _upstream_error(g.status, b"".join([e async for e in stream]), model)
+                    raise _upstream_error(g.status, b"".join([e async for e in stream]), model, "messages" in fields)
                 async for event in stream:
                     d = data(event)
                     if d is None:
                         continue
                     if "error" in d:
-                        raise _upstream_error(400, orjson.dumps(d), model)
+                        raise _upstream_error(400, orjson.dumps(d), model, "messages" in fields)
                     choice.tokens += len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
                     choice.prompt_tokens = int(d.get("prompt_tokens", choice.prompt_tokens))
                     choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
@@ -350,7 +353,8 @@ class OpenAIFrontend:
         except OpenAIError as e:
             await events.put(e)
         except GatewayError as e:
-            await events.put(_upstream_error(e.status, orjson.dumps({"error": e.message}), model))
+            await events.put(_upstream_error(e.status, orjson.dumps({"error": e.message}), model,
+                                                  "messages" in fields))
         except UnsafeRequest as e:
             await events.put(OpenAIError(400, str(e)))
         except (UpstreamUnavailable, UpstreamTimeout) as e:
@@ -386,9 +390,10 @@ def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -
     return parts
 
 
-def _upstream_error(status: int, body: bytes, model: str) -> OpenAIError:
+def _upstream_error(status: int, body: bytes, model: str, chat: bool) -> OpenAIError:
     """An error from Triton or the model (a KServe error body, or an error event of a stream) in OpenAI's shape,
-    the engine's names for fields as the client named them."""
+    the engine's names for fields as the client named them; a request longer than the model's positions as OpenAI
+    words it (code context_length_exceeded)."""
     text = body.decode("utf-8", "replace")
     d = data(body) if body.startswith(b"data: ") else None
     if d is None:
@@ -400,6 +405,14 @@ def _upstream_error(status: int, body: bytes, model: str) -> OpenAIError:
     if status == 404 or "unknown model" in message or "is not found" in message:
         return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model",
                            code="model_not_found")
+    too_long = TOO_LONG.match(message)
+    if too_long:
+        prompt, new, positions = (int(g) for g in too_long.groups())
+        where = "messages" if chat else "prompt"
+        return OpenAIError(400, f"This model's maximum context length is {positions} tokens. However, you requested "
+                                f"{prompt + new} tokens ({prompt} in the {where}, {new} in the completion). Please "
+                                f"reduce the length of the {where} or completion.", where,
+                           code="context_length_exceeded")
     message = message.replace("max_new_tokens", "max_tokens")
     head = message.split(" ", 1)[0]
     param = head if head in ("max_tokens", "prompt", "messages", "logprobs") or head in SAMPLING else None
