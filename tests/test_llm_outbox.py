@@ -4,27 +4,18 @@ test_llm_attacks.py."""
 
 from __future__ import annotations
 
-import importlib
-import sys
 import threading
 import time
 import types
 
 import pytest
 
+from llmlib import llm_module
+
 
 @pytest.fixture
 def llm(monkeypatch):
-    from dstool import engine
-    from dstool.serve.triton_models import grammar, ort_options, sampling
-
-    fake = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
-                                 Logger=types.SimpleNamespace(log_error=lambda message: None))
-    for name, module in {"triton_python_backend_utils": fake, "engine": engine, "ort_options": ort_options,
-                         "sampling": sampling, "grammar": grammar}.items():
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "dstool.serve.triton_models.llm", raising=False)
-    return importlib.import_module("dstool.serve.triton_models.llm")
+    return llm_module(monkeypatch)
 
 
 def test_the_engine_never_runs_more_than_its_steps_ahead_of_the_outbox(llm):
