@@ -30,7 +30,7 @@ import orjson
 
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
-from dstool.serve.gateway.responses import Writer, parse_responses, renamed
+from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
@@ -228,7 +228,7 @@ class OpenAIFrontend:
 
     async def _respond(self, req: HttpRequest):
         """POST /v1/responses: the chat completion it asks for, written back in the Responses API's shape."""
-        asked = parse_responses(req.body)
+        asked = parse(req.body, ResponsesRequest)
         body = asked.chat()
         try:
             request = parse(orjson.dumps(body), ChatCompletionRequest)

@@ -6,7 +6,7 @@ upstream. Fields that do not change the answer (`user`, `metadata`, `store`, ...
 
 from __future__ import annotations
 
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import orjson
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
@@ -484,8 +484,12 @@ class ChatCompletionRequest(_Request):
         return (self.top_logprobs or 0) if self.logprobs else None
 
 
-def parse(body: bytes, kind: type[_Request]) -> _Request:
-    """The request in `body`, validated; OpenAIError (400) naming the first thing wrong."""
+Body = TypeVar("Body", bound=BaseModel)
+
+
+def parse(body: bytes, kind: type[Body]) -> Body:
+    """The request in `body` as `kind` (a request type of this module, or responses.py's), validated; OpenAIError
+    (400) naming the first thing wrong."""
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError as e:

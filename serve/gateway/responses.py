@@ -15,9 +15,9 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import orjson
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict
 
-from dstool.serve.gateway.protocol import OpenAIError, _error
+from dstool.serve.gateway.protocol import OpenAIError
 from dstool.serve.triton_models.sampling import shown
 
 # chat fields -> the Responses field a client sent
@@ -156,19 +156,6 @@ def _format(text: Any) -> Any:
     if fmt.get("type") == "json_schema":
         return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
     return fmt
-
-
-def parse_responses(body: bytes) -> ResponsesRequest:
-    try:
-        value = orjson.loads(body)
-    except orjson.JSONDecodeError as e:
-        raise OpenAIError(400, f"the body is not JSON: {e}") from None
-    if not isinstance(value, dict):
-        raise OpenAIError(400, "the body must be a JSON object")
-    try:
-        return ResponsesRequest.model_validate(value)
-    except ValidationError as e:
-        raise _error(e) from None
 
 
 def renamed(e: OpenAIError) -> OpenAIError:
