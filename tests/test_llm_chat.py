@@ -58,3 +58,17 @@ def test_tools_go_with_messages_only(model):
         m._tools(read)
     with pytest.raises(llm.RequestError, match="JSON text of a list"):
         m._tools(types.SimpleNamespace(parameters=json.dumps({"tools": "{"}), messages="[]"))
+
+
+def test_a_chat_nested_too_deep_to_lay_out_is_the_clients_mistake(model, monkeypatch):
+    """Arguments a thousand lists deep parse, then overflow the stack of the layout (json.dumps, a template's
+    tojson) in an intake thread: a RequestError (400), not a failure of the model."""
+    llm, m = model
+
+    def too_deep(chat, tools):
+        raise RecursionError("maximum recursion depth exceeded while encoding a JSON object")
+
+    monkeypatch.setattr(llm, "default_layout", too_deep)
+    read = types.SimpleNamespace(prompt=None, messages=json.dumps(CHAT), parameters="{}")
+    with pytest.raises(llm.RequestError, match="nest too deep"):
+        m._sequence(read)

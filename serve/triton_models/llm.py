@@ -367,7 +367,10 @@ class TritonPythonModel:
 
     def _sequence(self, read):
         tools = self._tools(read)
-        prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools)
+        try:
+            prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools)
+        except RecursionError:
+            raise RequestError("messages or tools nest too deep to lay out: send flatter JSON") from None
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
