@@ -129,6 +129,9 @@ def test_auto_reads_hermes_tool_calls_from_text_in_any_pieces(piece):
                                                                    ("add", {"a": 1})]
     # an unknown tool's call and an unfinished tag stay text
     assert content == 'Let me see. <tool_call>{"name": "fly", "arguments": {}}</tool_call> and <tool'
+    content, found = _fed(Calls(TOOLS, "auto", parallel=False), text, piece)  # parallel_tool_calls false: one
+    assert [c.name for c in found] == ["get_weather"] and content.endswith(
+        'and <tool_call>{"name": "add", "arguments": {"a": 1}}</tool_call><tool')
 
 
 @pytest.mark.parametrize("piece", [1, 7, 1000])

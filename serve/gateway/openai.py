@@ -248,7 +248,8 @@ class OpenAIFrontend:
         max_tokens = request.max_new_tokens or self.default_max_tokens
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
-                          calls=Calls(request.tool_list, request.tool_mode) if tooled else None)
+                          calls=Calls(request.tool_list, request.tool_mode, request.parallel_tool_calls is not False)
+                          if tooled else None)
                    for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),

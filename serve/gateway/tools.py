@@ -129,13 +129,14 @@ class Call:
 
 
 class Calls:
-    """One choice's text read as tool calls for its tool_choice (`mode`: "auto", "required" or a function's name),
-    piece by piece as it is generated: `feed` returns (text for `content`, calls complete so far, arguments text
+    """One choice's text read as tool calls for its tool_choice (`mode`: "auto", "required" or a function's name;
+    with `parallel` false, auto reads one call at most, as the grammar of required makes one), piece by piece as it
+    is generated: `feed` returns (text for `content`, calls complete so far, arguments text
     for the named call); `end` reads what is left."""
 
-    def __init__(self, tools: list[Tool], mode: str):
+    def __init__(self, tools: list[Tool], mode: str, parallel: bool = True):
         self.names = {t.name for t in tools}
-        self.mode = mode
+        self.mode, self.parallel = mode, parallel
         self.calls: list[Call] = []
         self.buffer = ""
         self.depth, self.in_string, self.escaped, self.start = 0, False, False, -1
@@ -150,7 +151,7 @@ class Calls:
             self.calls[0].arguments += text
             return "", [], text
         self.buffer += text
-        content, found = "", []
+        content, found = "", list[Call]()
         while True:
             at = self.buffer.find(OPEN)
             if at < 0:
@@ -164,7 +165,8 @@ class Calls:
                 self.buffer = self.buffer[at:]
                 break
             call = self._read(self.buffer[at + len(OPEN):end])
-            if call is None:  # not a call of a known tool: it stays text
+            if call is None or not self.parallel and (self.calls or found):  # not a call (of a known tool, or one
+                # more than parallel_tool_calls false allows): it stays text
                 content += self.buffer[:end + len(CLOSE)]
             else:
                 content += self.buffer[:at]
