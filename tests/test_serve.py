@@ -66,8 +66,8 @@ def test_repository_layout_and_schema(repo, trained):
     assert [t.name for t in generate.input] == ["text_input", "max_new_tokens", "use_kv_cache", "stop_token_ids"]
     assert generate.dynamic_batching.max_queue_delay_microseconds > 0
     assert (repo / "dstool_lm_tokenizer" / "1" / "tokenizer.json").is_file()
-    for role, beside in (("generate", ["engine.py", "sampling.py"]), ("llm", ["engine.py", "grammar.py", "ort_options.py",
-                                                                             "sampling.py"])):
+    for role, beside in (("generate", ["engine.py", "sampling.py"]),
+                         ("llm", ["engine.py", "grammar.py", "ort_options.py", "sampling.py"])):
         folder = repo / f"dstool_lm_{role}" / "1"  # one decode loop: dstool/engine.py beside both text models
         assert sorted(p.name for p in folder.glob("*.py")) == sorted(["model.py", *beside])
 
