@@ -121,6 +121,38 @@ def _gateway(cfg) -> int:
     return run_gateway(cfg)
 
 
+def _keys(cfg) -> int:
+    from dstool.serve import keys
+    from dstool.serve.config import seconds
+
+    url, _ = cfg.redis.chosen()
+    if not url.is_redis:
+        raise UsageError(f"--redis {url}: API keys live in Redis, give a redis:// URL")
+    client = keys.connect(url)
+    if cfg.action == "create":
+        ident, key = keys.create(client, cfg.tenant, cfg.model_list(), cfg.rpm, cfg.tpm, cfg.budget_tokens,
+                                 cfg.per or "", seconds(cfg.expires) if cfg.expires else 0, cfg.cache_scope, cfg.admin)
+        print(key)  # alone on stdout, for KEY=$(dstool keys create ...); the note on stderr
+        print(f"dstool keys: key {ident} of tenant {cfg.tenant} created; it is shown only now (Redis keeps its hash)",
+              file=sys.stderr)
+    elif cfg.action == "rotate":
+        print(keys.rotate(client, cfg.key_id, seconds(cfg.grace)))
+        print(f"dstool keys: key {cfg.key_id} has a new secret, shown only now; the old one works {cfg.grace} more",
+              file=sys.stderr)
+    elif cfg.action == "revoke":
+        tenant = keys.revoke(client, cfg.key_id)
+        dlog.log.info(f"dstool keys: key {cfg.key_id} of tenant {tenant} revoked")
+    elif cfg.action == "limits":
+        keys.set_limits(client, cfg.tenant, cfg.rpm, cfg.tpm, cfg.budget_tokens, cfg.per or "")
+        dlog.log.info(f"dstool keys: tenant {cfg.tenant}: rpm {cfg.rpm or '-'}, tpm {cfg.tpm or '-'}, budget "
+                      f"{f'{cfg.budget_tokens} tokens a {cfg.per}' if cfg.budget_tokens else '-'}")
+    else:
+        rows = keys.as_dicts(keys.list_keys(client, cfg.tenant)) if cfg.action == "list" else \
+            keys.usage(client, cfg.tenant)
+        print(json.dumps(rows, indent=2) if cfg.format == "json" else keys.table(rows))
+    return 0
+
+
 def _infer(cfg) -> int:
     if cfg.edge is not None:
         return _infer_edge(cfg)
@@ -283,6 +315,12 @@ COMMANDS: dict[str, Command] = {
                         "and a pruned variant), export the int8 model to a Triton repository, serve it behind the "
                         "cache gateway, send prompts over HTTP and gRPC, print the answers, the compression table and "
                         "the cache hit rate, and shut down."),
+    "keys": Command(_serve_config("KeysConfig"), _keys, "tenants' API keys for `dstool serve --auth keys`: create, "
+                    "list, revoke, rotate, usage, limits", "Keys are kept in the gateways' Redis as SHA-256 hashes; "
+                    "create and rotate print the key once. Each key has a tenant, the models it may use, requests "
+                    "and tokens per minute, a token budget per day or month, an expiry and a cache scope; `limits` "
+                    "sets a tenant's own limits over all its keys; `usage` prints requests, tokens, cache hits, "
+                    "errors and 429s per tenant and key."),
     "infer": Command(_serve_config("InferConfig"), _infer, "generate text (or send token ids) through a served model "
                      "with tritonclient, or here from an edge package", "Send PROMPT to the text-generation entry "
                      "point (MODEL_generate) and print the generated text; or send token ids (--ids) to the tensor "

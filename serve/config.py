@@ -19,6 +19,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
 DNS_LABEL_RE = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
 DNS_SUBDOMAIN_RE = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 QUANTITY_RE = re.compile(r"^\d+(\.\d+)?([mkMGTPE]|[KMGTPE]i)?$")
+TENANT_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")  # a Redis name part and a metrics label
 
 
 def model_names(name: str) -> dict[str, str]:
@@ -137,6 +138,21 @@ class GatewayOptions(CommandConfig):
                               "a flag, so it never shows in a process list)", json_schema_extra={"cli": False})
     version_check_interval: float = Field(1.0, gt=0, description="seconds between checks of which model version "
                                           "Triton serves")
+    auth: Literal["token", "keys"] = Field("token", description="token: the one bearer token of --token-file, if "
+                                           "any; keys: tenants' API keys from `dstool keys`, checked in Redis, with "
+                                           "their models, limits and usage (--token-file then is the admin key)")
+    auth_fallback: Literal["cached", "refuse"] = Field("cached", description="--auth keys with Redis unreachable: "
+                                                       "admit keys validated in the last --auth-stale seconds, or "
+                                                       "refuse every key (503)")
+    auth_stale: float = Field(60.0, gt=0, description="seconds a validated key is admitted while Redis cannot be "
+                              "asked (--auth-fallback cached)")
+    limits_fail: Literal["open", "closed"] = Field("open", description="--auth keys with Redis unreachable: "
+                                                   "requests pass unlimited (open) or are refused with 503 (closed)")
+    shared_cache_models: list[str] = Field(default_factory=list, description="a model (or family) whose cached "
+                                           "answers every tenant shares (--auth keys; the default keeps each "
+                                           "tenant's answers to itself): only for models whose answers hold nothing "
+                                           "tenant-specific", json_schema_extra={"cli": {"flag": "--shared-cache-model",
+                                                                                         "metavar": "MODEL"}})
     forward_headers: str | None = Field(None, description="regular expression of the request headers (gRPC "
                                         "metadata) Triton forwards to models — the same as its "
                                         "--http/grpc-header-forward-pattern: they reach Triton on a miss and are "
@@ -275,6 +291,13 @@ class ServeConfig(GatewayOptions):
         if self.cache is not None and self.cache.kind == "unix":
             raise ValueError("--cache unix://... is a socket on this machine, which a pod cannot reach: give a "
                              "redis:// URL or leave --cache out for an emitted Redis")
+        return self
+
+    @model_validator(mode="after")
+    def _keys(self) -> ServeConfig:
+        if self.auth == "keys" and self.cache is None and self.emit is None:
+            raise ValueError("--auth keys is the cache gateway's, with its Redis: add --cache (a redis:// URL, or "
+                             "no value for the local Redis)")
         return self
 
     def gateway(self, upstream_http: str, upstream_grpc: str) -> GatewayConfig:
@@ -459,3 +482,81 @@ class BatchConfig(SamplingOptions):
             raise ValueError("--json-schema and --schema-column need --engine onnx (the grammar runs in each "
                              "executor's sampler; the served generate model enforces none)")
         return self
+
+
+DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
+KEY_ACTIONS = {"create": {"tenant", "models", "rpm", "tpm", "budget_tokens", "per", "expires", "cache_scope", "admin"},
+               "list": {"tenant", "format"}, "revoke": {"key_id"}, "rotate": {"key_id", "grace"},
+               "usage": {"tenant", "format"}, "limits": {"tenant", "rpm", "tpm", "budget_tokens", "per"}}
+
+
+def seconds(text: str) -> float:
+    """A duration: 90s, 15m, 12h, 30d."""
+    m = DURATION_RE.fullmatch(text.strip())
+    if m is None:
+        raise ValueError(f"'{text}' is not a duration: a number with s, m, h or d (e.g. 30d, 12h)")
+    return float(m.group(1)) * {"s": 1, "m": 60, "h": 3600, "d": 86400}[m.group(2)]
+
+
+class KeysConfig(CommandConfig):
+    """`dstool keys`: tenants' API keys for `dstool serve --auth keys`, kept (hashed) in the gateways' Redis."""
+
+    action: Literal["create", "list", "revoke", "rotate", "usage", "limits"] = positional(
+        "create (prints the new key once), list, revoke ID, rotate ID (prints the new secret once), usage, or limits "
+        "(a tenant's own limits over all its keys)", metavar="ACTION")
+    key_id: str | None = positional("the key's id (revoke, rotate; `dstool keys list` shows them)", None, "ID")
+    redis: CacheURL = Field(AUTO, description="the gateways' Redis: redis://..., rediss://..., redis+cluster://... "
+                            "(default: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0, the serving cache's)",
+                            json_schema_extra={"cli": {"metavar": "URL"}})
+    tenant: str | None = Field(None, description="the tenant (create, limits; list and usage: only its rows)")
+    models: str | None = Field(None, description="comma-separated models (or families, NAME for NAME_llm, ...) "
+                               "the key may use (default: all)", json_schema_extra={"cli": {"metavar": "M,..."}})
+    rpm: int = Field(0, ge=0, description="requests per minute (0: no limit)")
+    tpm: int = Field(0, ge=0, description="tokens per minute, prompt and generated (0: no limit)")
+    budget_tokens: int = Field(0, ge=0, description="tokens per --per day or month (0: no budget)",
+                               json_schema_extra={"cli": {"metavar": "N"}})
+    per: Literal["day", "month"] | None = Field(None, description="the budget's period (UTC)")
+    expires: str | None = Field(None, description="the key expires after this long: 90s, 15m, 12h, 30d",
+                                json_schema_extra={"cli": {"metavar": "DURATION"}})
+    cache_scope: Literal["tenant", "shared"] = Field("tenant", description="tenant: cached answers are this tenant's "
+                                                     "alone; shared: the key reads and writes the scope every shared "
+                                                     "key uses (see docs/tenants.md for the risk)")
+    admin: bool = Field(False, description="the key may also load and unload models, use shared memory, read "
+                        "/metrics and every model's statistics")
+    grace: str = Field("0s", description="rotate: how long the old secret still works", json_schema_extra={
+        "cli": {"metavar": "DURATION"}})
+    format: Literal["table", "json"] = Field("table", description="how list and usage print")
+
+    @field_validator("tenant")
+    @classmethod
+    def _tenant(cls, v: str | None) -> str | None:
+        if v is not None and not TENANT_RE.fullmatch(v):
+            raise ValueError(f"'{v}' is not a tenant name: 1-64 letters, digits, '.', '_' or '-', starting with a "
+                             "letter or digit")
+        return v
+
+    @field_validator("expires", "grace")
+    @classmethod
+    def _duration(cls, v: str | None) -> str | None:
+        if v is not None:
+            seconds(v)
+        return v
+
+    @model_validator(mode="after")
+    def _applies(self) -> KeysConfig:
+        allowed = KEY_ACTIONS[self.action] | {"action", "redis"}
+        given = sorted(self.model_fields_set - allowed)
+        if given:
+            name = given[0]
+            shown = "ID" if name == "key_id" else "--" + name.replace("_", "-")
+            raise ValueError(f"{shown} does not apply to `dstool keys {self.action}`")
+        if self.action in ("create", "limits") and self.tenant is None:
+            raise ValueError(f"`dstool keys {self.action}` needs --tenant NAME")
+        if self.action in ("revoke", "rotate") and not self.key_id:
+            raise ValueError(f"`dstool keys {self.action}` needs the key's ID (`dstool keys list` shows them)")
+        if (self.budget_tokens > 0) != (self.per is not None):
+            raise ValueError("--budget-tokens N goes with --per day or --per month")
+        return self
+
+    def model_list(self) -> list[str]:
+        return [m.strip() for m in (self.models or "").split(",") if m.strip()]

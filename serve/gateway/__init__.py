@@ -7,7 +7,8 @@ Files: tensors (the protocol-neutral request/result), keys (cache keys), cache (
 upstream (HTTP pool to Triton), core (versions, lookup, misses), grpc (the gRPC protocol), transport (the HTTP/1.1
 server), kserve (KServe v2's JSON codec), http (the HTTP routes),
 generation (Triton's generate extension, cached), protocol + openai (the OpenAI API: typed requests, serving),
-metrics (Prometheus), workers (several gateway processes on the same ports).
+auth + guard (tenants' API keys, limits and usage, --auth keys), metrics (Prometheus), workers (several gateway
+processes on the same ports).
 """
 
 from __future__ import annotations
@@ -44,12 +45,13 @@ class Gateway:
 
         c = self.config
         url, asked = c.cache.chosen()
+        self.redis_url = url
         store = None
         if url.is_redis:
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping() and await store.cluster_node():
                 await store.close()
-                url = url.as_cluster()
+                url = self.redis_url = url.as_cluster()
                 store = RedisStore(url, c.redis_timeout, self.metrics.error)
             if await store.ping():
                 kind = "Redis Cluster" if url.kind == "cluster" else "Redis"
@@ -68,6 +70,26 @@ class Gateway:
 
         return ResultCache(store, c.cache_ttl, c.max_entry_bytes, c.memory_cache_bytes, self.metrics.error, held)
 
+    async def _open_guard(self):
+        """--auth keys: the guard, on a Redis connection of its own (its own timeout back-off)."""
+        from dstool.serve.gateway.cache import RedisStore
+        from dstool.serve.gateway.guard import Guard
+
+        c = self.config
+        if c.auth != "keys":
+            return None
+        if not self.redis_url.is_redis:
+            raise UsageError("--auth keys keeps keys, limits and usage in Redis: give --cache a redis:// URL (the "
+                             f"cache here is {self.redis_url.redacted()})")
+        store = RedisStore(self.redis_url, c.redis_timeout, self.metrics.error)
+        if not await store.ping():
+            message = f"Redis {self.redis_url.redacted()} does not answer: "
+            log.warning(message + ("keys validated before are admitted until it does" if c.auth_fallback == "cached"
+                                   else "every key is refused until it does"))
+        log.info("dstool gateway: --auth keys: tenants' API keys checked in Redis on every request"
+                 + (" (--token-file is the admin key)" if c.token else ""))
+        return Guard(store, c.token, c.auth_fallback, c.auth_stale, c.limits_fail, self.metrics)
+
     async def start(self) -> None:
         import grpc
 
@@ -81,11 +103,14 @@ class Gateway:
         c = self.config
         self.metrics = Metrics()
         self.cache = await self._open_cache()
+        self.guard = await self._open_guard()
         self.upstreams = Upstreams(c.upstreams, c.upstream_timeout, c.health_timeout)
         self.core = GatewayCore(self.upstreams, self.cache, self.metrics, c.version_check_interval,
                                 Path(c.repository) if c.repository else None)
         limits = HttpLimits(**{name: getattr(c, name) for name in HttpLimits.__dataclass_fields__})
-        self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers)
+        shared = frozenset(c.shared_cache_models)
+        self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers, self.guard,
+                                          shared)
         loop = asyncio.get_running_loop()
         try:
             self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,
@@ -95,7 +120,7 @@ class Gateway:
             raise UsageError(_bind_error(c.host, c.http_port, e)) from None
         self.http_port = self._http_server.sockets[0].getsockname()[1]
         self.grpc_frontend = GrpcFrontend(self.core, self.metrics, c.grpc_targets(), c.token, c.upstream_timeout,
-                                          c.health_timeout, c.forward_headers)
+                                          c.health_timeout, c.forward_headers, self.guard, shared)
         self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port)),
                                                      ("grpc.max_receive_message_length", c.max_request_bytes),
                                                      ("grpc.max_send_message_length", -1)])
@@ -134,13 +159,17 @@ class Gateway:
                 conn._close()
             self.upstreams.close()
             await self.cache.close()
+            if self.guard is not None:
+                await self.guard.close()
+                await self.guard.store.close()
 
 
 def ready_line(c: GatewayConfig, http_port: int, grpc_port: int) -> str:
     workers = f"; {c.workers} worker processes" if c.workers > 1 else ""
     return (f"dstool gateway: ready — HTTP {c.host}:{http_port}, gRPC {c.host}:{grpc_port}, metrics "
             f"http://{c.host}:{http_port}/metrics; upstream Triton {', '.join(c.upstreams)}; TTL {c.cache_ttl:g} s"
-            + ("; bearer token required" if c.token else "") + workers)
+            + ("; tenants' API keys required" if c.auth == "keys" else "; bearer token required" if c.token else "")
+            + workers)
 
 
 def _bind_error(host: str, port: int, e: OSError) -> str:

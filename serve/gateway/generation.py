@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import orjson
 
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, request_nonce, served_version
-from dstool.serve.gateway.keys import PREFIX, generation_parameters, is_draw, key_fingerprint
+from dstool.serve.gateway.keys import generation_parameters, is_draw, key_fingerprint, scoped
 from dstool.serve.gateway.kserve import parse_json
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
@@ -51,6 +51,7 @@ class Generation:
     status: int
     headers: list[tuple[str, str]]
     events: AsyncGenerator[bytes, None]
+    hit: bool = False  # answered from the cache
 
 
 def data(event: bytes) -> dict | None:
@@ -132,19 +133,19 @@ class GenerationCache:
         self.metrics = metrics
 
     def _key(self, model: str, served: str, fingerprint: str, route: str, request: dict,
-             headers: tuple[tuple[str, str], ...]) -> str:
+             headers: tuple[tuple[str, str], ...], scope: str) -> str:
         blob = orjson.dumps([route, model, served, request, list(headers)], option=orjson.OPT_SORT_KEYS)
         h = hashlib.blake2b(struct.pack("<I", len(blob)) + blob, digest_size=32)
-        return f"{PREFIX}:gen:{model}:{fingerprint}:{h.hexdigest()}"
+        return f"{scoped(scope)}:gen:{model}:{fingerprint}:{h.hexdigest()}"
 
     async def open(self, model: str, version: str, route: str, body: bytes | dict,
                    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),),
                    keyed: tuple[tuple[str, str], ...] = (), opt_out: bool = False,
-                   protocol: str = "http") -> Generation:
+                   protocol: str = "http", scope: str = "") -> Generation:
         """Answer a generate request (its body, or the request already read) from the cache or from Triton
         (recording a cacheable miss); `headers` go to Triton, `keyed` (those Triton passes on to the model) are part
-        of the key. GatewayError for a request that cannot go upstream. Counted in the gateway's metrics under
-        `protocol` (the time to the answer's head)."""
+        of the key, and so is `scope` (the tenant's cache namespace). GatewayError for a request that cannot go
+        upstream. Counted in the gateway's metrics under `protocol` (the time to the answer's head)."""
         started = time.perf_counter()
         request = read_request(body) if isinstance(body, bytes) else body
         if not addressable(model):
@@ -162,13 +163,13 @@ class GenerationCache:
             inputs = frozenset(i.get("name") for i in d.config.get("input") or [])
             if not opt_out and fingerprint is not None and "sequence_batching" not in d.config and \
                     not is_draw(generation_parameters(request, inputs)):
-                key = self._key(model, served, fingerprint, route, request, keyed)
+                key = self._key(model, served, fingerprint, route, request, keyed, scope)
         if key is not None:
             entry = await self.core.lookup(key)
             if entry is not None and entry.result.parameters.get("key") == key:
                 self.metrics.observe(model, protocol, "hit", time.perf_counter() - started,
                                      sum(len(t.raw) for t in entry.result.outputs))
-                return Generation(200, list(entry.result.parameters["headers"]), _replay(entry.result))
+                return Generation(200, list(entry.result.parameters["headers"]), _replay(entry.result), hit=True)
         ours = not request.get("id")  # Triton echoes no empty id: the gateway's own is taken out again
         ident = request_nonce() if ours else request["id"]
         path = model_path(model) + (f"/versions/{version}" if version else "") + "/" + route

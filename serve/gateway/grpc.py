@@ -16,7 +16,9 @@ import grpc
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
+from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
+from dstool.serve.gateway.guard import Guard, Refused
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
@@ -40,6 +42,15 @@ CONTENTS_FIELD = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int
                   "UINT32": "uint_contents", "UINT64": "uint64_contents", "FP32": "fp32_contents",
                   "FP64": "fp64_contents", "BYTES": "bytes_contents"}
 NOT_FORWARDED = frozenset({"authorization", "user-agent", "cache-control"})
+# --auth keys: the calls that name a model (the key must be given it), those any key may make; the rest are admin's
+MODEL_METHODS = {SERVICE + "ModelMetadata": service_pb2.ModelMetadataRequest,
+                 SERVICE + "ModelConfig": service_pb2.ModelConfigRequest,
+                 SERVICE + "ModelStatistics": service_pb2.ModelStatisticsRequest}
+TENANT_METHODS = frozenset({SERVICE + "ModelInfer", SERVICE + "ModelStreamInfer", SERVICE + "ServerMetadata",
+                            SERVICE + "RepositoryIndex", *MODEL_METHODS})
+REFUSED_CODES = {401: grpc.StatusCode.UNAUTHENTICATED, 403: grpc.StatusCode.PERMISSION_DENIED,
+                 404: grpc.StatusCode.PERMISSION_DENIED, 429: grpc.StatusCode.RESOURCE_EXHAUSTED,
+                 503: grpc.StatusCode.UNAVAILABLE}
 
 
 class _Passthrough(Exception):
@@ -142,8 +153,10 @@ def render_infer(result: InferResult, request_id: str) -> bytes:
 
 class GrpcFrontend(grpc.GenericRpcHandler):
     def __init__(self, core: GatewayCore, metrics: Metrics, upstream_targets: list[str], token: str | None,
-                 timeout: float, health_timeout: float, forward_headers: str | None = None):
+                 timeout: float, health_timeout: float, forward_headers: str | None = None, guard: Guard | None = None,
+                 shared_models: frozenset[str] = frozenset()):
         self.forward = re.compile(forward_headers, re.IGNORECASE) if forward_headers else None
+        self.guard, self.shared_models = guard, shared_models
         self.core = core
         self.metrics = metrics
         self.token = f"Bearer {token}".encode() if token else None
@@ -170,6 +183,47 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             self._handlers[method] = handler
         return handler
 
+    async def _admit(self, context, method: str, raw: bytes = b"") -> Principal | None:
+        """--auth keys: the caller's principal, admitted for `method` (its model, read from the request `raw`, given
+        to the key; an inference within its limits); the call aborted otherwise. None for open calls and without
+        keys."""
+        if self.guard is None or method in HEALTH_METHODS:
+            await self._check_token(context, method)
+            return None
+        given = dict(context.invocation_metadata()).get("authorization", "")
+        given = given.decode("latin-1") if isinstance(given, bytes) else given
+        model, inference = None, method in (SERVICE + "ModelInfer", SERVICE + "ModelStreamInfer")
+        try:
+            principal, rate = await self.guard.admit(given if self.guard.well_formed(given) else "", inference)
+            if method in MODEL_METHODS:
+                try:
+                    model = MODEL_METHODS[method].FromString(raw).name
+                except DecodeError:
+                    model = None
+                if not model and not principal.admin:
+                    raise Refused(403, f"{method.rsplit('/', 1)[1]} without a model name is for admin keys only",
+                                  "permission_denied")
+            elif method not in TENANT_METHODS and not principal.admin:
+                raise Refused(403, f"{method.rsplit('/', 1)[1]} is for admin keys only (`dstool keys create --admin`)",
+                              "permission_denied")
+            if model and not principal.allows(model):
+                raise Refused(403, f"this key (tenant '{principal.tenant}') is not given the model '{model}' "
+                              "(`dstool keys create --models`)", "model_not_found")
+        except Refused as e:
+            context.set_trailing_metadata(tuple((k.lower(), v) for k, v in e.headers))
+            await context.abort(REFUSED_CODES[e.status], e.message)
+            raise AssertionError("context.abort raises") from None
+        if rate:
+            context.set_trailing_metadata(tuple(rate))
+        return principal
+
+    def _refuse_model(self, principal: Principal | None, model: str) -> str | None:
+        """Why `principal` may not use `model`, or None."""
+        if principal is None or principal.allows(model):
+            return None
+        return (f"this key (tenant '{principal.tenant}') is not given the model '{model}' "
+                "(`dstool keys create --models`)")
+
     async def _check_token(self, context, method: str) -> None:
         if self.token and method not in HEALTH_METHODS:
             given = dict(context.invocation_metadata()).get("authorization", "")
@@ -184,7 +238,14 @@ class GrpcFrontend(grpc.GenericRpcHandler):
 
     def _unary_relay(self, method: str):
         async def relay(raw: bytes, context) -> bytes:
-            await self._check_token(context, method)
+            principal = await self._admit(context, method, raw)
+            if method == SERVICE + "RepositoryIndex" and principal is not None and not principal.admin:
+                index = service_pb2.RepositoryIndexResponse.FromString(
+                    await self._relay_unary(method, raw, context, self.timeout))
+                kept = [m for m in index.models if principal.allows(m.name)]
+                del index.models[:]
+                index.models.extend(kept)
+                return index.SerializeToString()
             if method in HEALTH_METHODS:  # a Triton that does not answer in time is not ready
                 try:
                     return await self._relay_unary(method, raw, context, self.health_timeout, quiet=True)
@@ -237,7 +298,9 @@ class GrpcFrontend(grpc.GenericRpcHandler):
 
     def _stream_relay(self, method: str):
         async def relay(requests, context):
-            await self._check_token(context, method)
+            principal = await self._admit(context, method)
+            if principal is not None:
+                requests = self._given(requests, principal, context)
             servers, first = self.core.upstreams.servers, next(self._turn)
             up = [k for k in ((first + i) % len(self.channels) for i in range(len(self.channels)))
                   if k >= len(servers) or not servers[k].down]
@@ -255,17 +318,48 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 call.cancel()  # the client cancelled or went away: so does the call to Triton (a no-op once done)
         return relay
 
+    async def _given(self, requests, principal: Principal, context):
+        """A stream's requests, each checked to name a model the key is given (the stream ends at one that does
+        not)."""
+        async for raw in requests:
+            try:
+                model = service_pb2.ModelInferRequest.FromString(raw).model_name
+            except DecodeError:
+                model = ""
+            why = self._refuse_model(principal, model)
+            if why is not None:
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+            yield raw
+
     async def model_infer(self, raw: bytes, context) -> bytes:
         started = time.perf_counter()
-        await self._check_token(context, SERVICE + "ModelInfer")
+        principal = await self._admit(context, SERVICE + "ModelInfer")
         try:
             msg = service_pb2.ModelInferRequest.FromString(raw)
         except DecodeError:  # Triton answers it (as it answers every request the cache does not model)
+            if principal is not None:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNPARSABLE)
             return await self._relay_infer(raw, context, started, "")
+        why = self._refuse_model(principal, msg.model_name)
+        if why is not None:
+            await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
+        try:
+            return await self._model_infer(raw, msg, context, started, principal)
+        except BaseException:
+            if principal is not None and self.guard is not None:
+                self.guard.charge(principal, error=True)
+            raise
+
+    async def _model_infer(self, raw: bytes, msg, context, started: float, principal: Principal | None) -> bytes:
         try:
             request = decode_infer(msg)
         except _Passthrough:
+            if principal is not None and not principal.admin:  # shared memory is admin keys' (regions are global)
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "shared-memory inputs and outputs are for admin "
+                                    "keys only")
             return await self._relay_infer(raw, context, started, msg.model_name)
+        if principal is not None:
+            request.scope = principal.scope(request.model, self.shared_models)
         if self.forward is not None:
             request.headers = tuple(sorted((k, v) for k, v in context.invocation_metadata()
                                            if isinstance(v, str) and self.forward.match(k)))
@@ -296,6 +390,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             body = render_infer(result, request.id)
         self.metrics.observe(request.model, "grpc", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
+        if principal is not None and self.guard is not None:
+            self.guard.charge(principal, hit=outcome == "hit")
         return body
 
     async def _relay_infer(self, raw: bytes, context, started: float, model: str) -> bytes:

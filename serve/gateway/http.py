@@ -9,17 +9,23 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import hmac
 import re
 import time
 import zlib
 from collections.abc import AsyncGenerator, Awaitable
 
+import orjson
+
+from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
-from dstool.serve.gateway.generation import GenerationCache
+from dstool.serve.gateway.generation import GenerationCache, data
+from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused
 from dstool.serve.gateway.kserve import Passthrough, accepted_encoding, compressed, decode_infer, render_infer
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.openai import OpenAIFrontend
+from dstool.serve.gateway.protocol import OpenAIError
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.transport import (
     HttpConnection,
@@ -42,8 +48,12 @@ class HttpFrontend:
     """Routes one parsed request; `handle` returns a response, or an awaitable of one when it must wait."""
 
     def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, limits: HttpLimits,
-                 forward_headers: str | None = None):
+                 forward_headers: str | None = None, guard: Guard | None = None,
+                 shared_models: frozenset[str] = frozenset()):
         self.core = core
+        self.guard = guard  # --auth keys: tenants' keys, limits and usage
+        self.shared_models = shared_models
+        self.unauthorized = UNKNOWN if guard is not None else "missing or wrong bearer token"
         self.metrics = metrics
         self.token = f"Bearer {token}".encode() if token else None
         self.limits = limits
@@ -54,19 +64,65 @@ class HttpFrontend:
         self.draining = False
 
         self.generation = GenerationCache(core, metrics)
-        self.openai = OpenAIFrontend(core.upstreams, self.generation)
+        self.openai = OpenAIFrontend(core.upstreams, self.generation, guard, shared_models)
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:
-        """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes)."""
-        if self.token is None or path.startswith("/v2/health/"):
+        """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes), or
+        with --auth keys what may be a key (checked in Redis before the request is answered)."""
+        if path.startswith("/v2/health/"):
+            return True
+        if self.guard is not None:
+            return self.guard.well_formed(headers.get("authorization", ""))
+        if self.token is None:
             return True
         return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.token)
 
     def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
+        if self.guard is not None and not req.path.startswith("/v2/health/"):
+            return self._guarded(req)
+        return self._route(req)
+
+    async def _guarded(self, req: HttpRequest) -> Response:
+        """--auth keys: admit the request (key, model, limits), answer it, count what it used."""
+        assert self.guard is not None
+        openai = req.path.startswith("/v1/")
+        kind, model = tenant_route(req.method, req.path)
+        inference = kind in ("inference", "openai_inference")
+        try:
+            principal, rate = await self.guard.admit(req.headers.get("authorization", ""), inference)
+            if kind == "admin" and not principal.admin:
+                raise Refused(403, f"{req.method} {req.path} is for admin keys only (`dstool keys create --admin`)",
+                              "permission_denied")
+            if model is not None and not principal.allows(model):
+                raise Refused(404 if openai else 403, f"this key (tenant '{principal.tenant}') is not given the model "
+                              f"'{model}' (`dstool keys create --models`)", "model_not_found")
+        except Refused as e:
+            refusal: HttpResponse
+            if openai:
+                refusal = HttpResponse(e.status, [OpenAIError(e.status, e.message, kind=e.kind, code=e.code).body()],
+                                        [("Content-Type", "application/json")])
+            else:
+                refusal = error_response(e.status, e.message)
+            refusal.headers += e.headers
+            return refusal
+        req.principal = principal
+        answer = self._route(req)
+        response = answer if isinstance(answer, (HttpResponse, StreamingResponse)) else await answer
+        if rate:  # on a copy: a cache hit's response is kept with its entry and shared
+            response = dataclasses.replace(response, headers=[*response.headers, *rate])
+        if inference and not openai:
+            self.guard.charge(principal, hit=req.hit, error=response.status >= 400)
+        elif inference and response.status >= 400:
+            self.guard.charge(principal, error=True)
+        return response
+
+    def _route(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if req.path == "/metrics":
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
         if req.path.startswith("/v1/"):
             return self.openai.handle(req)
+        if req.path == "/v2/repository/index" and req.principal is not None and not req.principal.admin:
+            return self._index(req)
         route = model_route(req.path) if req.method == "POST" else None
         if route is not None and route[2] == "infer":
             return self.infer(req, route[0], route[1])
@@ -78,8 +134,10 @@ class HttpFrontend:
         """Triton's generate extension through the generation cache (generation.py)."""
         headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
         keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
+        principal = req.principal
         try:
-            g = await self.generation.open(model, version, route, req.body, headers, keyed, opt_out=opts_out(req))
+            g = await self.generation.open(model, version, route, req.body, headers, keyed, opt_out=opts_out(req),
+                                           scope=principal.scope(model, self.shared_models) if principal else "")
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
             return error_response(503, str(e))
@@ -87,12 +145,16 @@ class HttpFrontend:
             status = e.status if isinstance(e, GatewayError) else 400
             self.metrics.error("bad_request" if status < 500 else "upstream")
             return error_response(status, str(e))
+        events = g.events
+        if principal is not None and self.guard is not None and g.status == 200:
+            events = _counted(events, self.guard, principal)
+            req.hit = g.hit
         if route == "generate" or g.status != 200:
-            body = b"".join([e async for e in g.events])
+            body = b"".join([e async for e in events])
             if g.status >= 400 and not body:
                 return error_response(g.status, error_message(g.status, body))
             return HttpResponse(g.status, [body], g.headers)
-        return StreamingResponse(g.status, g.headers, _sse(g.events))
+        return StreamingResponse(g.status, g.headers, _sse(events))
 
     def infer(self, req: HttpRequest, model: str, version: str):
         started = time.perf_counter()
@@ -100,6 +162,8 @@ class HttpFrontend:
         try:
             request, output_format = decode_infer(model, version, req.headers, self._body(req), self.forward)
         except Passthrough:
+            if req.principal is not None and not req.principal.admin:  # regions are the server's, not a tenant's
+                return error_response(403, "shared-memory inputs and outputs are for admin keys only")
             return self._relay_infer(req, model, started)
         except GatewayError as e:
             self.metrics.error("bad_request")
@@ -107,10 +171,13 @@ class HttpFrontend:
             if e.status == 415:
                 response.headers.append(("Accept-Encoding", "gzip, deflate"))
             return response
+        if req.principal is not None:
+            request.scope = req.principal.scope(model, self.shared_models)
         if not opt_out:
             key = self.core.key_now(request)
             entry = self.core.cache.get_front(key) if key is not None else None
             if entry is not None:
+                req.hit = True
                 return self._answer(entry.result, entry, request, output_format, model, "hit", started,
                                     accepted_encoding(req.headers))
         return self._infer_async(req, request, output_format, opt_out, started)
@@ -123,6 +190,7 @@ class HttpFrontend:
             encoding = accepted_encoding(req.headers)
             entry = await self.core.lookup(key)
             if entry is not None:
+                req.hit = True
                 return self._answer(entry.result, entry, request, output_format, request.model, "hit", started,
                                     encoding)
             result, entry = await self.core.compute(key, version, request)
@@ -197,6 +265,70 @@ class HttpFrontend:
         if r.status >= 400 and not body:
             return error_response(r.status, error_message(r.status, body))
         return HttpResponse(r.status, [body], passed)
+
+
+    async def _index(self, req: HttpRequest) -> Response:
+        """The repository index as Triton answers it, less the models the key is not given."""
+        response = await self.relay(req)
+        if isinstance(response, HttpResponse) and response.status == 200 and req.principal is not None:
+            try:
+                models = orjson.loads(b"".join(response.chunks))
+                kept = [m for m in models if isinstance(m, dict) and req.principal.allows(str(m.get("name", "")))]
+            except (orjson.JSONDecodeError, TypeError):
+                return error_response(502, "Triton's repository index is not a JSON list")
+            response.chunks = [orjson.dumps(kept)]
+        return response
+
+
+# Triton routes any key may use (with a model, if it is given that model); the rest are admin keys' (model control,
+# shared memory, tracing, logging, every model's statistics, /metrics).
+MODEL_ACTIONS = frozenset({"ready", "config", "stats", "infer", "generate", "generate_stream"})
+INFERENCE_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
+OPENAI_INFERENCE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+
+
+def tenant_route(method: str, path: str) -> tuple[str, str | None]:
+    """(kind, model) of a request under --auth keys: kind is openai_inference, openai, inference, model (metadata
+    and the like), server (/v2, the repository index) or admin."""
+    if path.startswith("/v1/"):
+        return ("openai_inference" if method == "POST" and path in OPENAI_INFERENCE else "openai"), None
+    if path in ("/v2", "/v2/", "/v2/repository/index"):
+        return "server", None
+    parts = path.split("/")
+    if len(parts) >= 4 and parts[1:3] == ["v2", "models"] and parts[3] and parts[3] != "stats":
+        model = parts[3].encode("latin-1").decode("utf-8", "surrogateescape")
+        rest = parts[4:]
+        if len(rest) >= 2 and rest[0] == "versions":
+            rest = rest[2:]
+        if not rest or (len(rest) == 1 and rest[0] in MODEL_ACTIONS):
+            return ("inference" if rest and rest[0] in INFERENCE_ACTIONS and method == "POST" else "model"), model
+    return "admin", None
+
+
+async def _counted(events: AsyncGenerator[bytes, None], guard: Guard, principal: Principal
+                   ) -> AsyncGenerator[bytes, None]:
+    """A generate answer's events as they are, the tokens they carry charged to `principal` as they pass."""
+    prompt_seen = False
+    async with contextlib.aclosing(events):
+        async for event in events:
+            d = data(event) if event.startswith(b"data: ") else _json_object(event)
+            if d is not None and "error" not in d:
+                ids = d.get("output_ids")
+                completion = len(ids) if isinstance(ids, list) else 1 if isinstance(ids, int) else 0
+                prompt = cached = 0
+                if not prompt_seen and isinstance(d.get("prompt_tokens"), int):
+                    prompt, cached, prompt_seen = d["prompt_tokens"], int(d.get("prompt_cached_tokens") or 0), True
+                if completion or prompt:
+                    guard.charge(principal, prompt, completion, cached)
+            yield event
+
+
+def _json_object(body: bytes) -> dict | None:
+    try:
+        d = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return None
+    return d if isinstance(d, dict) else None
 
 
 def model_route(path: str) -> tuple[str, str, str] | None:

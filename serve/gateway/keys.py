@@ -43,7 +43,12 @@ def cache_key(fingerprint: str, version: str, request: InferRequest, model_outpu
     h.update(blob)
     for t in sorted(request.inputs, key=lambda t: t.name):
         h.update(t.raw)
-    return f"{PREFIX}:{request.model}:{fingerprint}:{h.hexdigest()}"
+    return f"{scoped(request.scope)}:{request.model}:{fingerprint}:{h.hexdigest()}"
+
+
+def scoped(scope: str) -> str:
+    """The key prefix of a cache scope: a tenant's (t=NAME), or the shared one ("")."""
+    return f"{PREFIX}:{scope}" if scope else PREFIX
 
 
 def key_fingerprint(key: str) -> str:

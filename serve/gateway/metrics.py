@@ -31,6 +31,13 @@ class Metrics:
                              ["model", "direction"], registry=r)
         self.latency = Histogram("dstool_gateway_request_seconds", "Inference latency inside the gateway",
                                  ["model", "protocol", "outcome"], buckets=LATENCY_BUCKETS, registry=r)
+        self.tenant_requests = Counter("dstool_gateway_tenant_requests", "Requests of each tenant (--auth keys) by "
+                                       "outcome: admitted, checked (not an inference), limited (429), revoked, "
+                                       "expired, unavailable (Redis down, limits closed), admitted_unchecked (Redis "
+                                       "down, limits open)", ["tenant", "outcome"], registry=r)
+        self.tenant_tokens = Counter("dstool_gateway_tenant_tokens", "Tokens of each tenant (--auth keys): prompt, "
+                                     "completion, cached (prompt tokens the engine's prefix cache held)",
+                                     ["tenant", "kind"], registry=r)
         self.memory_bytes = Gauge("dstool_gateway_memory_cache_bytes", "Bytes the in-process cache holds: results "
                                   "and their protocol renderings", registry=r, multiprocess_mode="livesum")
         self.memory_entries = Gauge("dstool_gateway_memory_cache_entries", "Entries in the in-process cache",
@@ -42,6 +49,15 @@ class Metrics:
 
     def error(self, kind: str) -> None:
         self.errors.labels(kind).inc()
+
+    def tenant(self, tenant: str, outcome: str) -> None:
+        """Count a request of `tenant`: a name from a key record, which only `dstool keys` makes (a bounded label)."""
+        self.tenant_requests.labels(tenant, outcome).inc()
+
+    def tokens(self, tenant: str, prompt: int, completion: int, cached: int) -> None:
+        for kind, n in (("prompt", prompt), ("completion", completion), ("cached", cached)):
+            if n:
+                self.tenant_tokens.labels(tenant, kind).inc(n)
 
     def observe(self, model: str, protocol: str, outcome: str, seconds: float, nbytes: int = 0) -> None:
         """Count one inference request: outcome is hit, miss, bypass or error."""

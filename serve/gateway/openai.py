@@ -12,7 +12,8 @@ here, the text cut before them; `n` choices run side by side (with a seed, choic
 answers with server-sent events ending in `[DONE]`. Requests are typed (protocol.py): a mistake, an unknown field or
 one not served is a 400 naming it, in OpenAI's form. A client that hangs up, streamed or not, cancels its choices
 on Triton; a slow reader holds at most EVENTS_AHEAD events here. The gateway's bearer token, when set, is the API
-key.
+key; with --auth keys, a tenant's key (http.py admits it): /v1/models lists its models only, its answers are cached
+in its tenant's scope and its tokens charged as they come (Meter).
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ from typing import Any
 
 import orjson
 
+from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.generation import GenerationCache, data
+from dstool.serve.gateway.guard import Guard
 from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
 from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
 from dstool.serve.gateway.tensors import GatewayError
@@ -187,16 +190,19 @@ class Reply:
 
 
 class OpenAIFrontend:
-    def __init__(self, upstreams, generation: GenerationCache, default_max_tokens: int = 16):
+    def __init__(self, upstreams, generation: GenerationCache, guard: Guard | None = None,
+                 shared_models: frozenset[str] = frozenset(), default_max_tokens: int = 16):
         self.upstreams = upstreams
         self.generation = generation
+        self.guard = guard
+        self.shared_models = shared_models
         self.default_max_tokens = default_max_tokens
         self.choices: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
 
     async def handle(self, req: HttpRequest):
         try:
             if req.path == "/v1/models" and req.method == "GET":
-                return await self._models()
+                return await self._models(req.principal)
             if req.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
                 if req.method != "POST":
                     raise OpenAIError(405, f"use POST for {req.path}")
@@ -205,7 +211,7 @@ class OpenAIFrontend:
                 request = parse(req.body, ChatCompletionRequest if req.path == "/v1/chat/completions" else
                                 CompletionRequest)
                 await asyncio.to_thread(request.check_grammars)
-                return await self._complete(request, opts_out(req))
+                return await self._complete(request, opts_out(req), req.principal)
             if req.path == "/v1/embeddings":
                 raise OpenAIError(404, "no route /v1/embeddings: dstool serves causal language models, whose hidden "
                                        "states are no trained embedding (docs/structured-outputs.md)")
@@ -216,12 +222,13 @@ class OpenAIFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             return error_response(OpenAIError(503, str(e), kind="server_error"))
 
-    async def _models(self) -> HttpResponse:
+    async def _models(self, principal: Principal | None) -> HttpResponse:
         r = await self.upstreams.request("POST", "/v2/repository/index", b"{}", (("Content-Type", "application/json"),))
         if r.status != 200:
             raise OpenAIError(502, f"Triton answered {r.status} to its repository index", kind="server_error")
         names = sorted(m["name"][:-len("_llm")] for m in orjson.loads(r.body)
-                       if m.get("name", "").endswith("_llm") and m.get("state") == "READY")
+                       if m.get("name", "").endswith("_llm") and m.get("state") == "READY" and
+                       (principal is None or principal.allows(m["name"])))
         data = [{"id": n, "object": "model", "created": 0, "owned_by": "dstool"} for n in names]
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
@@ -233,7 +240,7 @@ class OpenAIFrontend:
         try:
             request = parse(orjson.dumps(body), ChatCompletionRequest)
             await asyncio.to_thread(request.check_grammars)
-            answer = await self._complete(request, opts_out(req))
+            answer = await self._complete(request, opts_out(req), req.principal)
         except OpenAIError as e:
             raise renamed(e) from None
         writer = Writer(asked, body)
@@ -242,9 +249,15 @@ class OpenAIFrontend:
         return HttpResponse(200, [orjson.dumps(writer.whole(orjson.loads(b"".join(answer.chunks))))],
                             [("Content-Type", "application/json")])
 
-    async def _complete(self, request, opt_out: bool):
-        """A completion or chat completion request, validated: its answer, whole or streamed."""
+    async def _complete(self, request, opt_out: bool, principal: Principal | None = None):
+        """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a
+        tenant's key), from its tenant's cache scope, its tokens charged as they come."""
         chat = isinstance(request, ChatCompletionRequest)
+        if principal is not None and not principal.allows(request.model):
+            raise OpenAIError(404, f"The model '{request.model}' does not exist or you do not have access to it.",
+                              "model", code="model_not_found")
+        meter = Meter(self.guard, principal) if self.guard is not None and principal is not None else None
+        scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
         max_tokens = request.max_new_tokens or self.default_max_tokens
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
@@ -253,7 +266,8 @@ class OpenAIFrontend:
                    for i in range(request.n)]
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
-                                                                 "max_new_tokens": max_tokens}, c, events, opt_out))
+                                                                 "max_new_tokens": max_tokens}, c, events, opt_out,
+                                                 scope, meter))
                  for c in choices]
         for t in tasks:
             self.choices.add(t)
@@ -325,11 +339,14 @@ class OpenAIFrontend:
             yield reply.usage_chunk()
         yield b"data: [DONE]\n\n"
 
-    async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool) -> None:
+    async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool,
+                   scope: str = "", meter: Meter | None = None) -> None:
         """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None)."""
         try:
             g = await self.generation.open(f"{model}_llm", "", "generate_stream", fields, opt_out=opt_out,
-                                           protocol="openai")
+                                           protocol="openai", scope=scope)
+            if meter is not None and g.hit and choice.index == 0:
+                meter.hit()
             async with contextlib.aclosing(g.events) as stream:
                 if g.status != 200:
                     raise _upstream_error(g.status, b"".join([e async for e in stream]), model, "messages" in fields)
@@ -339,9 +356,14 @@ class OpenAIFrontend:
                         continue
                     if "error" in d:
                         raise _upstream_error(400, orjson.dumps(d), model, "messages" in fields)
-                    choice.tokens += len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
+                    new = len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
+                    choice.tokens += new
+                    prompt_known = choice.prompt_tokens
                     choice.prompt_tokens = int(d.get("prompt_tokens", choice.prompt_tokens))
                     choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
+                    if meter is not None:  # what the answer's usage says, charged as it comes
+                        first = choice.index == 0 and not prompt_known and choice.prompt_tokens
+                        meter.add(new, choice.prompt_tokens if first else 0, choice.cached_tokens if first else 0)
                     rows = ranked(d)
                     if choice.whole:
                         choice.ranked += rows
@@ -362,6 +384,19 @@ class OpenAIFrontend:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+class Meter:
+    """Charges one request's tokens to its key as they come (the same counts as the answer's `usage`)."""
+
+    def __init__(self, guard: Guard, principal: Principal):
+        self.guard, self.principal = guard, principal
+
+    def add(self, completion: int, prompt: int, cached: int) -> None:
+        self.guard.charge(self.principal, prompt, completion, cached)
+
+    def hit(self) -> None:
+        self.guard.charge(self.principal, hit=True)
 
 
 def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:

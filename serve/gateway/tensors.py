@@ -47,6 +47,7 @@ class InferRequest:
     parameters: dict = field(default_factory=dict)
     id: str = ""
     headers: tuple[tuple[str, str], ...] = ()  # headers (gRPC metadata) Triton forwards to the model: part of the key
+    scope: str = ""  # the cache namespace of the tenant asking ("" shared): part of the key
 
 
 @dataclass(slots=True)

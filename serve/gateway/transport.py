@@ -23,6 +23,7 @@ from dstool.serve.gateway.protocol import OpenAIError
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable, within
 
 if TYPE_CHECKING:  # the router builds on this module's types; only its type is named here
+    from dstool.serve.gateway.auth import Principal
     from dstool.serve.gateway.http import HttpFrontend
 
 # After refusing a request: for how long, and how much of, what the client still sends is read and dropped.
@@ -54,6 +55,8 @@ class HttpRequest:
     path: str
     headers: dict[str, str]  # lower-case names
     body: bytes
+    principal: Principal | None = None  # who asks (--auth keys), once the guard admitted the request
+    hit: bool = False  # answered from the cache (set by the route)
 
 
 @dataclass(slots=True)
@@ -273,7 +276,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if not front.authorized(target.split("?", 1)[0], self.headers):  # before any byte of the body is read
             front.metrics.error("unauthorized")
-            self.error = (401, "missing or wrong bearer token")
+            self.error = (401, front.unauthorized)
         elif length > limit:
             front.metrics.error("bad_request")
             self.error = (413, f"request body exceeds the gateway's limit of {limit} bytes")

@@ -1,0 +1,229 @@
+"""Tenants' API keys as they are kept in Redis, shared by the admin commands (`dstool keys`, serve/keys.py) and the
+gateway's guard (guard.py): the key format, its hash, the record of a key and of a tenant, the Redis names, and the
+two Lua scripts that admit a request and charge its tokens atomically (every gateway worker and replica runs the
+same script on the same Redis, so they enforce one limit).
+
+A key is `dsk-ID-SECRET`: ID (12 hex digits) names its record, SECRET is 32 random bytes. Only the key's SHA-256
+is kept; a presented key is checked by its hash, compared in constant time. Every name lives under one Redis Cluster
+hash tag, so a script's keys share a slot.
+
+Limits are token buckets refilled continuously: a bucket of N per minute holds at most N and gains N/60 a second.
+A request takes one from each requests bucket (key and tenant); tokens are charged when they are known (prompt
+and generated, a stream's as it goes), so a tokens bucket may go below zero and then admits nothing until it has
+refilled. A budget counts a key's or tenant's tokens per UTC day or month.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import re
+import secrets
+import time
+from dataclasses import dataclass
+from datetime import datetime, timedelta, timezone
+
+NS = "{dstool-auth}"  # one Redis Cluster slot for every name below
+KEY_PATTERN = re.compile(r"dsk-([0-9a-f]{12})-([A-Za-z0-9_-]{43})")
+USAGE_FIELDS = ("requests", "prompt_tokens", "completion_tokens", "cached_tokens", "cache_hits", "errors", "limited")
+
+
+def new_key(ident: str | None = None) -> tuple[str, str]:
+    """(key id, the whole key): a new key, or a new secret for key `ident`."""
+    ident = ident or secrets.token_hex(6)
+    return ident, f"dsk-{ident}-{secrets.token_urlsafe(32)}"
+
+
+def parse_key(key: str) -> str | None:
+    """The id of a well-formed key, else None (nothing else is looked up)."""
+    m = KEY_PATTERN.fullmatch(key)
+    return m.group(1) if m else None
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def same_hash(a: str, b: str) -> bool:
+    return hmac.compare_digest(a.encode(), b.encode())
+
+
+def key_name(ident: str) -> str:
+    return f"{NS}:key:{ident}"
+
+
+def tenant_name(tenant: str) -> str:
+    return f"{NS}:tenant:{tenant}"
+
+
+KEYS_SET, TENANTS_SET = f"{NS}:keys", f"{NS}:tenants"
+
+
+def bucket(who: str, ident: str, kind: str) -> str:
+    """`who` is k (a key) or t (a tenant); `kind` rpm or tpm."""
+    return f"{NS}:bucket:{who}:{ident}:{kind}"
+
+
+def usage_name(who: str, ident: str) -> str:
+    return f"{NS}:usage:{who}:{ident}"
+
+
+def periods(now: float | None = None) -> tuple[str, str, int, int]:
+    """(day id, month id, ms to the day's end, ms to the month's end), UTC."""
+    t = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    day_end = (t + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
+    month_end = (t.replace(day=28) + timedelta(days=4)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
+    return (t.strftime("%Y%m%d"), t.strftime("%Y%m"), int((day_end - t).total_seconds() * 1000) + 1,
+            int((month_end - t).total_seconds() * 1000) + 1)
+
+
+def budget_names(who: str, ident: str, now: float | None = None) -> tuple[str, str]:
+    day, month, _, _ = periods(now)
+    return f"{NS}:budget:{who}:{ident}:d{day}", f"{NS}:budget:{who}:{ident}:m{month}"
+
+
+def script_keys(ident: str, tenant: str, now: float | None = None) -> list[str]:
+    """The names both scripts take, in their order."""
+    return [key_name(ident), tenant_name(tenant), bucket("k", ident, "rpm"), bucket("k", ident, "tpm"),
+            bucket("t", tenant, "rpm"), bucket("t", tenant, "tpm"), *budget_names("k", ident, now),
+            *budget_names("t", tenant, now), usage_name("k", ident), usage_name("t", tenant)]
+
+
+@dataclass(frozen=True)
+class Principal:
+    """Who a request comes from: a key of a tenant, what it may use, and how its answers are cached."""
+
+    tenant: str
+    key_id: str
+    models: frozenset[str] | None  # None: every model
+    shared: bool  # its cached answers are in the shared scope, not its tenant's
+    admin: bool
+
+    def allows(self, model: str) -> bool:
+        """A key given a model family NAME may use NAME and its NAME_llm, NAME_generate, ... models."""
+        if self.models is None or model in self.models:
+            return True
+        head, _, tail = model.rpartition("_")
+        return head in self.models and tail in FAMILY_SUFFIXES
+
+    def scope(self, model: str, shared_models: frozenset[str]) -> str:
+        """The cache namespace of this principal's answers from `model`: its tenant's, or the shared one."""
+        family = model.rpartition("_")[0] if model.rpartition("_")[2] in FAMILY_SUFFIXES else model
+        return "" if self.shared or model in shared_models or family in shared_models else f"t={self.tenant}"
+
+
+FAMILY_SUFFIXES = frozenset({"llm", "generate", "decoder", "tokenizer", "detokenizer"})
+ADMIN = Principal("(admin)", "", None, False, True)  # the gateway's own token, in keys mode
+
+
+# Admit one request: check the presented hash against the record (the key's current hash, or its previous one
+# within a rotation's grace), its state, then (ARGV[2] = 1, an inference) each limit; take one request from each
+# requests bucket. Returns {status, ...}; see guard.Guard.admit for how it is read.
+ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local r = redis.call('HMGET', KEYS[1], 'hash', 'old_hash', 'old_until', 'revoked', 'expires_at', 'tenant',
+                     'rpm', 'tpm', 'budget', 'per', 'models', 'scope', 'admin')
+if not r[1] then return {'unknown'} end
+if ARGV[1] ~= r[1] and not (r[2] and ARGV[1] == r[2] and now < tonumber(r[3])) then return {'unknown'} end
+if r[6] ~= ARGV[3] then return {'unknown'} end
+if r[4] == '1' then return {'revoked', r[6]} end
+local exp = tonumber(r[5] or '0')
+if exp > 0 and now >= exp then return {'expired', r[6]} end
+local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or ''}
+if ARGV[2] ~= '1' then return info end
+local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per')
+local function level(name, limit)
+  local v = redis.call('HMGET', name, 'l', 't')
+  local l = tonumber(v[1])
+  if not l then return limit end
+  l = l + (now - tonumber(v[2])) * limit / 60000
+  if l > limit then l = limit end
+  return l
+end
+local buckets = {{KEYS[3], tonumber(r[7] or '0'), 'requests', 'key'}, {KEYS[4], tonumber(r[8] or '0'), 'tokens', 'key'},
+                 {KEYS[5], tonumber(tr[1] or '0'), 'requests', 'tenant'},
+                 {KEYS[6], tonumber(tr[2] or '0'), 'tokens', 'tenant'}}
+local levels = {}
+for i, b in ipairs(buckets) do
+  if b[2] > 0 then
+    local l = level(b[1], b[2])
+    levels[i] = l
+    if (b[3] == 'requests' and l < 1) or (b[3] == 'tokens' and l <= 0) then
+      redis.call('HINCRBY', KEYS[11], 'limited', 1)
+      redis.call('HINCRBY', KEYS[12], 'limited', 1)
+      local need = b[3] == 'requests' and 1 - l or -l
+      return {'limited', b[3], b[4], b[2], math.ceil(need * 60000 / b[2]) + 1, r[6]}
+    end
+  end
+end
+local budgets = {{tonumber(r[9] or '0'), r[10], KEYS[7], KEYS[8], 'key'},
+                 {tonumber(tr[3] or '0'), tr[4], KEYS[9], KEYS[10], 'tenant'}}
+for _, b in ipairs(budgets) do
+  if b[1] > 0 then
+    local used = tonumber(redis.call('GET', b[2] == 'month' and b[4] or b[3]) or '0')
+    if used >= b[1] then
+      redis.call('HINCRBY', KEYS[11], 'limited', 1)
+      redis.call('HINCRBY', KEYS[12], 'limited', 1)
+      return {'limited', 'budget', b[5], b[1], tonumber(b[2] == 'month' and ARGV[5] or ARGV[4]), r[6], b[2]}
+    end
+  end
+end
+local out = info
+for i, b in ipairs(buckets) do
+  if b[2] > 0 then
+    local l = levels[i]
+    if b[3] == 'requests' then l = l - 1 end
+    redis.call('HSET', b[1], 'l', tostring(l), 't', now)
+    redis.call('PEXPIRE', b[1], 120000)
+    table.insert(out, b[3] .. ':' .. b[4] .. ':' .. b[2] .. ':' .. math.floor(l) .. ':' ..
+                 math.ceil((b[2] - l) * 60000 / b[2]))
+  end
+end
+redis.call('HINCRBY', KEYS[11], 'requests', 1)
+redis.call('HINCRBY', KEYS[12], 'requests', 1)
+return out
+"""
+
+# Charge tokens (ARGV[1]) to the key's and tenant's tokens buckets and budgets (ARGV[2], ARGV[3]: seconds the day's
+# and the month's counters are kept), and add the usage counters (ARGV[4:], field, amount, ...).
+CHARGE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = tonumber(ARGV[1])
+if n > 0 then
+  local r = redis.call('HMGET', KEYS[1], 'tpm')
+  local tr = redis.call('HMGET', KEYS[2], 'tpm')
+  for _, b in ipairs({{KEYS[4], tonumber(r[1] or '0')}, {KEYS[6], tonumber(tr[1] or '0')}}) do
+    if b[2] > 0 then
+      local v = redis.call('HMGET', b[1], 'l', 't')
+      local l = tonumber(v[1])
+      if not l then l = b[2] else
+        l = l + (now - tonumber(v[2])) * b[2] / 60000
+        if l > b[2] then l = b[2] end
+      end
+      redis.call('HSET', b[1], 'l', tostring(l - n), 't', now)
+      redis.call('PEXPIRE', b[1], 60000 + math.ceil(60000 * math.max(0, n - l) / b[2]) + 60000)
+    end
+  end
+  for i, name in ipairs({KEYS[7], KEYS[8], KEYS[9], KEYS[10]}) do
+    redis.call('INCRBY', name, n)
+    redis.call('EXPIRE', name, (i % 2 == 1) and ARGV[2] or ARGV[3])
+  end
+end
+for i = 4, #ARGV, 2 do
+  redis.call('HINCRBY', KEYS[11], ARGV[i], ARGV[i + 1])
+  redis.call('HINCRBY', KEYS[12], ARGV[i], ARGV[i + 1])
+end
+return 1
+"""
+
+
+def reset_text(ms: int) -> str:
+    """A duration as OpenAI writes x-ratelimit-reset-*: 20ms, 1s, 6m0s."""
+    if ms < 1000:
+        return f"{ms}ms"
+    s = ms / 1000
+    if s < 60:
+        return f"{s:.3g}s"
+    return f"{int(s // 60)}m{int(s % 60)}s"

@@ -1,0 +1,305 @@
+"""Tenants on the gateway (--auth keys): keys from `dstool keys`, models per key, the cache scoped per tenant,
+limits across two gateways, revocation, brute force, Redis down, usage — on the real gateway, Redis and Triton."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import secrets
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from conftest import dstool
+from gatewaylib import GatewayProcess, RedisServer
+
+
+@pytest.fixture(scope="module")
+def tenants_redis(session_tmp):
+    r = RedisServer(session_tmp / "redis-tenants")
+    yield r
+    r.stop()
+
+
+def keys_gateway(server, redis_url: str, log, **config) -> GatewayProcess:
+    return GatewayProcess(log, config={"upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url],
+                                       "cache": redis_url, "auth": "keys", "version_check_interval": 0.5, **config})
+
+
+@pytest.fixture(scope="module")
+def keyed(gateway_server, tenants_redis, session_tmp):
+    gw = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys.log", token="admin-t0ken")
+    yield gw
+    gw.stop()
+
+
+def new_key(redis_url: str, *args: str) -> str:
+    """A key made by the CLI, as a user makes one."""
+    result = dstool("keys", "create", "--redis", redis_url, *args)
+    return result.stdout.strip()
+
+
+def call(gw: GatewayProcess, method: str, path: str, key: str | None, body: dict | None = None):
+    """(status, headers, JSON body) of one request."""
+    conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if key is not None:
+        headers["Authorization"] = f"Bearer {key}"
+    conn.request(method, path, json.dumps(body) if body is not None else None, headers)
+    r = conn.getresponse()
+    raw = r.read()
+    conn.close()
+    try:
+        parsed = json.loads(raw)
+    except ValueError:
+        parsed = raw
+    return r.status, {k.lower(): v for k, v in r.getheaders()}, parsed
+
+
+def echo(value: float) -> dict:
+    return {"inputs": [{"name": "INPUT0", "datatype": "FP32", "shape": [1], "data": [value]}]}
+
+
+def inferences(server, model: str) -> int:
+    conn = http.client.HTTPConnection(*server.http_url.split(":"), timeout=10)
+    conn.request("GET", f"/v2/models/{model}/stats")
+    stats = json.loads(conn.getresponse().read())
+    conn.close()
+    return sum(int(s["inference_count"]) for s in stats["model_stats"])
+
+
+def settled(server, model: str) -> int:
+    last = -1
+    while True:
+        n = inferences(server, model)
+        if n == last:
+            return n
+        last = n
+        time.sleep(0.1)
+
+
+def test_keys_cli_prints_a_key_once_and_redis_keeps_only_its_hash(tenants_redis):
+    url = tenants_redis.url
+    key = new_key(url, "--tenant", "cli-team", "--rpm", "100", "--models", "echo_fp32")
+    assert key.startswith("dsk-")
+    listed = json.loads(dstool("keys", "list", "--redis", url, "--tenant", "cli-team", "--format", "json").stdout)
+    assert [(k["tenant"], k["rpm"], k["models"], k["state"]) for k in listed] == [("cli-team", 100, "echo_fp32",
+                                                                                    "active")]
+    client = tenants_redis.client()
+    stored = b"".join(v for name in client.keys("*") if client.type(name) == b"hash"
+                      for v in client.hgetall(name).values())
+    assert key.encode() not in stored and key.split("-")[2].encode() not in stored  # the secret is nowhere
+    ident = listed[0]["id"]
+    dstool("keys", "revoke", ident, "--redis", url)
+    listed = json.loads(dstool("keys", "list", "--redis", url, "--tenant", "cli-team", "--format", "json").stdout)
+    assert listed[0]["state"] == "revoked"
+    for args, needle in ((["create", "--rpm", "5"], "needs --tenant"), (["revoke"], "needs the key's ID"),
+                         (["revoke", "nope"], "no key with id 'nope'"), (["list", "--rpm", "3"], "--rpm does not apply"),
+                         (["create", "--tenant", "a:b"], "is not a tenant name"),
+                         (["create", "--tenant", "a", "--budget-tokens", "9"], "--per day"),
+                         (["create", "--tenant", "a", "--expires", "soon"], "is not a duration")):
+        result = dstool("keys", *args, "--redis", url, check=False)
+        assert result.returncode == 2 and needle in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+            (args, result.stderr)
+
+
+def test_tenants_never_read_each_others_cached_answers(gateway_server, keyed, tenants_redis):
+    url = tenants_redis.url
+    a, b = new_key(url, "--tenant", "team-a"), new_key(url, "--tenant", "team-b")
+    shared_a = new_key(url, "--tenant", "team-a", "--cache-scope", "shared")
+    shared_b = new_key(url, "--tenant", "team-b", "--cache-scope", "shared")
+    value = 1000 + secrets.randbelow(10**6)
+    before = settled(gateway_server, "echo_fp32")
+    answers = [call(keyed, "POST", "/v2/models/echo_fp32/infer", k, echo(value)) for k in (a, a, b, b)]
+    assert [s for s, _, _ in answers] == [200] * 4
+    assert all(body["outputs"][0]["data"] == [value] for _, _, body in answers)
+    assert settled(gateway_server, "echo_fp32") == before + 2  # A computed once, B once: never A's answer for B
+    before += 2
+    for k in (shared_a, shared_b):  # both opted into the shared scope: one computation serves both
+        assert call(keyed, "POST", "/v2/models/echo_fp32/infer", k, echo(value + 1))[0] == 200
+    assert settled(gateway_server, "echo_fp32") == before + 1
+
+
+def test_a_key_sees_and_uses_only_its_models(keyed, tenants_redis):
+    import grpc
+    import tritonclient.grpc as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    key = new_key(tenants_redis.url, "--tenant", "narrow", "--models", "echo_fp32")
+    assert call(keyed, "POST", "/v2/models/echo_fp32/infer", key, echo(1.0))[0] == 200
+    status, _, body = call(keyed, "POST", "/v2/models/echo_joined/infer", key, echo(1.0))
+    assert status == 403 and "not given the model 'echo_joined'" in body["error"]
+    assert call(keyed, "GET", "/v2/models/echo_joined", key)[0] == 403
+    assert call(keyed, "GET", "/v2/models/echo_fp32", key)[0] == 200
+    _, _, index = call(keyed, "POST", "/v2/repository/index", key, {})
+    assert [m["name"] for m in index] == ["echo_fp32"]
+    for path in ("/v2/repository/models/echo_fp32/unload", "/v2/systemsharedmemory/status", "/v2/models/stats",
+                 "/metrics"):
+        status, _, body = call(keyed, "POST" if "unload" in path else "GET", path, key, {} if "unload" in path
+                               else None)
+        assert status == 403 and "admin keys only" in body["error"], path
+    assert call(keyed, "GET", "/metrics", "admin-t0ken")[0] == 200  # the gateway's token is the admin key
+    assert call(keyed, "GET", "/v2/health/ready", None)[0] == 200  # health stays open
+    c = tgrpc.InferenceServerClient(keyed.grpc_url)
+    try:
+        headers = {"authorization": f"Bearer {key}"}
+        inp = tgrpc.InferInput("INPUT0", [1], "FP32")
+        import numpy as np
+
+        inp.set_data_from_numpy(np.array([2.0], dtype=np.float32))
+        assert c.infer("echo_fp32", [inp], headers=headers).as_numpy("INPUT0_OUT").tolist() == [2.0]
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("echo_joined", [inp], headers=headers)
+        assert e.value.status() == str(grpc.StatusCode.PERMISSION_DENIED)
+        assert [m.name for m in c.get_model_repository_index(headers=headers).models] == ["echo_fp32"]
+        with pytest.raises(InferenceServerException) as e:
+            c.unload_model("echo_fp32", headers=headers)
+        assert e.value.status() == str(grpc.StatusCode.PERMISSION_DENIED)
+        with pytest.raises(InferenceServerException) as e:
+            c.infer("echo_fp32", [inp], headers={"authorization": "Bearer dsk-000000000000-" + "x" * 43})
+        assert e.value.status() == str(grpc.StatusCode.UNAUTHENTICATED)
+    finally:
+        c.close()
+
+
+def rss_kib(pid: int) -> int:
+    for line in open(f"/proc/{pid}/status"):
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
+
+
+def test_ten_thousand_guessed_keys_admit_none_and_memory_stays_bounded(keyed, tenants_redis):
+    new_key(tenants_redis.url, "--tenant", "victim")
+    alphabet = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_"
+
+    def guesses(n: int) -> list[int]:
+        conn = http.client.HTTPConnection("127.0.0.1", keyed.http_port, timeout=30)
+        statuses = []
+        for i in range(n):
+            ident = secrets.token_hex(6)
+            key = f"dsk-{ident}-" + "".join(secrets.choice(alphabet) for _ in range(43)) if i % 4 else \
+                secrets.token_urlsafe(24)  # one in four not even shaped like a key
+            conn.request("POST", "/v2/models/echo_fp32/infer", json.dumps(echo(3.0)),
+                         {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+            r = conn.getresponse()
+            r.read()
+            statuses.append(r.status)
+            if r.getheader("Connection") == "close":
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", keyed.http_port, timeout=30)
+        conn.close()
+        return statuses
+
+    guesses(500)  # warm up: memory measured after the first allocations
+    before = rss_kib(keyed.proc.pid)
+    with ThreadPoolExecutor(8) as pool:
+        statuses = [s for part in pool.map(guesses, [1250] * 8) for s in part]
+    assert len(statuses) == 10_000 and set(statuses) == {401}
+    assert rss_kib(keyed.proc.pid) - before < 16 * 1024, "memory grew with the guesses"
+
+
+def test_revocation_reaches_a_second_gateway_within_a_second(gateway_server, keyed, tenants_redis, session_tmp):
+    other = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys-2.log")
+    try:
+        key = new_key(tenants_redis.url, "--tenant", "leaver")
+        assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] == 200
+        ident = key.split("-")[1]
+        dstool("keys", "revoke", ident, "--redis", tenants_redis.url)
+        revoked_at = time.monotonic()
+        while call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] != 401:
+            assert time.monotonic() - revoked_at < 1.0
+        status, _, body = call(keyed, "GET", "/v2/models/echo_fp32", key)
+        assert status == 401 and "revoked" in body["error"]
+        # rotation: the new secret works, the old one is refused once its grace is over
+        key = new_key(tenants_redis.url, "--tenant", "rotator")
+        ident = key.split("-")[1]
+        new = dstool("keys", "rotate", ident, "--grace", "1s", "--redis", tenants_redis.url).stdout.strip()
+        assert new != key and new.split("-")[1] == ident
+        assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(6.0))[0] == 200  # within the grace
+        assert call(other, "POST", "/v2/models/echo_fp32/infer", new, echo(6.0))[0] == 200
+        time.sleep(1.1)
+        assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(6.0))[0] == 401
+    finally:
+        other.stop()
+
+
+def test_limits_hold_across_two_gateways_with_64_clients(gateway_server, keyed, tenants_redis, session_tmp):
+    other = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys-3.log")
+    try:
+        rpm = 240
+        key = new_key(tenants_redis.url, "--tenant", "busy", "--rpm", str(rpm))
+        body = json.dumps(echo(7.0))
+        stop = time.monotonic() + 3.0
+        counts = {"200": 0, "429": 0, "other": 0}
+        lock = threading.Lock()
+        first_429: list = []
+
+        def client(i: int) -> None:
+            gw = (keyed, other)[i % 2]
+            conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=30)
+            while time.monotonic() < stop:
+                conn.request("POST", "/v2/models/echo_fp32/infer", body,
+                             {"Authorization": f"Bearer {key}", "Content-Type": "application/json"})
+                r = conn.getresponse()
+                r.read()
+                with lock:
+                    counts[str(r.status) if r.status in (200, 429) else "other"] += 1
+                    if r.status == 429 and not first_429:
+                        first_429.append({k.lower(): v for k, v in r.getheaders()})
+            conn.close()
+
+        started = time.monotonic()
+        threads = [threading.Thread(target=client, args=(i,)) for i in range(64)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        elapsed = time.monotonic() - started
+        expected = rpm + rpm / 60 * elapsed  # a full bucket, then its refill
+        assert counts["other"] == 0 and counts["429"] > 0
+        assert abs(counts["200"] - expected) <= 0.05 * expected, (counts, expected)
+        h = first_429[0]
+        assert int(h["retry-after"]) >= 1 and h["x-ratelimit-limit-requests"] == str(rpm)
+        assert h["x-ratelimit-remaining-requests"] == "0"
+    finally:
+        other.stop()
+
+
+def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_server, session_tmp):
+    redis = RedisServer(session_tmp / "redis-tenants-down")
+    open_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-open.log")
+    closed_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-closed.log",
+                             auth_fallback="cached", limits_fail="closed")
+    refusing_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-refuse.log",
+                               auth_fallback="refuse")
+    try:
+        key = new_key(redis.url, "--tenant", "steady", "--rpm", "1000")
+        for gw in (open_gw, closed_gw, refusing_gw):
+            assert call(gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 200
+        stranger = f"dsk-{secrets.token_hex(6)}-" + "y" * 43
+        for stop_redis in (lambda: os.kill(redis.proc.pid, signal.SIGSTOP), redis.kill):
+            stop_redis()
+            for _ in range(5):
+                t = time.monotonic()
+                assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 200
+                status, headers, _ = call(closed_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))
+                assert status == 503 and headers["retry-after"] == "1"  # no request past a limit it cannot count
+                assert call(closed_gw, "GET", "/v2/models/echo_fp32", key)[0] == 200  # the key itself is known
+                assert call(refusing_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 503
+                assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", stranger, echo(8.0))[0] in (401, 503)
+                assert time.monotonic() - t < 2.0, "a request waited on Redis"
+            if redis.proc.poll() is None:
+                os.kill(redis.proc.pid, signal.SIGCONT)
+                time.sleep(0.5)
+        redis.start()  # an empty Redis: the key is gone with it
+        time.sleep(6)  # the guard's back-off ends
+        assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 401
+    finally:
+        for gw in (open_gw, closed_gw, refusing_gw):
+            gw.stop()
+        redis.stop()
