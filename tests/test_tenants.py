@@ -303,3 +303,89 @@ def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_se
         for gw in (open_gw, closed_gw, refusing_gw):
             gw.stop()
         redis.stop()
+
+
+@pytest.fixture(scope="module")
+def llm_keyed(server, tenants_redis, session_tmp):
+    """--auth keys in front of the exported model's Triton (NAME_llm for the OpenAI routes)."""
+    gw = keys_gateway(server, tenants_redis.url, session_tmp / "gateway-keys-llm.log")
+    yield gw
+    gw.stop()
+
+
+def usage_of(redis_url: str, key: str) -> dict:
+    rows = json.loads(dstool("keys", "usage", "--redis", redis_url, "--format", "json").stdout)
+    return next(r for r in rows if r["key"] == key.split("-")[1])
+
+
+def test_usage_counts_what_clients_received_token_for_token(llm_keyed, tenants_redis):
+    from openai import OpenAI
+
+    key = new_key(tenants_redis.url, "--tenant", "counted", "--tpm", "100000")
+    client = OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=key)
+    received = {"prompt": 0, "completion": 0}
+    for prompt in ("the cat", "a dog ran", "the cat"):  # the third is a cache hit: received, so counted
+        r = client.completions.create(model="dstool_lm", prompt=prompt, max_tokens=7, temperature=0)
+        received["prompt"] += r.usage.prompt_tokens
+        received["completion"] += r.usage.completion_tokens
+    raw = client.chat.completions.with_raw_response.create(model="dstool_lm", max_tokens=5,
+                                                           messages=[{"role": "user", "content": "hi"}])
+    assert raw.headers["x-ratelimit-limit-tokens"] == "100000"
+    r = raw.parse()
+    received["prompt"] += r.usage.prompt_tokens
+    received["completion"] += r.usage.completion_tokens
+    chunks = list(client.chat.completions.create(model="dstool_lm", max_tokens=9, stream=True,
+                                                 stream_options={"include_usage": True}, temperature=0.9,
+                                                 messages=[{"role": "user", "content": "stream it"}]))
+    streamed = chunks[-1].usage
+    assert 9 >= streamed.completion_tokens >= sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
+    received["prompt"] += streamed.prompt_tokens
+    received["completion"] += streamed.completion_tokens
+    time.sleep(0.5)  # charges are sent every 50 ms
+    used = usage_of(tenants_redis.url, key)
+    assert (used["prompt_tokens"], used["completion_tokens"]) == (received["prompt"], received["completion"])
+    assert used["requests"] == 5 and used["cache_hits"] == 1 and used["errors"] == 0
+    assert used["tokens_today"] == received["prompt"] + received["completion"]
+
+
+def test_two_tenants_same_prompt_computed_separately_on_the_llm(server, llm_keyed, tenants_redis):
+    from openai import OpenAI
+
+    a, b = new_key(tenants_redis.url, "--tenant", "llm-a"), new_key(tenants_redis.url, "--tenant", "llm-b")
+    prompt = f"tenant test {secrets.token_hex(3)}"
+    before = settled(server, "dstool_lm_llm")
+    texts = [OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=k).completions.create(
+        model="dstool_lm", prompt=prompt, max_tokens=4, temperature=0).choices[0].text for k in (a, a, b)]
+    assert texts[0] == texts[1] == texts[2]
+    assert settled(server, "dstool_lm_llm") == before + 2  # A once (then its hit), B once
+    narrow = new_key(tenants_redis.url, "--tenant", "llm-c", "--models", "other_lm")
+    c = OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=narrow)
+    assert c.models.list().data == []
+    import openai
+
+    with pytest.raises(openai.NotFoundError, match="does not exist or you do not have access"):
+        c.completions.create(model="dstool_lm", prompt="x", max_tokens=2)
+
+
+def test_the_openai_client_understands_429_and_honours_retry_after(llm_keyed, tenants_redis):
+    import openai
+    from openai import OpenAI
+
+    key = new_key(tenants_redis.url, "--tenant", "limited", "--rpm", "60")
+    patient = OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=key, max_retries=3)
+    hasty = OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=key, max_retries=0)
+    for _ in range(60):  # the bucket: 60 at once (cache hits after the first), then one a second
+        try:
+            hasty.completions.create(model="dstool_lm", prompt="limit me", max_tokens=2, temperature=0)
+        except openai.RateLimitError:
+            break
+    with pytest.raises(openai.RateLimitError) as e:
+        for _ in range(5):
+            hasty.completions.create(model="dstool_lm", prompt="limit me", max_tokens=2, temperature=0)
+    assert e.value.code == "rate_limit_exceeded" and "Rate limit reached for requests" in e.value.message
+    assert e.value.response.headers["retry-after"] == "1"
+    t = time.monotonic()
+    assert patient.completions.create(model="dstool_lm", prompt="limit me", max_tokens=2, temperature=0).choices
+    assert time.monotonic() - t >= 0.5  # it waited as Retry-After said, then was admitted
+    time.sleep(0.3)
+    assert usage_of(tenants_redis.url, key)["limited"] >= 2
