@@ -162,10 +162,12 @@ def _infer(cfg) -> int:
     if cfg.prompt is not None and (cfg.stream or cfg.openai or structured):  # a grammar is MODEL_llm's to enforce
         if cfg.openai:
             pieces = client.openai_text(cfg.address, cfg.model, cfg.prompt, cfg.max_new_tokens, {
-                **cfg.sampling(), **({"structured_outputs": structured} if structured else {})}, cfg.stream)
+                **cfg.sampling(), **({"structured_outputs": structured} if structured else {})}, cfg.stream,
+                cfg.credentials())
         else:
             pieces = client.stream_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens, {
-                **cfg.sampling(), **({"structured_outputs": json.dumps(structured)} if structured else {})})
+                **cfg.sampling(), **({"structured_outputs": json.dumps(structured)} if structured else {})},
+                cfg.credentials())
         if structured and not cfg.stream:  # the answer alone, whole: a program reads it as JSON
             print("".join(pieces))
             return 0
@@ -176,10 +178,10 @@ def _infer(cfg) -> int:
         return 0
     if cfg.prompt is not None:
         text, _ = client.generate_text(cfg.address, cfg.protocol, cfg.model, cfg.prompt, cfg.max_new_tokens,
-                                       cfg.kv_cache, cfg.sampling())
+                                       cfg.kv_cache, cfg.sampling(), cfg.credentials())
         print(cfg.prompt + text)
         return 0
-    logits = client.infer_ids(cfg.address, cfg.protocol, cfg.model, cfg.token_ids())
+    logits = client.infer_ids(cfg.address, cfg.protocol, cfg.model, cfg.token_ids(), cfg.credentials())
     print(f"logits {list(logits.shape)}; greedy next token per position: {logits.argmax(-1).tolist()}")
     return 0
 

@@ -139,7 +139,15 @@ def dump_yaml(cfg: BaseModel) -> str:
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
 
 
+def secret_fields(model: type[BaseModel]) -> set[str]:
+    """Fields marked secret (a token, an API key): never printed, logged or written with the config."""
+    return {name for name, field in model.model_fields.items()
+            if isinstance(field.json_schema_extra, dict) and field.json_schema_extra.get("secret")}
+
+
 def changed(cfg: BaseModel) -> dict[str, Any]:
-    """The options that differ from their defaults (what a run prints; the whole config goes to its folder)."""
-    return {name: getattr(cfg, name) for name, field in type(cfg).model_fields.items()
+    """The options that differ from their defaults (what a run prints; the whole config goes to its folder); a
+    secret's value shows as ***."""
+    hidden = secret_fields(type(cfg))
+    return {name: "***" if name in hidden else getattr(cfg, name) for name, field in type(cfg).model_fields.items()
             if field.is_required() or getattr(cfg, name) != _default(field)}

@@ -135,7 +135,8 @@ class GatewayOptions(CommandConfig):
     token_file: str | None = Field(None, description="file holding a bearer token every request must carry "
                                    "($DSTOOL_GATEWAY_TOKEN also works)")
     token: str | None = Field(None, description="the bearer token (from --token-file or $DSTOOL_GATEWAY_TOKEN; not "
-                              "a flag, so it never shows in a process list)", json_schema_extra={"cli": False})
+                              "a flag, so it never shows in a process list)", json_schema_extra={"cli": False,
+                                                                                  "secret": True})
     version_check_interval: float = Field(1.0, gt=0, description="seconds between checks of which model version "
                                           "Triton serves")
     auth: Literal["token", "keys"] = Field("token", description="token: the one bearer token of --token-file, if "
@@ -366,7 +367,21 @@ class SamplingOptions(CommandConfig):
         return self
 
 
-class InferConfig(SamplingOptions):
+class ClientOptions(SamplingOptions):
+    """What a client of a served model sends besides its request: the gateway's credentials."""
+
+    api_key: str | None = Field(None, description="the gateway's API key (from `dstool keys create`, or its "
+                                "--token-file token); default $DSTOOL_API_KEY, else $DSTOOL_GATEWAY_TOKEN (a flag "
+                                "shows in process lists: prefer the variable)", json_schema_extra={
+                                    "cli": {"metavar": "KEY"}, "secret": True})
+
+    def credentials(self) -> dict[str, str]:
+        """The Authorization header to send, if a key is given."""
+        key = self.api_key or os.environ.get("DSTOOL_API_KEY") or os.environ.get("DSTOOL_GATEWAY_TOKEN")
+        return {"authorization": f"Bearer {key}"} if key else {}
+
+
+class InferConfig(ClientOptions):
     """`dstool infer`: text through MODEL_generate, or token ids through the tensor model, with tritonclient."""
 
     prompt: str | None = positional("text to continue", default=None)
@@ -409,7 +424,8 @@ class InferConfig(SamplingOptions):
             raise ValueError("--openai speaks HTTP to the gateway: drop --protocol grpc")
         if self.edge is None and self.memory_cap_mb is not None:
             raise ValueError("--memory-cap-mb applies to --edge only")
-        server = sorted(self.model_fields_set & {"ids", "url", "protocol", "model", "stream", "openai", "kv_cache"})
+        server = sorted(self.model_fields_set & {"ids", "url", "protocol", "model", "stream", "openai", "kv_cache",
+                                                 "api_key"})
         if self.edge is not None and server:
             raise ValueError(f"--{server[0].replace('_', '-')} is for a served model: --edge generates from the "
                              "package here (drop it)")
@@ -423,7 +439,7 @@ class InferConfig(SamplingOptions):
         return self.url or ("127.0.0.1:8001" if self.protocol == "grpc" else "127.0.0.1:8000")
 
 
-class BatchConfig(SamplingOptions):
+class BatchConfig(ClientOptions):
     """`dstool batch`: offline generation or scoring over a data set on Apache Spark."""
 
     input: str = positional("jsonl, parquet or csv file (or a folder of them) of prompts; default: 1,000 prompts "
@@ -478,6 +494,8 @@ class BatchConfig(SamplingOptions):
                                      self.schema_column):
             raise ValueError("--task score reads the texts as they are: drop the sampling, --json-schema, "
                              "--schema-column and --max-new-tokens options")
+        if self.api_key is not None and self.engine != "triton":
+            raise ValueError("--api-key is for a served model (--engine triton): ONNX Runtime runs in the executors")
         if (self.json_schema or self.schema_column) and self.engine == "triton":
             raise ValueError("--json-schema and --schema-column need --engine onnx (the grammar runs in each "
                              "executor's sampler; the served generate model enforces none)")

@@ -98,7 +98,8 @@ def test_keys_cli_prints_a_key_once_and_redis_keeps_only_its_hash(tenants_redis)
     listed = json.loads(dstool("keys", "list", "--redis", url, "--tenant", "cli-team", "--format", "json").stdout)
     assert listed[0]["state"] == "revoked"
     for args, needle in ((["create", "--rpm", "5"], "needs --tenant"), (["revoke"], "needs the key's ID"),
-                         (["revoke", "nope"], "no key with id 'nope'"), (["list", "--rpm", "3"], "--rpm does not apply"),
+                         (["revoke", "nope"], "no key with id 'nope'"),
+                         (["list", "--rpm", "3"], "--rpm does not apply"),
                          (["create", "--tenant", "a:b"], "is not a tenant name"),
                          (["create", "--tenant", "a", "--budget-tokens", "9"], "--per day"),
                          (["create", "--tenant", "a", "--expires", "soon"], "is not a duration")):
@@ -389,3 +390,36 @@ def test_the_openai_client_understands_429_and_honours_retry_after(llm_keyed, te
     assert time.monotonic() - t >= 0.5  # it waited as Retry-After said, then was admitted
     time.sleep(0.3)
     assert usage_of(tenants_redis.url, key)["limited"] >= 2
+
+
+def test_dstool_infer_sends_the_key_and_names_the_real_cause(llm_keyed, tenants_redis):
+    key = new_key(tenants_redis.url, "--tenant", "cli-user", "--models", "dstool_lm")
+    for protocol, url in (("http", llm_keyed.http_url), ("grpc", llm_keyed.grpc_url)):
+        refused = dstool("infer", "the cat", "--url", url, "--protocol", protocol, "--max-new-tokens", "3",
+                         check=False)
+        assert refused.returncode == 2 and "pass --api-key KEY or set $DSTOOL_API_KEY" in refused.stderr, \
+            refused.stderr
+        assert "is the model exported" not in refused.stderr
+        done = dstool("infer", "the cat", "--url", url, "--protocol", protocol, "--max-new-tokens", "3",
+                      "--api-key", key)
+        assert done.stdout.startswith("the cat")
+    env_run = subprocess_env_infer(llm_keyed.http_url, key)
+    assert env_run.returncode == 0 and env_run.stdout.startswith("the cat"), env_run.stderr
+    streamed = dstool("infer", "the cat", "--url", llm_keyed.grpc_url, "--protocol", "grpc", "--stream",
+                      "--max-new-tokens", "3", "--api-key", key)
+    assert streamed.stdout.startswith("the cat")
+    ids = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.http_url, "--api-key", key)
+    assert "greedy next token" in ids.stdout
+    other = new_key(tenants_redis.url, "--tenant", "cli-user", "--models", "echo_fp32")
+    refused = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.grpc_url, "--protocol", "grpc", "--api-key",
+                     other, check=False)
+    assert refused.returncode == 2 and "not given this model" in refused.stderr, refused.stderr
+
+
+def subprocess_env_infer(url: str, key: str):
+    import subprocess
+
+    from conftest import DSTOOL
+
+    return subprocess.run([*DSTOOL, "infer", "the cat", "--url", url, "--openai", "--max-new-tokens", "3"],
+                          capture_output=True, text=True, timeout=120, env=dict(os.environ, DSTOOL_API_KEY=key))

@@ -37,6 +37,7 @@ from dstool.artifacts import (
     Repository,
     kind_of,
 )
+from dstool.config import secret_fields
 from dstool.corpus import EMBEDDED_PROMPTS, heldout_prompts
 from dstool.errors import UsageError
 from dstool.files import sha256_file
@@ -56,7 +57,7 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
         raise UsageError(f"--output {cfg.output} is a file: pass a folder")
     if cfg.engine == "triton":
         role = "logits" if cfg.task == "score" else "generate"
-        _check_server(cfg.url, plan_args["models"][role], deployment.version)
+        _check_server(cfg.url, plan_args["models"][role], deployment.version, cfg.credentials())
     spark = _session(cfg, out)
     try:
         df, source = _read(spark, cfg)
@@ -68,7 +69,8 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
         job = _job_digest(cfg, source, deployment, partitions)
         done = _prepare_output(cfg, out, job)
         manifest = BatchOutput(job=job, status="running", input=source, task=cfg.task, engine=cfg.engine,
-                               deployment=deployment, settings=cfg.model_dump(mode="json"),
+                               deployment=deployment,
+                               settings=cfg.model_dump(mode="json", exclude=secret_fields(BatchConfig)),
                                planned_partitions=partitions)
         manifest.write(out, hash_files=False)
         log.info(f"dstool batch: {rows} rows of {cfg.input} in {partitions} partitions"
@@ -172,18 +174,26 @@ def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
             {**cfg.sampling(), **({"structured_outputs": json.dumps(cfg.structured())} if cfg.json_schema else {})}),
         "schema_column": cfg.schema_column,
         "max_new_tokens": cfg.max_new_tokens, "max_batch": cfg.max_batch, "concurrency": cfg.concurrency,
-        "url": cfg.url}
+        "url": cfg.url, "headers": cfg.credentials()}
 
 
-def _check_server(url: str, model: str, version: int) -> None:
-    """--engine triton: the server answers and serves the version the output will name, else one line."""
+def _check_server(url: str, model: str, version: int, headers: dict) -> None:
+    """--engine triton: the server answers, takes the credentials and serves the version the output will name, else
+    one line."""
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
+
+    from dstool.serve.runtime.client import refusal_hint
 
     try:
         with grpcclient.InferenceServerClient(url) as client:
             ready = client.is_model_ready(model, str(version), client_timeout=10)
+            if ready:
+                client.get_model_metadata(model, str(version), headers=headers, client_timeout=10)
     except InferenceServerException as e:
+        hint = refusal_hint(str(e.status()))
+        if hint:
+            raise UsageError(f"the gateway at {url} refused {model}: {e.message()}{hint}") from None
         raise UsageError(f"no Triton or dstool gateway answers gRPC at {url} ({e.message()}): start `dstool serve` "
                          "or pass --url HOST:PORT") from None
     if not ready:

@@ -50,6 +50,7 @@ class Plan:
     max_batch: int
     concurrency: int
     url: str
+    headers: dict[str, str] = field(default_factory=dict, repr=False)  # the gateway's credentials, never printed
     rows_per_partition: int = 1  # output partition k holds rows k*N ... (k+1)*N - 1
     done: frozenset[int] = field(default_factory=frozenset)  # partitions an earlier run finished
 
@@ -262,7 +263,7 @@ def _call_all(plan: Plan, requests: dict) -> dict[int, tuple[object, float]]:
             for number, (model, inputs, parameters) in pending.items():
                 calls.free.acquire()
                 client.async_infer(model, inputs, calls.callback(number, time.monotonic()),
-                                   model_version=str(plan.version), parameters=parameters)
+                                   model_version=str(plan.version), parameters=parameters, headers=plan.headers)
             calls.wait_all(plan.concurrency)
             retry = {}
             for number, (result, error, seconds) in calls.answers.items():

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
-import os
 import queue
 from collections.abc import Iterator
 
@@ -17,7 +16,7 @@ from dstool.errors import UsageError
 from dstool.serve.config import model_names
 
 
-def infer_ids(url: str, protocol: str, model: str, ids: list[int]) -> np.ndarray:
+def infer_ids(url: str, protocol: str, model: str, ids: list[int], headers: dict | None = None) -> np.ndarray:
     """Send token ids to the tensor model with tritonclient; returns logits [seq, vocab]."""
     client = _tritonclient(protocol)
     arr = np.asarray([ids], dtype=np.int64)  # [1, seq]: a batch of one, batched model or not
@@ -27,12 +26,13 @@ def infer_ids(url: str, protocol: str, model: str, ids: list[int]) -> np.ndarray
         t.set_data_from_numpy(arr if name == "input_ids" else np.ones_like(arr))
         inputs.append(t)
     with _client(client, url) as c:
-        result = c.infer(model, inputs, outputs=[client.InferRequestedOutput("logits")])
+        result = c.infer(model, inputs, outputs=[client.InferRequestedOutput("logits")], headers=headers)
     return result.as_numpy("logits")[0]
 
 
 def generate_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens: int | None = None,
-                  use_kv_cache: bool = True, parameters: dict | None = None) -> tuple[str, list[int]]:
+                  use_kv_cache: bool = True, parameters: dict | None = None,
+                  headers: dict | None = None) -> tuple[str, list[int]]:
     """Send `prompt` to the text-generation entry point `MODEL_generate` with tritonclient; returns the
     generated text and its token ids."""
     client = _tritonclient(protocol)
@@ -47,12 +47,12 @@ def generate_text(url: str, protocol: str, model: str, prompt: str, max_new_toke
                                                                    np.bool_: "BOOL"}[value.dtype.type]))
         inputs[-1].set_data_from_numpy(value)
     with _client(client, url) as c:
-        result = c.infer(model_names(model)["generate"], inputs, parameters=parameters or None)
+        result = c.infer(model_names(model)["generate"], inputs, parameters=parameters or None, headers=headers)
     return result.as_numpy("text_output")[0, 0].decode("utf-8"), result.as_numpy("output_ids")[0].tolist()
 
 
 def stream_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens: int | None = None,
-                parameters: dict | None = None) -> Iterator[str]:
+                parameters: dict | None = None, headers: dict | None = None) -> Iterator[str]:
     """The text MODEL_llm generates for `prompt`, piece by piece as its tokens come: over a gRPC stream, or
     Triton's generate_stream (server-sent events) over HTTP."""
     name = model_names(model)["llm"]
@@ -60,7 +60,7 @@ def stream_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens
         body = {"text_input": prompt, "stream": True, **(parameters or {})}
         if max_new_tokens is not None:
             body["max_new_tokens"] = max_new_tokens
-        for event in _sse(url, f"/v2/models/{name}/generate_stream", body, {}):
+        for event in _sse(url, f"/v2/models/{name}/generate_stream", body, headers or {}):
             if "error" in event:
                 raise UsageError(f"Triton at {url}: {event['error']}")
             yield event.get("text_output", "")
@@ -77,7 +77,7 @@ def stream_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens
         inputs[-1].set_data_from_numpy(value)
     answers: queue.Queue = queue.Queue()
     with _client(grpc, url) as c:
-        c.start_stream(callback=lambda result, error: answers.put((result, error)))
+        c.start_stream(callback=lambda result, error: answers.put((result, error)), headers=headers)
         try:
             c.async_stream_infer(name, inputs, parameters=parameters or None)
             while True:
@@ -92,15 +92,13 @@ def stream_text(url: str, protocol: str, model: str, prompt: str, max_new_tokens
 
 
 def openai_text(url: str, model: str, prompt: str, max_new_tokens: int | None = None,
-                parameters: dict | None = None, stream: bool = False) -> Iterator[str]:
-    """The text of a completion from the gateway's OpenAI route (/v1/completions), whole or streamed; the bearer
-    token from $DSTOOL_GATEWAY_TOKEN when set. Greedy unless `parameters` ask otherwise."""
+                parameters: dict | None = None, stream: bool = False, headers: dict | None = None) -> Iterator[str]:
+    """The text of a completion from the gateway's OpenAI route (/v1/completions), whole or streamed. Greedy unless
+    `parameters` ask otherwise."""
     body = {"model": model, "prompt": prompt, "stream": stream, "temperature": 0, **(parameters or {})}
     if max_new_tokens is not None:
         body["max_tokens"] = max_new_tokens
-    headers = {"Authorization": f"Bearer {os.environ['DSTOOL_GATEWAY_TOKEN']}"} \
-        if os.environ.get("DSTOOL_GATEWAY_TOKEN") else {}
-    for event in _sse(url, "/v1/completions", body, headers):
+    for event in _sse(url, "/v1/completions", body, headers or {}):
         if "error" in event:
             raise UsageError(f"the gateway at {url}: {event['error'].get('message', event['error'])}")
         for choice in event.get("choices", []):
@@ -127,7 +125,8 @@ def _sse(url: str, path: str, body: dict, headers: dict) -> Iterator[dict]:
         if r.status != 200:
             message = answer.get("error", answer)
             raise UsageError(f"{url}{path} answered {r.status}: "
-                             f"{message.get('message', message) if isinstance(message, dict) else message}")
+                             f"{message.get('message', message) if isinstance(message, dict) else message}"
+                             f"{refusal_hint(str(r.status))}")
         yield answer
     except (ConnectionError, OSError) as e:
         raise UsageError(f"nothing answers at {url} ({e}): start one with `dstool serve`") from None
@@ -136,6 +135,21 @@ def _sse(url: str, path: str, body: dict, headers: dict) -> Iterator[dict]:
                          "(--url HOST:PORT)") from None
     finally:
         conn.close()
+
+
+REFUSALS = {"401": "UNAUTHENTICATED", "403": "PERMISSION_DENIED", "429": "RESOURCE_EXHAUSTED"}
+
+
+def refusal_hint(status: str) -> str:
+    """What to do about a gateway's refusal (HTTP status or tritonclient's gRPC status), or ""."""
+    for http_status, grpc_status in REFUSALS.items():
+        if status in (http_status, f"StatusCode.{grpc_status}"):
+            return {"401": " (the gateway wants an API key: pass --api-key KEY or set $DSTOOL_API_KEY; `dstool keys "
+                           "create` makes one)",
+                    "403": " (the key is not given this model or route: `dstool keys create --models ...`)",
+                    "429": " (the key's rate limit or budget: retry later, or raise it with `dstool keys`)",
+                    }[http_status]
+    return ""
 
 
 def _tritonclient(protocol: str):
@@ -154,8 +168,8 @@ def _client(client, url: str):
     try:
         yield c
     except InferenceServerException as e:
-        raise UsageError(f"Triton at {url}: {e.message().splitlines()[0] if e.message() else e} "
-                         "(is `dstool serve` running, and is the model exported?)") from None
+        hint = refusal_hint(str(e.status())) or " (is `dstool serve` running, and is the model exported?)"
+        raise UsageError(f"Triton at {url}: {e.message().splitlines()[0] if e.message() else e}{hint}") from None
     except (ConnectionError, OSError) as e:
         raise UsageError(f"no Triton answers at {url} ({e}): start one with `dstool serve`") from None
     finally:
