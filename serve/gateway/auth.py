@@ -70,7 +70,19 @@ def usage_name(who: str, ident: str) -> str:
 
 def periods(now: float | None = None) -> tuple[str, str, int, int]:
     """(day id, month id, ms to the day's end, ms to the month's end), UTC."""
-    t = datetime.fromtimestamp(time.time() if now is None else now, timezone.utc)
+    now = time.time() if now is None else now
+    second = int(now)
+    if _periods[0] != second:
+        _periods[:] = [second, _periods_of(second)]
+    day, month, day_ms, month_ms = _periods[1]
+    return day, month, day_ms, month_ms
+
+
+_periods: list = [None, None]  # the last second asked, its periods
+
+
+def _periods_of(now: float) -> tuple[str, str, int, int]:
+    t = datetime.fromtimestamp(now, timezone.utc)
     day_end = (t + timedelta(days=1)).replace(hour=0, minute=0, second=0, microsecond=0)
     month_end = (t.replace(day=28) + timedelta(days=4)).replace(day=1, hour=0, minute=0, second=0, microsecond=0)
     return (t.strftime("%Y%m%d"), t.strftime("%Y%m"), int((day_end - t).total_seconds() * 1000) + 1,
@@ -84,9 +96,19 @@ def budget_names(who: str, ident: str, now: float | None = None) -> tuple[str, s
 
 def script_keys(ident: str, tenant: str, now: float | None = None) -> list[str]:
     """The names both scripts take, in their order."""
-    return [key_name(ident), tenant_name(tenant), bucket("k", ident, "rpm"), bucket("k", ident, "tpm"),
+    day = periods(now)[0]
+    names = _names.get((ident, tenant))
+    if names is None or names[0] != day:
+        if len(_names) > 4096:
+            _names.clear()
+        names = _names[(ident, tenant)] = (day, [
+            key_name(ident), tenant_name(tenant), bucket("k", ident, "rpm"), bucket("k", ident, "tpm"),
             bucket("t", tenant, "rpm"), bucket("t", tenant, "tpm"), *budget_names("k", ident, now),
-            *budget_names("t", tenant, now), usage_name("k", ident), usage_name("t", tenant)]
+            *budget_names("t", tenant, now), usage_name("k", ident), usage_name("t", tenant)])
+    return names[1]
+
+
+_names: dict[tuple[str, str], tuple[str, list[str]]] = {}  # (key id, tenant) -> (day, the names that day)
 
 
 @dataclass(frozen=True)
@@ -116,9 +138,10 @@ FAMILY_SUFFIXES = frozenset({"llm", "generate", "decoder", "tokenizer", "detoken
 ADMIN = Principal("(admin)", "", None, False, True)  # the gateway's own token, in keys mode
 
 
-# Admit one request: check the presented hash against the record (the key's current hash, or its previous one
-# within a rotation's grace), its state, then (ARGV[2] = 1, an inference) each limit; take one request from each
-# requests bucket. Returns {status, ...}; see guard.Guard.admit for how it is read.
+# Admit requests: check the presented hash against the record (the key's current hash, or its previous one within
+# a rotation's grace) and its state, then (ARGV[2] = N > 0: inferences) each limit, and grant up to N requests at
+# once (a lease: at most 1 % of each requests limit, at least 1), taken from each requests bucket. Returns {status,
+# ...}; see guard.Guard for how it is read.
 ADMIT = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
@@ -130,8 +153,9 @@ if r[6] ~= ARGV[3] then return {'unknown'} end
 if r[4] == '1' then return {'revoked', r[6]} end
 local exp = tonumber(r[5] or '0')
 if exp > 0 and now >= exp then return {'expired', r[6]} end
-local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or ''}
-if ARGV[2] ~= '1' then return info end
+local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or '', '0'}
+local want = tonumber(ARGV[2])
+if want < 1 then return info end
 local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per')
 local function level(name, limit)
   local v = redis.call('HMGET', name, 'l', 't')
@@ -145,6 +169,7 @@ local buckets = {{KEYS[3], tonumber(r[7] or '0'), 'requests', 'key'}, {KEYS[4], 
                  {KEYS[5], tonumber(tr[1] or '0'), 'requests', 'tenant'},
                  {KEYS[6], tonumber(tr[2] or '0'), 'tokens', 'tenant'}}
 local levels = {}
+local grant = want
 for i, b in ipairs(buckets) do
   if b[2] > 0 then
     local l = level(b[1], b[2])
@@ -154,6 +179,9 @@ for i, b in ipairs(buckets) do
       redis.call('HINCRBY', KEYS[12], 'limited', 1)
       local need = b[3] == 'requests' and 1 - l or -l
       return {'limited', b[3], b[4], b[2], math.ceil(need * 60000 / b[2]) + 1, r[6]}
+    end
+    if b[3] == 'requests' then
+      grant = math.min(grant, math.floor(l), math.max(1, math.floor(b[2] / 100)))
     end
   end
 end
@@ -169,20 +197,18 @@ for _, b in ipairs(budgets) do
     end
   end
 end
-local out = info
+info[8] = tostring(grant)
 for i, b in ipairs(buckets) do
   if b[2] > 0 then
     local l = levels[i]
-    if b[3] == 'requests' then l = l - 1 end
+    if b[3] == 'requests' then l = l - grant end
     redis.call('HSET', b[1], 'l', tostring(l), 't', now)
     redis.call('PEXPIRE', b[1], 120000)
-    table.insert(out, b[3] .. ':' .. b[4] .. ':' .. b[2] .. ':' .. math.floor(l) .. ':' ..
+    table.insert(info, b[3] .. ':' .. b[4] .. ':' .. b[2] .. ':' .. math.floor(l) .. ':' ..
                  math.ceil((b[2] - l) * 60000 / b[2]))
   end
 end
-redis.call('HINCRBY', KEYS[11], 'requests', 1)
-redis.call('HINCRBY', KEYS[12], 'requests', 1)
-return out
+return info
 """
 
 # Charge tokens (ARGV[1]) to the key's and tenant's tokens buckets and budgets (ARGV[2], ARGV[3]: seconds the day's

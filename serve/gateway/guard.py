@@ -1,7 +1,11 @@
-"""The gateway's guard in `--auth keys` mode: who a request comes from (a tenant's key, checked in Redis on every
-request, so a revoked key is refused at once by every replica), whether its limits admit it, and what it used.
+"""The gateway's guard in `--auth keys` mode: who a request comes from (a tenant's key, checked in Redis), whether
+its limits admit it, and what it used.
 
-One Redis round trip admits a request (auth.ADMIT); a key seen for the first time takes one more (its tenant).
+One Redis round trip (auth.ADMIT) checks a key and takes requests from its buckets; a key seen for the first time
+takes one more (its tenant). A key in heavy use is granted several requests at once (a lease: twice what its last
+lease served, at most MAX_LEASE and 1 % of its requests limit), which this process admits without asking Redis for
+LEASE_SECONDS; so a revoked key is refused by every replica within that, and unused requests of a lease are lost (a
+key never gets more than its limit; a busy one may get up to a lease less). docs/tenants.md has the measurements.
 Usage and tokens are charged in the background, coalesced per key and sent at most every FLUSH_SECONDS (auth.CHARGE);
 charges Redis did not take are kept (one entry per key) and sent when it answers again.
 
@@ -24,6 +28,8 @@ from dstool.serve.gateway.auth import Principal
 
 log = logging.getLogger("dstool.gateway")
 FLUSH_SECONDS = 0.05
+LEASE_SECONDS = 0.5  # a key validated in Redis is taken without asking again for this long
+MAX_LEASE = 64  # requests granted by one Redis call at most (and 1 % of a requests limit at most: auth.ADMIT)
 
 
 class Refused(Exception):
@@ -39,6 +45,20 @@ class Refused(Exception):
 
 class RedisDown(Exception):
     pass
+
+
+@dataclass
+class Lease:
+    """A key's last admission in Redis: who it is, and requests granted at once that are not used yet; good for
+    LEASE_SECONDS (so a revoked key is refused within that), then Redis is asked again."""
+
+    principal: Principal
+    hash: str
+    headers: list[tuple[str, str]]
+    permits: int
+    until: float
+    validated: float
+    used: int  # requests this lease admitted
 
 
 @dataclass
@@ -58,7 +78,7 @@ class Guard:
         self.fallback, self.stale, self.limits_fail = fallback, stale, limits_fail
         self.metrics = metrics
         self.tenant_of: dict[str, str] = {}  # key id -> tenant, for keys validated once (a key's tenant never changes)
-        self.valid: dict[str, tuple[str, Principal, float]] = {}  # key id -> (hash, principal, when validated)
+        self.leases: dict[str, Lease] = {}  # key id -> its last admission (one per valid key: bounded)
         self.pending: dict[str, Charge] = {}  # key id -> what is not charged yet
         self._admit = store.client.register_script(auth.ADMIT)
         self._charge = store.client.register_script(auth.CHARGE)
@@ -81,22 +101,42 @@ class Guard:
         self.store._succeeded()
         return reply
 
-    async def admit(self, authorization: str, inference: bool) -> tuple[Principal, list[tuple[str, str]]]:
-        """The principal of a request and its x-ratelimit-* headers; Refused when it is not admitted. `inference`:
-        the request counts against the limits (metadata and health do not)."""
+    def admit_now(self, authorization: str, inference: bool) -> tuple[Principal, list[tuple[str, str]]] | None:
+        """`admit` without waiting: the principal and headers when this process can decide (the admin token, a
+        lease), None when Redis must be asked; Refused for what is no key."""
         if self.admin is not None and hmac.compare_digest(authorization.encode("latin-1"), self.admin):
             return auth.ADMIN, []
         ident = auth.parse_key(authorization[7:]) if authorization.startswith("Bearer ") else None
         if ident is None:
             self.metrics.error("unauthorized")
             raise Refused(401, UNKNOWN, "invalid_api_key")
+        lease = self.leases.get(ident)
+        if lease is not None and time.monotonic() < lease.until and \
+                auth.same_hash(auth.key_hash(authorization[7:]), lease.hash):
+            if not inference:
+                return lease.principal, []
+            if lease.permits > 0:
+                lease.permits -= 1
+                lease.used += 1
+                self._admitted(lease.principal)
+                return lease.principal, lease.headers
+        return None
+
+    async def admit(self, authorization: str, inference: bool) -> tuple[Principal, list[tuple[str, str]]]:
+        """The principal of a request and its x-ratelimit-* headers; Refused when it is not admitted. `inference`:
+        the request counts against the limits (metadata and health do not)."""
+        decided = self.admit_now(authorization, inference)
+        if decided is not None:
+            return decided
+        ident = auth.parse_key(authorization[7:])
+        assert ident is not None  # admit_now refused anything else
         presented = auth.key_hash(authorization[7:])
         try:
-            return await self._admit_in_redis(ident, presented, inference)
+            return await self._admit_in_redis(ident, presented, inference, self.leases.get(ident))
         except RedisDown:
             return self._admit_locally(ident, presented, inference)
 
-    async def _admit_in_redis(self, ident: str, presented: str, inference: bool):
+    async def _admit_in_redis(self, ident: str, presented: str, inference: bool, lease: Lease | None):
         tenant = self.tenant_of.get(ident)
         if tenant is None:
             tenant = await self._redis(self.store.client.hget(auth.key_name(ident), "tenant"))
@@ -105,12 +145,14 @@ class Guard:
                 raise Refused(401, UNKNOWN, "invalid_api_key")
             tenant = tenant.decode() if isinstance(tenant, bytes) else str(tenant)
         _, _, day_ms, month_ms = auth.periods()
+        # a lease of up to twice what the last one served (a key in heavy use asks Redis rarely, a quiet one each time)
+        want = min(MAX_LEASE, max(1, 2 * lease.used)) if inference and lease is not None else int(inference)
         reply = await self._redis(self._admit(keys=auth.script_keys(ident, tenant),
-                                              args=[presented, int(inference), tenant, day_ms, month_ms]))
+                                              args=[presented, want, tenant, day_ms, month_ms]))
         reply = [r.decode() if isinstance(r, bytes) else r for r in reply]
         status = reply[0]
         if status in ("unknown", "revoked", "expired"):
-            self.valid.pop(ident, None)
+            self.leases.pop(ident, None)
             self.metrics.error("unauthorized")
             if status != "unknown":
                 self.metrics.tenant(reply[1], status)
@@ -118,29 +160,44 @@ class Guard:
                           "(`dstool keys create` or `dstool keys rotate`)", "invalid_api_key")
         if status == "limited":
             raise self._limited(reply)
-        _, tenant, models, scope, admin, current, previous = reply[:7]
+        _, tenant, models, scope, admin, current, previous, granted = reply[:8]
         if not (auth.same_hash(presented, current) or auth.same_hash(presented, previous)):  # as the script found
             raise Refused(401, UNKNOWN, "invalid_api_key")
         principal = Principal(tenant, ident, frozenset(models.split(",")) if models else None, scope == "shared",
                               admin == "1")
         self.tenant_of[ident] = tenant
-        self.valid[ident] = (presented, principal, time.monotonic())
-        self.metrics.tenant(tenant, "admitted" if inference else "checked")
-        return principal, _rate_headers(reply[7:])
+        headers = _rate_headers(reply[8:])
+        now = time.monotonic()
+        kept = self.leases.get(ident)
+        permits = max(0, int(granted) - 1) + (kept.permits if kept is not None and now < kept.until else 0)
+        self.leases[ident] = Lease(principal, presented, headers, permits, now + LEASE_SECONDS, now,
+                                   int(inference))
+        if inference:
+            self._admitted(principal)
+        else:
+            self.metrics.tenant(tenant, "checked")
+        return principal, headers
+
+    def _admitted(self, principal: Principal) -> None:
+        self.metrics.tenant(principal.tenant, "admitted")
+        self.charge(principal, requests=1)
 
     def _admit_locally(self, ident: str, presented: str, inference: bool):
         """Redis does not answer: a key validated within `stale` seconds (fallback cached), limits as configured."""
-        known = self.valid.get(ident)
-        if self.fallback == "refuse" or known is None or time.monotonic() - known[2] > self.stale or \
-                not auth.same_hash(presented, known[0]):
+        known = self.leases.get(ident)
+        if self.fallback == "refuse" or known is None or time.monotonic() - known.validated > self.stale or \
+                not auth.same_hash(presented, known.hash):
             raise Refused(503, "API keys cannot be checked now (Redis does not answer): retry later", "unavailable",
                           "server_error", [("Retry-After", "1")])
+        tenant = known.principal.tenant
         if inference and self.limits_fail == "closed":
-            self.metrics.tenant(known[1].tenant, "unavailable")
+            self.metrics.tenant(tenant, "unavailable")
             raise Refused(503, "rate limits cannot be counted now (Redis does not answer): retry later",
-                          "unavailable", "server_error", [("Retry-After", "1")], known[1].tenant)
-        self.metrics.tenant(known[1].tenant, "admitted_unchecked" if inference else "checked")
-        return known[1], []
+                          "unavailable", "server_error", [("Retry-After", "1")], tenant)
+        if inference:
+            self.metrics.tenant(tenant, "admitted_unchecked")
+            self.charge(known.principal, requests=1)
+        return known.principal, []
 
     def _limited(self, reply: list) -> Refused:
         kind, who, limit, retry_ms, tenant = reply[1], reply[2], int(float(reply[3])), int(reply[4]), reply[5]
@@ -161,7 +218,7 @@ class Guard:
 
     # ---- usage ---------------------------------------------------------------------------------------------
     def charge(self, principal: Principal, prompt: int = 0, completion: int = 0, cached: int = 0, hit: bool = False,
-               error: bool = False) -> None:
+               error: bool = False, requests: int = 0) -> None:
         """Count what a request used (tokens as they become known; call again for more)."""
         if not principal.key_id:
             return
@@ -169,11 +226,12 @@ class Guard:
         if c is None:
             c = self.pending[principal.key_id] = Charge(principal.tenant)
         c.tokens += prompt + completion
-        for name, n in (("prompt_tokens", prompt), ("completion_tokens", completion), ("cached_tokens", cached),
-                        ("cache_hits", int(hit)), ("errors", int(error))):
+        for name, n in (("requests", requests), ("prompt_tokens", prompt), ("completion_tokens", completion),
+                        ("cached_tokens", cached), ("cache_hits", int(hit)), ("errors", int(error))):
             if n:
                 c.counts[name] = c.counts.get(name, 0) + n
-        self.metrics.tokens(principal.tenant, prompt, completion, cached)
+        if prompt or completion or cached:
+            self.metrics.tokens(principal.tenant, prompt, completion, cached)
         if self._flushing is None:
             self._flushing = asyncio.ensure_future(self._flush_later())
 

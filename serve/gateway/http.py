@@ -78,43 +78,68 @@ class HttpFrontend:
         return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.token)
 
     def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
-        if self.guard is not None and not req.path.startswith("/v2/health/"):
-            return self._guarded(req)
-        return self._route(req)
-
-    async def _guarded(self, req: HttpRequest) -> Response:
-        """--auth keys: admit the request (key, model, limits), answer it, count what it used."""
-        assert self.guard is not None
-        openai = req.path.startswith("/v1/")
+        if self.guard is None or req.path.startswith("/v2/health/"):
+            return self._route(req)
         kind, model = tenant_route(req.method, req.path)
-        inference = kind in ("inference", "openai_inference")
-        try:
-            principal, rate = await self.guard.admit(req.headers.get("authorization", ""), inference)
-            if kind == "admin" and not principal.admin:
-                raise Refused(403, f"{req.method} {req.path} is for admin keys only (`dstool keys create --admin`)",
-                              "permission_denied")
-            if model is not None and not principal.allows(model):
-                raise Refused(404 if openai else 403, f"this key (tenant '{principal.tenant}') is not given the model "
-                              f"'{model}' (`dstool keys create --models`)", "model_not_found")
+        try:  # a key with a lease is admitted here and now: a cache hit is still answered without a task
+            decided = self.guard.admit_now(req.headers.get("authorization", ""), kind in INFERENCE_KINDS)
         except Refused as e:
-            refusal: HttpResponse
-            if openai:
-                refusal = HttpResponse(e.status, [OpenAIError(e.status, e.message, kind=e.kind, code=e.code).body()],
-                                        [("Content-Type", "application/json")])
-            else:
-                refusal = error_response(e.status, e.message)
-            refusal.headers += e.headers
-            return refusal
+            return self._refusal(e, req)
+        if decided is None:
+            return self._guarded(req, kind, model)
+        return self._admitted(req, kind, model, *decided)
+
+    async def _guarded(self, req: HttpRequest, kind: str, model: str | None) -> Response:
+        """--auth keys, Redis asked: admit the request (key, model, limits), answer it, count what it used."""
+        assert self.guard is not None
+        try:
+            principal, rate = await self.guard.admit(req.headers.get("authorization", ""), kind in INFERENCE_KINDS)
+        except Refused as e:
+            return self._refusal(e, req)
+        answer = self._admitted(req, kind, model, principal, rate)
+        return answer if isinstance(answer, (HttpResponse, StreamingResponse)) else await answer
+
+    def _admitted(self, req: HttpRequest, kind: str, model: str | None, principal: Principal,
+                  rate: list[tuple[str, str]]) -> Response | Awaitable[Response]:
+        """A request whose key is admitted: refused if the key is not given its route or model, else answered."""
+        if kind == "admin" and not principal.admin:
+            return self._refusal(Refused(403, f"{req.method} {req.path} is for admin keys only (`dstool keys create "
+                                              "--admin`)", "permission_denied"), req)
+        if model is not None and not principal.allows(model):
+            return self._refusal(Refused(404 if kind.startswith("openai") else 403, f"this key (tenant "
+                                         f"'{principal.tenant}') is not given the model '{model}' (`dstool keys "
+                                         "create --models`)", "model_not_found"), req)
         req.principal = principal
         answer = self._route(req)
-        response = answer if isinstance(answer, (HttpResponse, StreamingResponse)) else await answer
+        if isinstance(answer, (HttpResponse, StreamingResponse)):
+            return self._answered(req, kind, principal, rate, answer)
+        return self._answered_later(req, kind, principal, rate, answer)
+
+    async def _answered_later(self, req, kind, principal, rate, answer: Awaitable[Response]) -> Response:
+        return self._answered(req, kind, principal, rate, await answer)
+
+    def _answered(self, req: HttpRequest, kind: str, principal: Principal, rate: list[tuple[str, str]],
+                  response: Response) -> Response:
+        """The response with the key's rate headers; the request's outcome counted (OpenAI's tokens are counted as
+        they come, openai.py)."""
+        assert self.guard is not None
+        if kind == "inference":
+            self.guard.charge(principal, hit=req.hit, error=response.status >= 400)
+        elif kind == "openai_inference" and response.status >= 400:
+            self.guard.charge(principal, error=True)
         if rate:  # on a copy: a cache hit's response is kept with its entry and shared
             response = dataclasses.replace(response, headers=[*response.headers, *rate])
-        if inference and not openai:
-            self.guard.charge(principal, hit=req.hit, error=response.status >= 400)
-        elif inference and response.status >= 400:
-            self.guard.charge(principal, error=True)
         return response
+
+    @staticmethod
+    def _refusal(e: Refused, req: HttpRequest) -> HttpResponse:
+        if req.path.startswith("/v1/"):
+            refusal = HttpResponse(e.status, [OpenAIError(e.status, e.message, kind=e.kind, code=e.code).body()],
+                                   [("Content-Type", "application/json")])
+        else:
+            refusal = error_response(e.status, e.message)
+        refusal.headers += e.headers
+        return refusal
 
     def _route(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if req.path == "/metrics":
@@ -285,6 +310,7 @@ class HttpFrontend:
 MODEL_ACTIONS = frozenset({"ready", "config", "stats", "infer", "generate", "generate_stream"})
 INFERENCE_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
 OPENAI_INFERENCE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+INFERENCE_KINDS = frozenset({"inference", "openai_inference"})
 
 
 def tenant_route(method: str, path: str) -> tuple[str, str | None]:
