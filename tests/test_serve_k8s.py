@@ -166,3 +166,22 @@ def test_a_bad_combination_exits_2_with_one_line(capsys, flags, needle):
     lines = [line for line in captured.err.splitlines() if line.strip()]
     assert captured.out == "" and len(lines) == 1 and lines[0].startswith("dstool: error:") and needle in lines[0], \
         captured.err
+
+
+def test_auth_keys_emit_an_admin_key_secret_and_a_durable_shared_redis(capsys):
+    objects = _emit(capsys, "--auth", "keys", "--shared-cache-model", "dstool_lm", "--shared-cache-model", "other")
+    _validate(objects)
+    kinds = _by_kind(objects)
+    secret = kinds["Secret"][0]
+    token = secret["stringData"]["token"]
+    assert len(token) >= 40 and _emit(capsys, "--auth", "keys")[2]["stringData"]["token"] != token  # new each time
+    c = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "DSTOOL_GATEWAY_TOKEN", "valueFrom": {"secretKeyRef": {
+        "name": secret["metadata"]["name"], "key": "token"}}} in c["env"]
+    assert " ".join(c["args"]).endswith("--auth keys --shared-cache-model dstool_lm --shared-cache-model other")
+    assert token not in yaml.safe_dump(kinds["Deployment"])  # the pods read it from the Secret only
+    redis = kinds["StatefulSet"][0]["spec"]
+    args = redis["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "yes"  # the keys survive a restart
+    assert args[args.index("--maxmemory-policy") + 1] == "volatile-lru"  # only entries with a TTL are evicted
+    assert redis["volumeClaimTemplates"][0]["metadata"]["name"] == "data"

@@ -11,6 +11,7 @@ import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 
@@ -423,3 +424,21 @@ def subprocess_env_infer(url: str, key: str):
 
     return subprocess.run([*DSTOOL, "infer", "the cat", "--url", url, "--openai", "--max-new-tokens", "3"],
                           capture_output=True, text=True, timeout=120, env=dict(os.environ, DSTOOL_API_KEY=key))
+
+
+def test_metrics_count_per_tenant_for_the_dashboard(keyed, tenants_redis):
+    """The serving dashboard's tenant panels read these series (their names: test_train_observe's dashboard test;
+    tokens per tenant: the usage test's gateway)."""
+    key = new_key(tenants_redis.url, "--tenant", "graphed", "--rpm", "60")
+    for _ in range(62):
+        call(keyed, "POST", "/v2/models/echo_fp32/infer", key, echo(9.0))
+    status, _, text = call(keyed, "GET", "/metrics", "admin-t0ken")
+    text = text.decode() if isinstance(text, bytes) else str(text)
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("dstool_gateway_tenant_requests_total{")}
+    assert samples['dstool_gateway_tenant_requests_total{outcome="admitted",tenant="graphed"}'] >= 60
+    assert samples['dstool_gateway_tenant_requests_total{outcome="limited",tenant="graphed"}'] >= 1
+    assert all('tenant="' in name for name in samples)
+    dashboard = json.loads((Path(__file__).resolve().parents[1] / "deploy/grafana/dashboards/serving.json").read_text())
+    tenant_exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", []) if "tenant" in t["expr"]]
+    assert len(tenant_exprs) == 3 and sum("dstool_gateway_tenant_requests_total" in e for e in tenant_exprs) == 2

@@ -22,15 +22,17 @@ Without it the autoscaler still scales up on CPU, but not down (a metric it cann
 from __future__ import annotations
 
 import math
+import secrets
 
 from dstool import __version__
-from dstool.config import changed
+from dstool.config import changed, cli_extra
 from dstool.serve.config import GatewayOptions, ServeConfig
 
 MODELS = "/models"
 DEFAULT_PVC = "dstool-models"
 REDIS_IMAGE = "redis:7.4.1-alpine"  # as docker-compose.yml
 REDIS_PORT = 6379
+REDIS_VOLUME = "1Gi"  # --auth keys: the append-only file of keys, limits and usage
 REQUESTS_METRIC = "dstool_gateway_requests_per_second"
 CPU_UTILIZATION = 70
 PRESTOP_SECONDS = 5  # the endpoints controller takes the pod out of the Service before SIGTERM
@@ -56,15 +58,17 @@ def _probe(path: str, cfg: ServeConfig, period: int, failures: int) -> dict:
             "timeoutSeconds": math.ceil(cfg.health_timeout) + 1, "failureThreshold": failures}
 
 
-def _redis(name: str, mb: int) -> list[dict]:
+def _redis(name: str, mb: int, durable: bool) -> list[dict]:
+    """Redis for the cache; `durable` (--auth keys: it holds the keys, limits and usage too): an append-only file on
+    a volume of its own, and only entries with a TTL (cached results, buckets) evicted when it is full."""
     selector = {"app.kubernetes.io/name": "redis", "app.kubernetes.io/instance": name}
     redis, version = f"{name}-redis", REDIS_IMAGE.split(":")[1]
     memory = f"{mb + mb // 2}Mi"  # room above maxmemory for Redis's own overhead and fragmentation
     container = {
         "name": "redis",
         "image": REDIS_IMAGE,
-        "args": ["redis-server", "--save", "", "--appendonly", "no", "--maxmemory", f"{mb}mb",
-                 "--maxmemory-policy", "allkeys-lru"],
+        "args": ["redis-server", "--save", "", "--appendonly", "yes" if durable else "no", "--maxmemory", f"{mb}mb",
+                 "--maxmemory-policy", "volatile-lru" if durable else "allkeys-lru"],
         "ports": [{"name": "redis", "containerPort": REDIS_PORT, "protocol": "TCP"}],
         "readinessProbe": {"exec": {"command": ["redis-cli", "ping"]}, "periodSeconds": 5},
         "livenessProbe": {"tcpSocket": {"port": "redis"}, "periodSeconds": 10},
@@ -79,7 +83,29 @@ def _redis(name: str, mb: int) -> list[dict]:
                    "spec": {"serviceName": redis, "replicas": 1, "selector": {"matchLabels": dict(selector)},
                             "template": {"metadata": {"labels": _labels(selector, "cache", version)},
                                          "spec": {"enableServiceLinks": False, "containers": [container]}}}}
+    if durable:
+        container["volumeMounts"] = [{"name": "data", "mountPath": "/data"}]
+        statefulset["spec"]["volumeClaimTemplates"] = [{"metadata": {"name": "data"}, "spec": {
+            "accessModes": ["ReadWriteOnce"], "resources": {"requests": {"storage": REDIS_VOLUME}}}}]
     return [service, statefulset]
+
+
+def _admin_secret(name: str, selector: dict) -> dict:
+    """The first admin key of --auth keys (the gateway's token): a new random one, in a Secret the pods read."""
+    return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
+            "metadata": {"name": f"{name}-admin-key", "labels": _labels(selector, "server", __version__)},
+            "stringData": {"token": secrets.token_urlsafe(32)}}
+
+
+def _flag_args(cfg: ServeConfig) -> list[str]:
+    """The options passed on, as flags (a list as the flag repeated)."""
+    args = []
+    for k, v in changed(cfg).items():
+        if k in PASSED_ON:
+            flag = cli_extra(ServeConfig.model_fields[k]).get("flag") or f"--{k.replace('_', '-')}"
+            for item in v if isinstance(v, list) else [v]:
+                args += [flag, str(item)]
+    return args
 
 
 def serving_manifests(cfg: ServeConfig) -> list[dict]:
@@ -92,13 +118,16 @@ def serving_manifests(cfg: ServeConfig) -> list[dict]:
     def meta() -> dict:
         return {"name": name, "labels": _labels(selector, "server", __version__)}
 
-    args = [a for k, v in changed(cfg).items() if k in PASSED_ON for a in (f"--{k.replace('_', '-')}", str(v))]
+    args = _flag_args(cfg)
+    keys = cfg.auth == "keys"
     limits: dict = {"cpu": cfg.cpu, "memory": cfg.memory}
     container = {
         "name": "serve",
         "image": cfg.image,
         "args": ["--cache", "$(DSTOOL_CACHE_URL)", *args],
-        "env": [{"name": "DSTOOL_CACHE_URL", "value": cache_url}],
+        "env": [{"name": "DSTOOL_CACHE_URL", "value": cache_url},
+                *([{"name": "DSTOOL_GATEWAY_TOKEN", "valueFrom": {"secretKeyRef": {
+                    "name": f"{name}-admin-key", "key": "token"}}}] if keys else [])],
         "ports": [{"name": "http", "containerPort": cfg.http_port, "protocol": "TCP"},
                   {"name": "grpc", "containerPort": cfg.grpc_port, "protocol": "TCP"}],
         # the gateway listens once Triton has loaded the models, which `timeout` bounds
@@ -140,7 +169,8 @@ def serving_manifests(cfg: ServeConfig) -> list[dict]:
                           "appProtocol": "http"},
                          {"name": "grpc", "port": cfg.grpc_port, "targetPort": "grpc", "protocol": "TCP",
                           "appProtocol": "kubernetes.io/h2c"}]}}
-    objects = [*(_redis(name, cfg.redis_maxmemory_mb) if own_redis else []), deployment, service]
+    objects = [*(_redis(name, cfg.redis_maxmemory_mb, keys) if own_redis else []),
+               *([_admin_secret(name, selector)] if keys else []), deployment, service]
     if autoscaled:
         objects.append({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta(), "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
