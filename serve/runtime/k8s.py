@@ -78,7 +78,7 @@ def _redis(name: str, mb: int, durable: bool) -> list[dict]:
                "metadata": {"name": redis, "labels": _labels(selector, "cache", version)},
                "spec": {"clusterIP": "None", "selector": dict(selector),
                         "ports": [{"name": "redis", "port": REDIS_PORT, "targetPort": "redis", "protocol": "TCP"}]}}
-    statefulset = {"apiVersion": "apps/v1", "kind": "StatefulSet",
+    statefulset: dict = {"apiVersion": "apps/v1", "kind": "StatefulSet",
                    "metadata": {"name": redis, "labels": _labels(selector, "cache", version)},
                    "spec": {"serviceName": redis, "replicas": 1, "selector": {"matchLabels": dict(selector)},
                             "template": {"metadata": {"labels": _labels(selector, "cache", version)},
