@@ -411,6 +411,11 @@ def test_dstool_infer_sends_the_key_and_names_the_real_cause(llm_keyed, tenants_
     assert streamed.stdout.startswith("the cat")
     ids = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.http_url, "--api-key", key)
     assert "greedy next token" in ids.stdout
+    time.sleep(0.3)
+    # 3 generated tokens each: KServe http and grpc (NAME_generate's output_ids), --openai, the gRPC stream
+    # (NAME_llm's output_ids); prompt tokens: the --openai answer's and the 3 --ids
+    used = usage_of(tenants_redis.url, key)
+    assert used["requests"] == 5 and used["completion_tokens"] == 4 * 3 and used["prompt_tokens"] > 3, used
     other = new_key(tenants_redis.url, "--tenant", "cli-user", "--models", "echo_fp32")
     refused = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.grpc_url, "--protocol", "grpc", "--api-key",
                      other, check=False)

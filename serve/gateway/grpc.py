@@ -18,9 +18,17 @@ from tritonclient.grpc import service_pb2
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
-from dstool.serve.gateway.guard import Guard, Refused
+from dstool.serve.gateway.guard import Guard, Refused, tensor_tokens
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
+from dstool.serve.gateway.tensors import (
+    ITEM_SIZE,
+    GatewayError,
+    InferRequest,
+    InferResult,
+    Tensor,
+    check_tensor,
+    from_values,
+)
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
 SERVICE = "/inference.GRPCInferenceService/"
@@ -138,6 +146,18 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
             outputs.append((o.name, params))
     return InferRequest(msg.model_name, msg.model_version, inputs, outputs, _parameters(msg.parameters),
                         msg.id.split("\0", 1)[0])  # Triton keeps the id as a C string
+
+
+def streamed_tokens(raw: bytes) -> int:
+    """The tokens one ModelStreamInfer response carries: the elements of its `output_ids` output (NAME_llm's)."""
+    try:
+        response = service_pb2.ModelStreamInferResponse.FromString(raw).infer_response
+    except DecodeError:
+        return 0
+    for i, output in enumerate(response.outputs):
+        if output.name == "output_ids" and i < len(response.raw_output_contents):
+            return len(response.raw_output_contents[i]) // ITEM_SIZE.get(output.datatype, 8)
+    return 0
 
 
 def render_infer(result: InferResult, request_id: str) -> bytes:
@@ -311,6 +331,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 requests, metadata=self._forwarded_metadata(context), timeout=context.time_remaining())
             try:
                 async for response in call:
+                    if principal is not None and self.guard is not None:
+                        self.guard.charge(principal, completion=streamed_tokens(response))
                     yield response
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")
@@ -391,7 +413,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         self.metrics.observe(request.model, "grpc", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
         if principal is not None and self.guard is not None:
-            self.guard.charge(principal, hit=outcome == "hit")
+            self.guard.charge(principal, *tensor_tokens(request, result), hit=outcome == "hit")
         return body
 
     async def _relay_infer(self, raw: bytes, context, started: float, model: str) -> bytes:

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 
 from dstool.serve.gateway import auth
 from dstool.serve.gateway.auth import Principal
+from dstool.serve.gateway.tensors import ITEM_SIZE
 
 log = logging.getLogger("dstool.gateway")
 FLUSH_SECONDS = 0.05
@@ -269,6 +270,14 @@ class Guard:
             await asyncio.wait_for(self.flush(), timeout)
         except asyncio.TimeoutError:
             log.warning("gateway: usage of %d keys could not be written to Redis before exit", len(self.pending))
+
+
+def tensor_tokens(request, result) -> tuple[int, int]:
+    """(prompt, generated) tokens of a KServe inference, where its tensors say: the elements of an `input_ids` input
+    (the tensor model) and of an `output_ids` output (NAME_generate)."""
+    prompt = sum(len(t.raw) // ITEM_SIZE.get(t.datatype, 8) for t in request.inputs if t.name == "input_ids")
+    made = sum(len(t.raw) // ITEM_SIZE.get(t.datatype, 8) for t in result.outputs if t.name == "output_ids")
+    return prompt, made
 
 
 def _keep_seconds() -> tuple[int, int]:

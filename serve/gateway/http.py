@@ -21,7 +21,7 @@ import orjson
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.generation import GenerationCache, data
-from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused
+from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused, tensor_tokens
 from dstool.serve.gateway.kserve import Passthrough, accepted_encoding, compressed, decode_infer, render_infer
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.openai import OpenAIFrontend
@@ -124,7 +124,7 @@ class HttpFrontend:
         they come, openai.py)."""
         assert self.guard is not None
         if kind == "inference":
-            self.guard.charge(principal, hit=req.hit, error=response.status >= 400)
+            self.guard.charge(principal, *req.tokens, hit=req.hit, error=response.status >= 400)
         elif kind == "openai_inference" and response.status >= 400:
             self.guard.charge(principal, error=True)
         if rate:  # on a copy: a cache hit's response is kept with its entry and shared
@@ -204,7 +204,7 @@ class HttpFrontend:
             if entry is not None:
                 req.hit = True
                 return self._answer(entry.result, entry, request, output_format, model, "hit", started,
-                                    accepted_encoding(req.headers))
+                                    accepted_encoding(req.headers), req)
         return self._infer_async(req, request, output_format, opt_out, started)
 
     async def _infer_async(self, req, request, output_format, opt_out: bool, started: float) -> Response:
@@ -217,9 +217,10 @@ class HttpFrontend:
             if entry is not None:
                 req.hit = True
                 return self._answer(entry.result, entry, request, output_format, request.model, "hit", started,
-                                    encoding)
+                                    encoding, req)
             result, entry = await self.core.compute(key, version, request)
-            return self._answer(result, entry, request, output_format, request.model, "miss", started, encoding)
+            return self._answer(result, entry, request, output_format, request.model, "miss", started, encoding,
+                                req)
         except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
             status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
             self.metrics.error("bad_request" if status < 500 else "timeout" if status == 504 else "upstream")
@@ -227,7 +228,7 @@ class HttpFrontend:
             return error_response(status, str(e))
 
     def _answer(self, result, entry, request, output_format, model, outcome, started,
-                encoding: str | None = None) -> HttpResponse:
+                encoding: str | None = None, req: HttpRequest | None = None) -> HttpResponse:
         """The response (as Triton writes it, compressed as Accept-Encoding asks); kept with the cache entry for the
         next hit, when the request has no id of its own."""
         form = ("http", output_format, encoding)
@@ -241,6 +242,8 @@ class HttpFrontend:
                 entry.keep(form, response, sum(len(c) for c in response.chunks if id(c) not in shared))
         self.metrics.observe(model, "http", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
+        if req is not None and req.principal is not None:
+            req.tokens = tensor_tokens(request, result)
         return response
 
     def _body(self, req: HttpRequest) -> bytes:

@@ -57,6 +57,7 @@ class HttpRequest:
     body: bytes
     principal: Principal | None = None  # who asks (--auth keys), once the guard admitted the request
     hit: bool = False  # answered from the cache (set by the route)
+    tokens: tuple[int, int] = (0, 0)  # prompt and generated tokens a tensor request carried (set by the route)
 
 
 @dataclass(slots=True)
