@@ -447,3 +447,21 @@ def test_metrics_count_per_tenant_for_the_dashboard(keyed, tenants_redis):
     dashboard = json.loads((Path(__file__).resolve().parents[1] / "deploy/grafana/dashboards/serving.json").read_text())
     tenant_exprs = [t["expr"] for p in dashboard["panels"] for t in p.get("targets", []) if "tenant" in t["expr"]]
     assert len(tenant_exprs) == 3 and sum("dstool_gateway_tenant_requests_total" in e for e in tenant_exprs) == 2
+
+
+def test_bad_tenant_options_are_one_line_errors(repo, llm_keyed, tmp_path):
+    from conftest import cli, one_line_usage_error
+
+    one_line_usage_error(cli("infer", "ROMEO:", "--edge", str(tmp_path), "--api-key", "k"),
+                         "--api-key is for a served model")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--api-key", "k"), "--api-key is for a served model")
+    one_line_usage_error(cli("serve", "--repository", str(repo), "--auth", "keys"), "--auth keys is the cache gateway's")
+    one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--cache", "memory", "--auth", "keys"),
+                         "--auth keys keeps keys, limits and usage in Redis")
+    one_line_usage_error(cli("keys", "list", "--redis", "memory"), "API keys live in Redis")
+    # batch --engine triton against a keyed gateway: refused up front, naming the real cause
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--engine", "triton", "--url", llm_keyed.grpc_url,
+                             "--output", str(tmp_path / "out")), "pass --api-key KEY or set $DSTOOL_API_KEY")
+    one_line_usage_error(cli("batch", "--repository", str(repo), "--engine", "triton", "--url", llm_keyed.grpc_url,
+                             "--api-key", "dsk-000000000000-" + "z" * 43, "--output", str(tmp_path / "out")),
+                         "missing or wrong API key")
