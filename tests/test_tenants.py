@@ -465,3 +465,31 @@ def test_bad_tenant_options_are_one_line_errors(repo, llm_keyed, tmp_path):
     one_line_usage_error(cli("batch", "--repository", str(repo), "--engine", "triton", "--url", llm_keyed.grpc_url,
                              "--api-key", "dsk-000000000000-" + "z" * 43, "--output", str(tmp_path / "out")),
                          "missing or wrong API key")
+
+
+def test_hostile_credentials_get_401_never_a_crash(keyed):
+    import grpc
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+    from tritonclient.utils import InferenceServerException
+
+    ascii_values = ["Bearer admin-t0ken ", "Bearer " + "dsk-" * 2000, "bearer admin-t0ken", "Basic YWRtaW46cGFzcw==",
+                    "Bearer dsk-000000000000-" + "a" * 44, "Bearer dsk-ABCDEF000000-" + "a" * 43, "Bearer", ""]
+    c = tgrpc.InferenceServerClient(keyed.grpc_url)
+    inp = tgrpc.InferInput("INPUT0", [1], "FP32")
+    inp.set_data_from_numpy(np.array([1.0], dtype=np.float32))
+    try:
+        for value in ascii_values:
+            with pytest.raises(InferenceServerException) as e:
+                c.infer("echo_fp32", [inp], headers={"authorization": value})
+            assert e.value.status() == str(grpc.StatusCode.UNAUTHENTICATED), (value, e.value)
+    finally:
+        c.close()
+    for value in [*ascii_values, "Bearer admin-t0ken\u00e9", "Bearer dsk-000000000000-" + "a" * 42 + "\u00ff"]:
+        conn = http.client.HTTPConnection("127.0.0.1", keyed.http_port, timeout=30)
+        conn.putrequest("GET", "/v2/models/echo_fp32")
+        conn.putheader("Authorization", value.encode("latin-1"))
+        conn.endheaders()
+        r = conn.getresponse()
+        assert r.status == 401 and b"API key" in r.read(), value
+        conn.close()

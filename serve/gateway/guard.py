@@ -87,7 +87,7 @@ class Guard:
 
     def well_formed(self, authorization: str) -> bool:
         """Whether a header may carry a key (checked before the body is read; the key itself is checked later)."""
-        if self.admin is not None and authorization.encode("latin-1") == self.admin:
+        if self.admin is not None and hmac.compare_digest(_raw(authorization), self.admin):
             return True
         return authorization.startswith("Bearer ") and auth.parse_key(authorization[7:]) is not None
 
@@ -105,7 +105,7 @@ class Guard:
     def admit_now(self, authorization: str, inference: bool) -> tuple[Principal, list[tuple[str, str]]] | None:
         """`admit` without waiting: the principal and headers when this process can decide (the admin token, a
         lease), None when Redis must be asked; Refused for what is no key."""
-        if self.admin is not None and hmac.compare_digest(authorization.encode("latin-1"), self.admin):
+        if self.admin is not None and hmac.compare_digest(_raw(authorization), self.admin):
             return auth.ADMIN, []
         ident = auth.parse_key(authorization[7:]) if authorization.startswith("Bearer ") else None
         if ident is None:
@@ -270,6 +270,14 @@ class Guard:
             await asyncio.wait_for(self.flush(), timeout)
         except asyncio.TimeoutError:
             log.warning("gateway: usage of %d keys could not be written to Redis before exit", len(self.pending))
+
+
+def _raw(header: str) -> bytes:
+    """A header's bytes: an HTTP header as read (latin-1), gRPC metadata (any text) as UTF-8."""
+    try:
+        return header.encode("latin-1")
+    except UnicodeEncodeError:
+        return header.encode("utf-8", "surrogateescape")
 
 
 def tensor_tokens(request, result) -> tuple[int, int]:
