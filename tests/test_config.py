@@ -54,7 +54,7 @@ YAML = {"train": "max_steps: 7\n", "doctor": "nproc: 3\n", "compress": "model: m
         "plan": "tokens: '5000'\ngpu: H100\n",
         "export": "model: m\nname: lm\n", "serve": "http_port: 9000\ncache: memory\n",
         "gateway": "upstreams: [127.0.0.1:9000]\ncache_ttl: 5\n", "pipeline": "train_steps: 9\nprompts: [hi]\n",
-        "infer": "prompt: hello\nprotocol: grpc\n",
+        "infer": "prompt: hello\nprotocol: grpc\n", "keys": "action: create\ntenant: team-a\nrpm: 60\n",
         "batch": "input: p.jsonl\ntask: score\nspark_conf:\n  spark.task.cpus: '2'\n"}
 
 

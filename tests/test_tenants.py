@@ -455,7 +455,8 @@ def test_bad_tenant_options_are_one_line_errors(repo, llm_keyed, tmp_path):
     one_line_usage_error(cli("infer", "ROMEO:", "--edge", str(tmp_path), "--api-key", "k"),
                          "--api-key is for a served model")
     one_line_usage_error(cli("batch", "--repository", str(repo), "--api-key", "k"), "--api-key is for a served model")
-    one_line_usage_error(cli("serve", "--repository", str(repo), "--auth", "keys"), "--auth keys is the cache gateway's")
+    one_line_usage_error(cli("serve", "--repository", str(repo), "--auth", "keys"),
+                         "--auth keys is the cache gateway's")
     one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--cache", "memory", "--auth", "keys"),
                          "--auth keys keeps keys, limits and usage in Redis")
     one_line_usage_error(cli("keys", "list", "--redis", "memory"), "API keys live in Redis")
