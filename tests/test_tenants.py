@@ -206,8 +206,17 @@ def test_ten_thousand_guessed_keys_admit_none_and_memory_stays_bounded(keyed, te
 
 
 def test_revocation_reaches_a_second_gateway_within_a_second(gateway_server, keyed, tenants_redis, session_tmp):
-    other = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys-2.log")
+    other = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys-2.log",
+                         shared_cache_models=["echo_int32"])
     try:
+        # a model every tenant shares (--shared-cache-model): one computation serves two tenants
+        value = secrets.randbelow(10**6)
+        before = settled(gateway_server, "echo_int32")
+        for tenant in ("share-a", "share-b"):
+            body = {"inputs": [{"name": "INPUT0", "datatype": "INT32", "shape": [1], "data": [value]}]}
+            assert call(other, "POST", "/v2/models/echo_int32/infer", new_key(tenants_redis.url, "--tenant", tenant),
+                        body)[0] == 200
+        assert settled(gateway_server, "echo_int32") == before + 1
         key = new_key(tenants_redis.url, "--tenant", "leaver")
         assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] == 200
         ident = key.split("-")[1]
@@ -494,3 +503,31 @@ def test_hostile_credentials_get_401_never_a_crash(keyed):
         r = conn.getresponse()
         assert r.status == 401 and b"API key" in r.read(), value
         conn.close()
+
+
+def test_budgets_tokens_per_minute_and_tenant_limits(keyed, llm_keyed, tenants_redis):
+    import openai
+    from openai import OpenAI
+
+    def client(key: str) -> OpenAI:
+        return OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=key, max_retries=0)
+
+    budget = new_key(tenants_redis.url, "--tenant", "thrifty", "--budget-tokens", "10", "--per", "day")
+    tpm = new_key(tenants_redis.url, "--tenant", "trickle", "--tpm", "10")
+    for key, code, kind in ((budget, "insufficient_quota", "insufficient_quota"), (tpm, "rate_limit_exceeded",
+                                                                                    "tokens")):
+        used = client(key).completions.create(model="dstool_lm", prompt="spend it all", max_tokens=8, temperature=0)
+        assert used.usage.total_tokens > 10  # admitted with budget left; it spends past it
+        time.sleep(0.3)  # charged
+        with pytest.raises(openai.RateLimitError) as e:
+            client(key).completions.create(model="dstool_lm", prompt="spend it all", max_tokens=8, temperature=0)
+        assert e.value.code == code and e.value.type == kind, e.value
+        assert int(e.value.response.headers["retry-after"]) >= 1
+        if code == "insufficient_quota":
+            assert "the daily token budget of this key (10 tokens) is spent" in e.value.message
+    # a tenant's own limit binds all its keys together
+    dstool("keys", "limits", "--tenant", "pair", "--rpm", "3", "--redis", tenants_redis.url)
+    first, second = new_key(tenants_redis.url, "--tenant", "pair"), new_key(tenants_redis.url, "--tenant", "pair")
+    statuses = [call(keyed, "POST", "/v2/models/echo_fp32/infer", k, echo(11.0)) for k in (first, second) * 2]
+    assert [s for s, _, _ in statuses] == [200, 200, 200, 429]
+    assert "of tenant 'pair'" in statuses[3][2]["error"] and statuses[3][1]["x-ratelimit-limit-requests"] == "3"

@@ -29,6 +29,7 @@ from dstool.serve.gateway.tensors import ITEM_SIZE
 
 log = logging.getLogger("dstool.gateway")
 FLUSH_SECONDS = 0.05
+PERIODS = {"day": "daily", "month": "monthly"}
 LEASE_SECONDS = 0.5  # a key validated in Redis is taken without asking again for this long
 MAX_LEASE = 64  # requests granted by one Redis call at most (and 1 % of a requests limit at most: auth.ADMIT)
 
@@ -208,7 +209,7 @@ class Guard:
         owner = f"tenant '{tenant}'" if who == "tenant" else "this key"
         if kind == "budget":
             per = reply[6]
-            return Refused(429, f"You exceeded your current quota: the {per}ly token budget of {owner} "
+            return Refused(429, f"You exceeded your current quota: the {PERIODS.get(per, per)} token budget of {owner} "
                                 f"({limit} tokens) is spent; it renews in {auth.reset_text(retry_ms)}",
                            "insufficient_quota", "insufficient_quota", after, tenant)
         unit = "RPM" if kind == "requests" else "TPM"
