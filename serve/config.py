@@ -11,7 +11,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dstool import __version__
-from dstool.config import CommandConfig, positional
+from dstool.config import CommandConfig, cli_extra, positional
 from dstool.serve.cache_url import AUTO, CacheURL
 
 STREAM_INTERVAL = 1  # tokens per streamed response: docs/export-serve.md has the measurement
@@ -168,6 +168,17 @@ class GatewayOptions(CommandConfig):
             except re.error as e:
                 raise ValueError(f"'{v}' is not a regular expression: {e}") from None
         return v
+
+    @model_validator(mode="after")
+    def _keys_only(self) -> GatewayOptions:
+        if self.auth != "keys":
+            fields = type(self).model_fields
+            given = sorted(name for name in ("auth_fallback", "auth_stale", "limits_fail", "shared_cache_models")
+                           if getattr(self, name) != fields[name].get_default(call_default_factory=True))
+            if given:
+                flag = cli_extra(fields[given[0]]).get("flag") or "--" + given[0].replace("_", "-")
+                raise ValueError(f"{flag} applies to --auth keys only")
+        return self
 
     @model_validator(mode="after")
     def _token(self) -> GatewayOptions:

@@ -469,6 +469,10 @@ def test_bad_tenant_options_are_one_line_errors(repo, llm_keyed, tmp_path):
     one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--cache", "memory", "--auth", "keys"),
                          "--auth keys keeps keys, limits and usage in Redis")
     one_line_usage_error(cli("keys", "list", "--redis", "memory"), "API keys live in Redis")
+    one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--shared-cache-model", "m"),
+                         "--shared-cache-model applies to --auth keys only")
+    one_line_usage_error(cli("serve", "--repository", str(repo), "--cache", "--limits-fail", "closed"),
+                         "--limits-fail applies to --auth keys only")
     # batch --engine triton against a keyed gateway: refused up front, naming the real cause
     one_line_usage_error(cli("batch", "--repository", str(repo), "--engine", "triton", "--url", llm_keyed.grpc_url,
                              "--output", str(tmp_path / "out")), "pass --api-key KEY or set $DSTOOL_API_KEY")
