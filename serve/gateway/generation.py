@@ -56,7 +56,7 @@ class Generation:
 
 def data(event: bytes) -> dict | None:
     """The JSON object a server-sent event carries, or None for a comment or keep-alive."""
-    return _json(event[len(b"data: "):]) if event.startswith(b"data: ") else None
+    return json_object(event[len(b"data: "):]) if event.startswith(b"data: ") else None
 
 
 def read_request(body: bytes) -> dict:
@@ -243,7 +243,7 @@ class Answer:
     def check(self, body: bytes) -> bytes:
         """A whole body (or one event's JSON) checked, the gateway's id taken out; GatewayError (502) when it
         answers another request."""
-        d = _json(body)
+        d = json_object(body)
         if d is None or "error" in d:  # Triton's own error answers carry no id: passed on, never kept
             self.intact = False
             if self.ours:  # as Triton words it for a request without an id
@@ -267,7 +267,8 @@ class Answer:
         return b"data: " + self.check(event[len(b"data: "):])
 
 
-def _json(body: bytes) -> dict | None:
+def json_object(body: bytes) -> dict | None:
+    """The JSON object `body` holds, or None."""
     try:
         value = orjson.loads(body)
     except orjson.JSONDecodeError:

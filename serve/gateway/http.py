@@ -20,7 +20,7 @@ import orjson
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
-from dstool.serve.gateway.generation import GenerationCache, data
+from dstool.serve.gateway.generation import GenerationCache, data, json_object
 from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused, tensor_tokens
 from dstool.serve.gateway.kserve import Passthrough, accepted_encoding, compressed, decode_infer, render_infer
 from dstool.serve.gateway.metrics import Metrics
@@ -340,7 +340,7 @@ async def _counted(events: AsyncGenerator[bytes, None], guard: Guard, principal:
     prompt_seen = False
     async with contextlib.aclosing(events):
         async for event in events:
-            d = data(event) if event.startswith(b"data: ") else _json_object(event)
+            d = data(event) if event.startswith(b"data: ") else json_object(event)
             if d is not None and "error" not in d:
                 ids = d.get("output_ids")
                 completion = len(ids) if isinstance(ids, list) else 1 if isinstance(ids, int) else 0
@@ -350,14 +350,6 @@ async def _counted(events: AsyncGenerator[bytes, None], guard: Guard, principal:
                 if completion or prompt:
                     guard.charge(principal, prompt, completion, cached)
             yield event
-
-
-def _json_object(body: bytes) -> dict | None:
-    try:
-        d = orjson.loads(body)
-    except orjson.JSONDecodeError:
-        return None
-    return d if isinstance(d, dict) else None
 
 
 def model_route(path: str) -> tuple[str, str, str] | None:
