@@ -106,9 +106,12 @@ def _serve(cfg) -> int:
     if cfg.emit == "k8s":
         import yaml
 
-        from dstool.serve.runtime.k8s import serving_manifests
+        from dstool.serve.runtime.k8s import admin_secret_hint, serving_manifests
 
         print(yaml.safe_dump_all(serving_manifests(cfg), sort_keys=False), end="")
+        hint = admin_secret_hint(cfg)
+        if hint:
+            dlog.log.warning(hint)
         return 0
     from dstool.serve.runtime.server import serve
 

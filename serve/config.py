@@ -540,9 +540,9 @@ class KeysConfig(CommandConfig):
     tenant: str | None = Field(None, description="the tenant (create, limits; list and usage: only its rows)")
     models: str | None = Field(None, description="comma-separated models (or families, NAME for NAME_llm, ...) "
                                "the key may use (default: all)", json_schema_extra={"cli": {"metavar": "M,..."}})
-    rpm: int = Field(0, ge=0, description="requests per minute (0: no limit)")
-    tpm: int = Field(0, ge=0, description="tokens per minute, prompt and generated (0: no limit)")
-    budget_tokens: int = Field(0, ge=0, description="tokens per --per day or month (0: no budget)",
+    rpm: int = Field(0, ge=0, le=10**12, description="requests per minute (0: no limit)")
+    tpm: int = Field(0, ge=0, le=10**12, description="tokens per minute, prompt and generated (0: no limit)")
+    budget_tokens: int = Field(0, ge=0, le=10**15, description="tokens per --per day or month (0: no budget)",
                                json_schema_extra={"cli": {"metavar": "N"}})
     per: Literal["day", "month"] | None = Field(None, description="the budget's period (UTC)")
     expires: str | None = Field(None, description="the key expires after this long: 90s, 15m, 12h, 30d",
@@ -586,6 +586,13 @@ class KeysConfig(CommandConfig):
         if (self.budget_tokens > 0) != (self.per is not None):
             raise ValueError("--budget-tokens N goes with --per day or --per month")
         return self
+
+    @field_validator("models")
+    @classmethod
+    def _models(cls, v: str | None) -> str | None:
+        if v is not None and not [m for m in v.split(",") if m.strip()]:
+            raise ValueError("names no model: give comma-separated model names, or leave --models out for all")
+        return v
 
     def model_list(self) -> list[str]:
         return [m.strip() for m in (self.models or "").split(",") if m.strip()]

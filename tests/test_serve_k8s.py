@@ -168,20 +168,29 @@ def test_a_bad_combination_exits_2_with_one_line(capsys, flags, needle):
         captured.err
 
 
-def test_auth_keys_emit_an_admin_key_secret_and_a_durable_shared_redis(capsys):
-    objects = _emit(capsys, "--auth", "keys", "--shared-cache-model", "dstool_lm", "--shared-cache-model", "other")
+def test_auth_keys_emit_an_admin_key_secret_and_a_durable_shared_redis(capsys, tmp_path):
+    (tmp_path / "admin.token").write_text("the-admin-t0ken\n")
+    objects = _emit(capsys, "--auth", "keys", "--token-file", str(tmp_path / "admin.token"), "--shared-cache-model",
+                    "dstool_lm", "--shared-cache-model", "other")
     _validate(objects)
     kinds = _by_kind(objects)
     secret = kinds["Secret"][0]
-    token = secret["stringData"]["token"]
-    assert len(token) >= 40 and _emit(capsys, "--auth", "keys")[2]["stringData"]["token"] != token  # new each time
+    assert secret["stringData"]["token"] == "the-admin-t0ken"  # the operator's own: re-applying changes nothing
     c = kinds["Deployment"][0]["spec"]["template"]["spec"]["containers"][0]
     assert {"name": "DSTOOL_GATEWAY_TOKEN", "valueFrom": {"secretKeyRef": {
         "name": secret["metadata"]["name"], "key": "token"}}} in c["env"]
     assert " ".join(c["args"]).endswith("--auth keys --shared-cache-model dstool_lm --shared-cache-model other")
-    assert token not in yaml.safe_dump(kinds["Deployment"])  # the pods read it from the Secret only
+    assert "the-admin-t0ken" not in yaml.safe_dump(kinds["Deployment"])  # the pods read it from the Secret only
     redis = kinds["StatefulSet"][0]["spec"]
     args = redis["template"]["spec"]["containers"][0]["args"]
     assert args[args.index("--appendonly") + 1] == "yes"  # the keys survive a restart
     assert args[args.index("--maxmemory-policy") + 1] == "volatile-lru"  # only entries with a TTL are evicted
     assert redis["volumeClaimTemplates"][0]["metadata"]["name"] == "data"
+    policy = kinds["NetworkPolicy"][0]["spec"]  # only the serving pods reach the Redis that holds the keys
+    assert policy["podSelector"]["matchLabels"] == redis["selector"]["matchLabels"]
+    assert policy["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == kinds["Deployment"][0]["spec"][
+        "selector"]["matchLabels"]
+    # without --token-file: no secret value in the objects, the Secret named and how to make it said on stderr
+    assert main(["serve", "--emit", "k8s", "--auth", "keys"]) == 0
+    out, err = capsys.readouterr()
+    assert "kind: Secret" not in out and "kubectl create secret generic dstool-serve-admin-key" in err

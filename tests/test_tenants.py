@@ -469,6 +469,7 @@ def test_bad_tenant_options_are_one_line_errors(repo, llm_keyed, tmp_path):
     one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--cache", "memory", "--auth", "keys"),
                          "--auth keys keeps keys, limits and usage in Redis")
     one_line_usage_error(cli("keys", "list", "--redis", "memory"), "API keys live in Redis")
+    one_line_usage_error(cli("keys", "create", "--tenant", "t", "--models", " , "), "names no model")
     one_line_usage_error(cli("gateway", "--upstream", "127.0.0.1:1", "--shared-cache-model", "m"),
                          "--shared-cache-model applies to --auth keys only")
     one_line_usage_error(cli("serve", "--repository", str(repo), "--cache", "--limits-fail", "closed"),
@@ -535,3 +536,57 @@ def test_budgets_tokens_per_minute_and_tenant_limits(keyed, llm_keyed, tenants_r
     statuses = [call(keyed, "POST", "/v2/models/echo_fp32/infer", k, echo(11.0)) for k in (first, second) * 2]
     assert [s for s, _, _ in statuses] == [200, 200, 200, 429]
     assert "of tenant 'pair'" in statuses[3][2]["error"] and statuses[3][1]["x-ratelimit-limit-requests"] == "3"
+
+
+def test_a_grpc_stream_admits_each_request_on_its_own(keyed, tenants_redis):
+    """A stream is no way around the limits, a revocation or the admin-only shared memory: each request on it is
+    admitted as an inference of its own."""
+    import queue
+
+    import grpc
+    import numpy as np
+    import tritonclient.grpc as tgrpc
+
+    def stream(key: str, requests: list[dict]) -> list:
+        c = tgrpc.InferenceServerClient(keyed.grpc_url)
+        got: queue.Queue = queue.Queue()
+        c.start_stream(callback=lambda result, error: got.put(error), headers={"authorization": f"Bearer {key}"})
+        errors = []
+        try:
+            for extra in requests:
+                text = tgrpc.InferInput("text_input", [1], "BYTES")
+                text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+                count = tgrpc.InferInput("count", [1], "INT32")
+                count.set_data_from_numpy(np.array([1], np.int32))
+                if extra.get("shm"):
+                    text = tgrpc.InferInput("text_input", [1], "BYTES")
+                    text.set_shared_memory("some_region", 8)
+                c.async_stream_infer("stream", [text, count])
+                error = got.get(timeout=30)
+                errors.append(error)
+                if error is not None:
+                    break
+        finally:
+            c.stop_stream()
+            c.close()
+        return errors
+
+    limited = new_key(tenants_redis.url, "--tenant", "streamer", "--rpm", "2")
+    errors = stream(limited, [{}, {}, {}])
+    assert errors[:2] == [None, None] and errors[2] is not None and "Rate limit reached" in str(errors[2])
+    errors = stream(new_key(tenants_redis.url, "--tenant", "streamer"), [{}, {"shm": True}])
+    assert errors[0] is None and "shared-memory" in str(errors[1]), errors
+    assert grpc.StatusCode.PERMISSION_DENIED.name in str(errors[1]) or "admin keys only" in str(errors[1])
+
+
+def test_requests_the_gateway_does_not_model_go_to_triton_for_tenants_too(keyed, tenants_redis):
+    import re
+
+    from dstool.serve.gateway.kserve import decode_infer
+
+    key = new_key(tenants_redis.url, "--tenant", "raw")
+    status, _, body = call(keyed, "POST", "/v2/models/echo_fp32/infer", key, {})  # no inputs: Triton's own answer
+    assert status == 400 and "shared-memory" not in json.dumps(body), body
+    request, _ = decode_infer("m", "", {"authorization": "Bearer secret", "x-fwd-a": "1"},
+                              json.dumps(echo(1.0)).encode(), re.compile(".*"))
+    assert request.headers == (("x-fwd-a", "1"),)  # a credential never reaches Triton or the model

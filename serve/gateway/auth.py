@@ -178,7 +178,8 @@ for i, b in ipairs(buckets) do
       redis.call('HINCRBY', KEYS[11], 'limited', 1)
       redis.call('HINCRBY', KEYS[12], 'limited', 1)
       local need = b[3] == 'requests' and 1 - l or -l
-      return {'limited', b[3], b[4], b[2], math.ceil(need * 60000 / b[2]) + 1, r[6]}
+      return {'limited', b[3], b[4], string.format('%d', b[2]), string.format('%d', math.ceil(need * 60000 / b[2]) + 1),
+              r[6]}
     end
     if b[3] == 'requests' then
       grant = math.min(grant, math.floor(l), math.max(1, math.floor(b[2] / 100)))
@@ -193,7 +194,8 @@ for _, b in ipairs(budgets) do
     if used >= b[1] then
       redis.call('HINCRBY', KEYS[11], 'limited', 1)
       redis.call('HINCRBY', KEYS[12], 'limited', 1)
-      return {'limited', 'budget', b[5], b[1], tonumber(b[2] == 'month' and ARGV[5] or ARGV[4]), r[6], b[2]}
+      return {'limited', 'budget', b[5], string.format('%d', b[1]), b[2] == 'month' and ARGV[5] or ARGV[4], r[6],
+              b[2]}
     end
   end
 end
@@ -204,8 +206,8 @@ for i, b in ipairs(buckets) do
     if b[3] == 'requests' then l = l - grant end
     redis.call('HSET', b[1], 'l', tostring(l), 't', now)
     redis.call('PEXPIRE', b[1], 120000)
-    table.insert(info, b[3] .. ':' .. b[4] .. ':' .. b[2] .. ':' .. math.floor(l) .. ':' ..
-                 math.ceil((b[2] - l) * 60000 / b[2]))
+    table.insert(info, string.format('%s:%s:%d:%d:%d', b[3], b[4], b[2], math.floor(l),
+                                     math.ceil((b[2] - l) * 60000 / b[2])))
   end
 end
 return info

@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
 from dstool.serve.gateway.guard import Guard, Refused, tensor_tokens
+from dstool.serve.gateway.kserve import CREDENTIALS
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import (
     ITEM_SIZE,
@@ -148,6 +149,18 @@ def decode_infer(msg: service_pb2.ModelInferRequest) -> InferRequest:
                         msg.id.split("\0", 1)[0])  # Triton keeps the id as a C string
 
 
+SHARED_MEMORY_REFUSED = "shared-memory inputs and outputs are for admin keys only (regions are the server's)"
+
+
+def _authorization(context) -> str:
+    given = dict(context.invocation_metadata()).get("authorization", "")
+    return given.decode("latin-1") if isinstance(given, bytes) else given
+
+
+def names_shared_memory(msg) -> bool:
+    return any("shared_memory_region" in t.parameters for t in (*msg.inputs, *msg.outputs))
+
+
 def streamed_tokens(raw: bytes) -> int:
     """The tokens one ModelStreamInfer response carries: the elements of its `output_ids` output (NAME_llm's)."""
     try:
@@ -210,9 +223,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         if self.guard is None or method in HEALTH_METHODS:
             await self._check_token(context, method)
             return None
-        given = dict(context.invocation_metadata()).get("authorization", "")
-        given = given.decode("latin-1") if isinstance(given, bytes) else given
-        model, inference = None, method in (SERVICE + "ModelInfer", SERVICE + "ModelStreamInfer")
+        given = _authorization(context)
+        model, inference = None, method == SERVICE + "ModelInfer"  # a stream's requests are admitted one by one
         try:
             principal, rate = await self.guard.admit(given if self.guard.well_formed(given) else "", inference)
             if method in MODEL_METHODS:
@@ -341,14 +353,24 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         return relay
 
     async def _given(self, requests, principal: Principal, context):
-        """A stream's requests, each checked to name a model the key is given (the stream ends at one that does
-        not)."""
+        """A stream's requests, each admitted as an inference of its own (the key still valid, within its limits), on
+        a model the key is given, naming no shared memory unless the key is an admin's; the stream ends at the first
+        that is not."""
+        assert self.guard is not None
+        authorization = _authorization(context)
         async for raw in requests:
             try:
-                model = service_pb2.ModelInferRequest.FromString(raw).model_name
+                msg = service_pb2.ModelInferRequest.FromString(raw)
             except DecodeError:
-                model = ""
-            why = self._refuse_model(principal, model)
+                msg = service_pb2.ModelInferRequest()
+            try:
+                await self.guard.admit(authorization, inference=True)
+            except Refused as e:
+                context.set_trailing_metadata(tuple((k.lower(), v) for k, v in e.headers))
+                await context.abort(REFUSED_CODES[e.status], e.message)
+            why = self._refuse_model(principal, msg.model_name)
+            if why is None and not principal.admin and names_shared_memory(msg):
+                why = SHARED_MEMORY_REFUSED
             if why is not None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
             yield raw
@@ -376,15 +398,14 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         try:
             request = decode_infer(msg)
         except _Passthrough:
-            if principal is not None and not principal.admin:  # shared memory is admin keys' (regions are global)
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, "shared-memory inputs and outputs are for admin "
-                                    "keys only")
+            if principal is not None and not principal.admin and names_shared_memory(msg):
+                await context.abort(grpc.StatusCode.PERMISSION_DENIED, SHARED_MEMORY_REFUSED)
             return await self._relay_infer(raw, context, started, msg.model_name)
         if principal is not None:
             request.scope = principal.scope(request.model, self.shared_models)
         if self.forward is not None:
             request.headers = tuple(sorted((k, v) for k, v in context.invocation_metadata()
-                                           if isinstance(v, str) and self.forward.match(k)))
+                                           if isinstance(v, str) and k not in CREDENTIALS and self.forward.match(k)))
         opt_out = any(k == "cache-control" and ("no-store" in v or "no-cache" in v)
                       for k, v in context.invocation_metadata())
         try:

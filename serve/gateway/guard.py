@@ -93,11 +93,20 @@ class Guard:
         return authorization.startswith("Bearer ") and auth.parse_key(authorization[7:]) is not None
 
     async def _redis(self, call):
+        """The reply; RedisDown when Redis cannot be reached in time, Refused (503) when it answers with an error
+        (out of memory, a script error): that is no outage to fall back from."""
+        from redis.exceptions import ResponseError
+
         if not self.store.available:
+            call.close()
             raise RedisDown()
         try:
             reply = await call
-        except Exception as e:  # redis errors, timeouts, a closed connection alike
+        except ResponseError as e:
+            self.metrics.error("redis")
+            raise Refused(503, f"Redis refused the key check: {e}", "unavailable", "server_error",
+                          [("Retry-After", "1")]) from None
+        except Exception as e:  # connection errors and timeouts
             self.store._failed(e)
             raise RedisDown() from None
         self.store._succeeded()
@@ -202,7 +211,7 @@ class Guard:
         return known.principal, []
 
     def _limited(self, reply: list) -> Refused:
-        kind, who, limit, retry_ms, tenant = reply[1], reply[2], int(float(reply[3])), int(reply[4]), reply[5]
+        kind, who, limit, retry_ms, tenant = reply[1], reply[2], int(float(reply[3])), int(float(reply[4])), reply[5]
         self.metrics.tenant(tenant, "limited")
         seconds = max(1, math.ceil(retry_ms / 1000))
         after = [("Retry-After", str(seconds)), ("retry-after-ms", str(retry_ms))]
@@ -256,7 +265,7 @@ class Guard:
                 args += [name, n]
             try:
                 await self._redis(self._charge(keys=auth.script_keys(ident, c.tenant), args=args))
-            except RedisDown:
+            except (RedisDown, Refused):
                 again = self.pending.setdefault(ident, Charge(c.tenant))
                 again.tokens += c.tokens
                 for name, n in c.counts.items():
@@ -300,7 +309,7 @@ def _rate_headers(buckets: list[str]) -> list[tuple[str, str]]:
     tightest: dict[str, tuple[int, int, int]] = {}
     for entry in buckets:
         kind, _, limit, remaining, reset_ms = entry.split(":")
-        row = (int(remaining), int(float(limit)), int(reset_ms))
+        row = (int(float(remaining)), int(float(limit)), int(float(reset_ms)))
         if kind not in tightest or row[0] < tightest[kind][0]:
             tightest[kind] = row
     headers = []

@@ -22,7 +22,14 @@ from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.generation import GenerationCache, data, json_object
 from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused, tensor_tokens
-from dstool.serve.gateway.kserve import Passthrough, accepted_encoding, compressed, decode_infer, render_infer
+from dstool.serve.gateway.kserve import (
+    Passthrough,
+    accepted_encoding,
+    compressed,
+    decode_infer,
+    names_shared_memory,
+    render_infer,
+)
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.openai import OpenAIFrontend
 from dstool.serve.gateway.protocol import OpenAIError
@@ -187,8 +194,9 @@ class HttpFrontend:
         try:
             request, output_format = decode_infer(model, version, req.headers, self._body(req), self.forward)
         except Passthrough:
-            if req.principal is not None and not req.principal.admin:  # regions are the server's, not a tenant's
-                return error_response(403, "shared-memory inputs and outputs are for admin keys only")
+            if req.principal is not None and not req.principal.admin and names_shared_memory(req.body, req.headers):
+                return error_response(403, "shared-memory inputs and outputs are for admin keys only (regions are "
+                                           "the server's, not a tenant's)")
             return self._relay_infer(req, model, started)
         except GatewayError as e:
             self.metrics.error("bad_request")

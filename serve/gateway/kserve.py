@@ -26,6 +26,23 @@ from dstool.serve.gateway.tensors import (
 )
 from dstool.serve.gateway.transport import HttpResponse
 
+CREDENTIALS = frozenset({"authorization", "proxy-authorization"})  # the gateway's to check, never passed on
+
+
+def names_shared_memory(body: bytes, headers: dict[str, str]) -> bool:
+    """Whether an infer request (JSON or binary tensor extension) names a shared-memory region."""
+    length = headers.get("inference-header-content-length")
+    head = body[:_c_atoi(length)] if length is not None and _c_atoi(length) > 0 else body
+    if b"shared_memory_region" not in head:
+        return False
+    try:
+        header = orjson.loads(head)
+    except orjson.JSONDecodeError:
+        return True  # not read here, nor certainly not one: Triton would read it
+    items = [*(header.get("inputs") or []), *(header.get("outputs") or [])] if isinstance(header, dict) else []
+    return any(isinstance(i, dict) and "shared_memory_region" in _params(i) for i in items) or \
+        not isinstance(header, dict)
+
 
 class Passthrough(Exception):
     """The request uses features the cache does not model (shared memory): relay it to Triton as it is."""
@@ -261,7 +278,8 @@ def decode_infer(model: str, version: str, headers: dict[str, str], body: bytes,
         formats = tuple((name, params.get("binary_data", False)) for name, params in outputs)
     if passthrough:
         raise Passthrough()
-    forwarded = tuple(sorted((k, v) for k, v in headers.items() if forward is not None and forward.match(k)))
+    forwarded = tuple(sorted((k, v) for k, v in headers.items()
+                             if forward is not None and k not in CREDENTIALS and forward.match(k)))
     return InferRequest(model, version, inputs, outputs, parameters, request_id, forwarded), (default_binary, formats)
 
 

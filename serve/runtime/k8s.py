@@ -22,7 +22,6 @@ Without it the autoscaler still scales up on CPU, but not down (a metric it cann
 from __future__ import annotations
 
 import math
-import secrets
 
 from dstool import __version__
 from dstool.config import changed, cli_extra
@@ -90,11 +89,31 @@ def _redis(name: str, mb: int, durable: bool) -> list[dict]:
     return [service, statefulset]
 
 
-def _admin_secret(name: str, selector: dict) -> dict:
-    """The first admin key of --auth keys (the gateway's token): a new random one, in a Secret the pods read."""
+def _admin_secret(name: str, selector: dict, token: str) -> dict:
+    """The first admin key of --auth keys (the gateway's token, from --token-file), in a Secret the pods read."""
     return {"apiVersion": "v1", "kind": "Secret", "type": "Opaque",
             "metadata": {"name": f"{name}-admin-key", "labels": _labels(selector, "server", __version__)},
-            "stringData": {"token": secrets.token_urlsafe(32)}}
+            "stringData": {"token": token}}
+
+
+def _redis_policy(name: str, selector: dict) -> dict:
+    """--auth keys: Redis holds the keys, so only the serving pods may reach it."""
+    return {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+            "metadata": {"name": f"{name}-redis", "labels": _labels(selector, "cache", __version__)},
+            "spec": {"podSelector": {"matchLabels": {"app.kubernetes.io/name": "redis",
+                                                     "app.kubernetes.io/instance": name}},
+                     "policyTypes": ["Ingress"],
+                     "ingress": [{"from": [{"podSelector": {"matchLabels": dict(selector)}}],
+                                  "ports": [{"protocol": "TCP", "port": REDIS_PORT}]}]}}
+
+
+def admin_secret_hint(cfg: ServeConfig) -> str | None:
+    """What to do before applying --auth keys objects that name an admin key Secret they do not hold."""
+    if cfg.auth != "keys" or cfg.token:
+        return None
+    return (f"the pods read their admin key from the Secret {cfg.k8s_name}-admin-key, which these objects do not "
+            f"hold: kubectl create secret generic {cfg.k8s_name}-admin-key --from-literal=token=$(openssl rand "
+            "-base64 32) (or emit with --token-file FILE to include it)")
 
 
 def _flag_args(cfg: ServeConfig) -> list[str]:
@@ -170,7 +189,8 @@ def serving_manifests(cfg: ServeConfig) -> list[dict]:
                          {"name": "grpc", "port": cfg.grpc_port, "targetPort": "grpc", "protocol": "TCP",
                           "appProtocol": "kubernetes.io/h2c"}]}}
     objects = [*(_redis(name, cfg.redis_maxmemory_mb, keys) if own_redis else []),
-               *([_admin_secret(name, selector)] if keys else []), deployment, service]
+               *([_redis_policy(name, selector)] if keys and own_redis else []),
+               *([_admin_secret(name, selector, cfg.token)] if keys and cfg.token else []), deployment, service]
     if autoscaled:
         objects.append({"apiVersion": "autoscaling/v2", "kind": "HorizontalPodAutoscaler", "metadata": meta(), "spec": {
             "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": name},
