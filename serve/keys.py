@@ -70,8 +70,12 @@ def create(client, tenant: str, models: list[str], rpm: int, tpm: int, budget: i
     return ident, key
 
 
+def _fields(client, ident: str) -> dict[str, str]:
+    return {_text(k): _text(v) for k, v in client.hgetall(auth.key_name(ident)).items()}
+
+
 def _record(client, ident: str) -> dict[str, str]:
-    record = {_text(k): _text(v) for k, v in client.hgetall(auth.key_name(ident)).items()}
+    record = _fields(client, ident)
     if not record:
         raise UsageError(f"no key with id '{ident}' (`dstool keys list` shows them)")
     return record
@@ -105,7 +109,7 @@ def list_keys(client, tenant: str | None = None) -> list[KeyInfo]:
     rows = []
     now = time.time() * 1000
     for ident in sorted(_text(i) for i in client.smembers(auth.KEYS_SET)):
-        r = {_text(k): _text(v) for k, v in client.hgetall(auth.key_name(ident)).items()}
+        r = _fields(client, ident)
         if not r or (tenant and r["tenant"] != tenant):
             continue
         expires = int(r.get("expires_at", "0"))

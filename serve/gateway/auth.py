@@ -128,6 +128,12 @@ class Principal:
         head, _, tail = model.rpartition("_")
         return head in self.models and tail in FAMILY_SUFFIXES
 
+    def not_given(self, model: str) -> str | None:
+        """Why this key may not use `model` (the refusal's message), or None when it may."""
+        if self.allows(model):
+            return None
+        return f"this key (tenant '{self.tenant}') is not given the model '{model}' (`dstool keys create --models`)"
+
     def scope(self, model: str, shared_models: frozenset[str]) -> str:
         """The cache namespace of this principal's answers from `model`: its tenant's, or the shared one."""
         family = model.rpartition("_")[0] if model.rpartition("_")[2] in FAMILY_SUFFIXES else model

@@ -11,6 +11,7 @@ import hmac
 import itertools
 import re
 import time
+from typing import NoReturn
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -157,6 +158,13 @@ def _authorization(context) -> str:
     return given.decode("latin-1") if isinstance(given, bytes) else given
 
 
+async def _refused(context, e: Refused) -> NoReturn:
+    """End the call as the guard refused it: its status code, message and headers (as trailing metadata)."""
+    context.set_trailing_metadata(tuple((k.lower(), v) for k, v in e.headers))
+    await context.abort(REFUSED_CODES[e.status], e.message)
+    raise AssertionError("context.abort raises")
+
+
 def names_shared_memory(msg) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*msg.inputs, *msg.outputs))
 
@@ -226,7 +234,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         given = _authorization(context)
         model, inference = None, method == SERVICE + "ModelInfer"  # a stream's requests are admitted one by one
         try:
-            principal, rate = await self.guard.admit(given if self.guard.well_formed(given) else "", inference)
+            principal, rate = await self.guard.admit(given, inference)
             if method in MODEL_METHODS:
                 try:
                     model = MODEL_METHODS[method].FromString(raw).name
@@ -238,23 +246,14 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             elif method not in TENANT_METHODS and not principal.admin:
                 raise Refused(403, f"{method.rsplit('/', 1)[1]} is for admin keys only (`dstool keys create --admin`)",
                               "permission_denied")
-            if model and not principal.allows(model):
-                raise Refused(403, f"this key (tenant '{principal.tenant}') is not given the model '{model}' "
-                              "(`dstool keys create --models`)", "model_not_found")
+            why = principal.not_given(model) if model else None
+            if why is not None:
+                raise Refused(403, why, "model_not_found")
         except Refused as e:
-            context.set_trailing_metadata(tuple((k.lower(), v) for k, v in e.headers))
-            await context.abort(REFUSED_CODES[e.status], e.message)
-            raise AssertionError("context.abort raises") from None
+            await _refused(context, e)
         if rate:
             context.set_trailing_metadata(tuple(rate))
         return principal
-
-    def _refuse_model(self, principal: Principal | None, model: str) -> str | None:
-        """Why `principal` may not use `model`, or None."""
-        if principal is None or principal.allows(model):
-            return None
-        return (f"this key (tenant '{principal.tenant}') is not given the model '{model}' "
-                "(`dstool keys create --models`)")
 
     async def _check_token(self, context, method: str) -> None:
         if self.token and method not in HEALTH_METHODS:
@@ -366,9 +365,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             try:
                 await self.guard.admit(authorization, inference=True)
             except Refused as e:
-                context.set_trailing_metadata(tuple((k.lower(), v) for k, v in e.headers))
-                await context.abort(REFUSED_CODES[e.status], e.message)
-            why = self._refuse_model(principal, msg.model_name)
+                await _refused(context, e)
+            why = principal.not_given(msg.model_name)
             if why is None and not principal.admin and names_shared_memory(msg):
                 why = SHARED_MEMORY_REFUSED
             if why is not None:
@@ -384,7 +382,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             if principal is not None:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, UNPARSABLE)
             return await self._relay_infer(raw, context, started, "")
-        why = self._refuse_model(principal, msg.model_name)
+        why = principal.not_given(msg.model_name) if principal is not None else None
         if why is not None:
             await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
         try:

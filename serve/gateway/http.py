@@ -112,10 +112,9 @@ class HttpFrontend:
         if kind == "admin" and not principal.admin:
             return self._refusal(Refused(403, f"{req.method} {req.path} is for admin keys only (`dstool keys create "
                                               "--admin`)", "permission_denied"), req)
-        if model is not None and not principal.allows(model):
-            return self._refusal(Refused(404 if kind.startswith("openai") else 403, f"this key (tenant "
-                                         f"'{principal.tenant}') is not given the model '{model}' (`dstool keys "
-                                         "create --models`)", "model_not_found"), req)
+        why = principal.not_given(model) if model is not None else None
+        if why is not None:
+            return self._refusal(Refused(404 if kind.startswith("openai") else 403, why, "model_not_found"), req)
         req.principal = principal
         answer = self._route(req)
         if isinstance(answer, (HttpResponse, StreamingResponse)):
