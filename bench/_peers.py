@@ -29,7 +29,7 @@ def _model_and_data(run_dir: Path):
     torch.manual_seed(cfg.seed)
     model = AutoModelForCausalLM.from_config(models.preset_config(cfg.model, len(tok), specials), dtype=torch.float32)
     model.config.use_cache = False
-    return cfg, run["ds_config"], model, data.open_split(run_dir / "data", "train", cfg.seq_len)
+    return cfg, run["ds_config"], model, data.open_run(run_dir / "data").train
 
 
 def minimal(run_dir: Path, steps: int) -> list[float]:
@@ -48,8 +48,9 @@ def minimal(run_dir: Path, steps: int) -> list[float]:
     for step in range(steps):
         t0 = time.perf_counter()
         for m in range(accum):
-            batch = torch.stack([split[i] for i in order.micro_batch(step, m, rank, world, micro, accum)])
-            loss = engine(input_ids=batch.to(engine.device), labels=batch.to(engine.device)).loss
+            batch = data.collate([split[i] for i in order.micro_batch(step, m, rank, world, micro, accum)],
+                                 engine.device)
+            loss = engine(**batch).loss
             engine.backward(loss)
             engine.step()
         loss.item()
@@ -68,8 +69,7 @@ def trainer(run_dir: Path, steps: int) -> list[float]:
             return len(split)
 
         def __getitem__(self, i):
-            ids = split[i]
-            return {"input_ids": ids, "labels": ids}
+            return split[i]
 
     class StepTimer(TrainerCallback):
         def __init__(self):

@@ -174,6 +174,11 @@ class TrainRun(Manifest):
     data: DataSplit | None = Field(None, description="the tokenized corpus and its held-out split")
     tokenizer: str = Field("tokenizer", description="the tokenizer folder (Hugging Face files)")
     checkpoints: str = Field("checkpoints", description="DeepSpeed checkpoints, `latest` names the newest")
+    checkpoint_index: str = Field("checkpoints/index.json", description="every checkpoint's step -> where it lives "
+                                  "(`hot`: in checkpoints/, `archive`: the URL of its verified copy) and its sha256 "
+                                  "status")
+    archive: str | None = Field(None, description="--archive: the folder or URL checkpoints are moved to when they "
+                                "leave the --keep-checkpoints window")
     model: str = Field("model", description="the final Hugging Face folder (an HFModel), once training ends")
     config: str = Field("config.yaml", description="the effective TrainConfig")
 
@@ -214,6 +219,10 @@ class Checkpoint(Manifest):
     zero_stage: int = Field(0, description="ZeRO stage of its optimizer shards")
     model_shapes: dict[str, list[int]] | None = Field(None, description="every parameter's whole shape: a run of "
                                                       "another model refuses it")
+    lora: dict | None = Field(None, description="the LoRA adapter (rank, alpha, dropout, targets) when only it "
+                              "trained: the frozen weights are not in the checkpoint")
+    precision: str | None = Field(None, description="fp32, bf16 or fp16: the engine's compute precision (its "
+                                  "optimizer state files differ by it)")
 
 
 class UniversalCheckpoint(Checkpoint):

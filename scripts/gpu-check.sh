@@ -1,15 +1,19 @@
 #!/usr/bin/env bash
 # The GPU checks issue 25 asks for, as one short script for a lent GPU machine (the `device` tool: about 15 minutes
 # of device time for a session, no network there). It uses the machine's own python3 (PyTorch with CUDA) and
-# installs dstool from this tree without its dependencies; DeepSpeed and onnxruntime-gpu come as wheels carried in
-# .whl/ (prepare them here: `python3 -m pip download --no-deps -d .whl deepspeed onnxruntime-gpu`; a wheel over the
-# carry limit is left out, and the check that needs it says so instead of failing).
+# installs dstool from this tree without its dependencies; DeepSpeed, onnxruntime-gpu, nvidia-ml-py and
+# prometheus-client come as wheels carried in .whl/ (prepare them here: `python3 -m pip download --no-deps -d .whl
+# deepspeed onnxruntime-gpu nvidia-ml-py prometheus-client`; a wheel over the carry limit is left out, and the check
+# that needs it says so instead of failing).
 #
 #   bash scripts/gpu-check.sh [OUT]      # figures in OUT/gpu-check.txt (default $OUT or ./gpu-check)
 #
 # 1. bf16 and fp16 training steps with DeepSpeed ZeRO-2 on the GPU (nccl), the tiny preset: loss and step time.
 # 2. The exported decoder and the fused-attention decoder on ONNX Runtime's CUDA execution provider: logit parity
 #    with PyTorch on the GPU, and one decoding step at 1 and 16 rows.
+# 3. GPU hardware metrics (issue 28, train/hardware.py) during a run with --metrics-port: dstool_train_gpus >= 1 and
+#    each GPU's temperature, power, memory used/total and utilisation above 0 in the scrapes; PCIe TX/RX printed (a
+#    tiny model may move next to nothing); the same figures in TensorBoard as gpu/KEY/INDEX.
 set -uo pipefail
 out=${1:-${OUT:-./gpu-check}}
 mkdir -p "$out"
@@ -92,4 +96,54 @@ for name, path in graphs.items():
             step()
         print(f"{name}: {rows} rows, 128 cached positions: {(time.perf_counter() - started) / 50 * 1e3:.2f} ms a step")
 EOF
+echo "== 3. GPU hardware metrics (NVML) during a training run"
+if "$python" -c "import deepspeed, pynvml, prometheus_client" 2>/dev/null; then
+  "$python" - "$out/train-hardware" <<'EOF'
+import json
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+from prometheus_client.parser import text_string_to_metric_families
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+run = Path(sys.argv[1])
+log = open(f"{run}.log", "w")
+proc = subprocess.Popen([sys.executable, "-m", "dstool.cli", "train", "--output", str(run), "--nproc", "1", "--zero",
+                         "2", "--max-steps", "600", "--save-every", "600", "--log-every", "50", "--seq-len", "256",
+                         "--metrics-port", "0"], stdout=log, stderr=subprocess.STDOUT)
+gpus, peak, labels, scrapes = set(), {}, set(), 0
+while proc.poll() is None:  # the sampler reads NVML every 5 s: several samples while it trains
+    time.sleep(1)
+    if not (run / "metrics_endpoint.json").is_file():
+        continue
+    port = json.loads((run / "metrics_endpoint.json").read_text())["port"]
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5).read().decode()
+    except OSError:
+        continue
+    scrapes += 1
+    for s in (s for family in text_string_to_metric_families(text) for s in family.samples):
+        if s.name == "dstool_train_gpus":
+            gpus.add(s.value)
+        elif s.name.startswith("dstool_train_gpu_"):
+            peak[s.name] = max(peak.get(s.name, 0.0), s.value)
+            labels.add(tuple(sorted(s.labels)))
+print(f"exit {proc.returncode}, {scrapes} scrapes; dstool_train_gpus {sorted(gpus)}; labels {sorted(labels)}")
+for name, value in sorted(peak.items()):
+    print(f"  {name}: peak {value:g}")
+need = ["temperature_celsius", "power_watts", "memory_used_bytes", "memory_total_bytes", "utilization_percent"]
+zero = [key for key in need if peak.get(f"dstool_train_gpu_{key}", 0.0) <= 0]
+events = EventAccumulator(str(run / "tensorboard"))
+events.Reload()
+tags = sorted(t for t in events.Tags()["scalars"] if t.startswith("gpu/"))
+print(f"TensorBoard: {len(tags)} gpu/ tags, e.g. {tags[:3]}")
+ok = proc.returncode == 0 and gpus and min(gpus) >= 1 and not zero and "gpu/temperature_celsius/0" in tags
+print("GPU hardware metrics:", "OK" if ok else f"FAILED (zero or missing: {zero}; see {run}.log)")
+EOF
+else
+  echo "deepspeed, pynvml (nvidia-ml-py) or prometheus_client is not installed there (carry their wheels): not checked"
+fi
 echo "== done"

@@ -132,13 +132,13 @@ def test_packed_data_changed_since_the_run_began(trained, tmp_path):
     run = tmp_path / "run"
     shutil.copytree(trained.parent, run, ignore=shutil.ignore_patterns("checkpoints", "model", "logs"))
     recorded = json.loads((run / "dstool.json").read_text())["data"]["sha256"]
-    assert set(recorded) == {"train.bin", "val.bin"}
-    packed = bytearray((run / "data" / "train.bin").read_bytes())
+    assert set(recorded) == {"train.bin", "val.bin", "shards/00000/tokens.bin"}
+    packed = bytearray((run / "data" / "shards" / "00000" / "tokens.bin").read_bytes())
     packed[100] ^= 1
-    (run / "data" / "train.bin").write_bytes(bytes(packed))
+    (run / "data" / "shards" / "00000" / "tokens.bin").write_bytes(bytes(packed))
     before = _snapshot(run)
     _expect_usage_error(["train", "--output", str(run), "--max-steps", "41", "--seq-len", "64"],
-                        "train.bin changed since the run packed it", tmp_path)
+                        "tokens.bin changed since the run packed it", tmp_path)
     after = _snapshot(run)
     assert {k: v for k, v in after.items() if k != "train.log"} == {k: v for k, v in before.items() if k != "train.log"}
 

@@ -4,11 +4,12 @@ import json
 
 import numpy as np
 
-from dstool.train import data
+from dstool.corpus import read_documents
+from dstool.train import data, sources
 
 
 def test_embedded_corpus_is_shakespeare():
-    docs = data.read_documents(None)
+    docs = read_documents(None)
     text = "\n\n".join(docs)
     assert 900_000 < len(text) < 1_200_000 and "First Citizen" in text
 
@@ -17,17 +18,23 @@ def test_folder_of_txt_and_jsonl(tmp_path):
     (tmp_path / "a.txt").write_text("alpha beta")
     (tmp_path / "sub").mkdir()
     (tmp_path / "sub" / "b.jsonl").write_text(json.dumps({"text": "gamma"}) + "\n\n" + json.dumps({"text": "delta"}))
-    assert data.read_documents(str(tmp_path)) == ["alpha beta", "gamma", "delta"]
+    src = sources.parse(str(tmp_path))[0]
+    rows = [r for shard in src.shards for batch in sources.rows(shard, "text") for r in batch]
+    assert [r["text"] for r in rows if r["text"]] == ["alpha beta", "gamma", "delta"]
 
 
 def test_tokenizer_packing_and_split(tmp_path):
-    docs = data.read_documents(None)[:400]
+    docs = read_documents(None)[:400]
     tok = data.train_tokenizer(docs, vocab_size=512)
     assert len(tok) <= 512 and tok.eos_token_id is not None
-    meta = data.prepare_dataset(docs, tok, tmp_path / "d", val_fraction=0.1)
-    split = data.open_split(tmp_path / "d", "train", 32)
-    assert len(split) == meta["train_tokens"] // 32 and split[0].shape == (32,)
-    all_ids = np.fromfile(tmp_path / "d" / "train.bin", dtype=meta["dtype"])
+    tok.save_pretrained(tmp_path / "tokenizer")
+    (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
+    meta = data._tokenize(data._Job(str(tmp_path / "c.jsonl"), "h", "text", 32, 0.1, str(tmp_path / "tokenizer"),
+                                    str(tmp_path / "d")))
+    split = data.Split([(tmp_path / "d", 0, meta["sequences"], meta["dtype"])], examples=False)
+    assert len(split) == meta["sequences"] == meta["tokens"] // 32 and split[0]["input_ids"].shape == (32,)
+    assert meta["val_sequences"] == int(meta["sequences"] * 0.1) and meta["rows"] == 400
+    all_ids = np.fromfile(tmp_path / "d" / "tokens.bin", dtype=meta["dtype"])
     assert (all_ids == tok.eos_token_id).sum() >= 300  # documents separated by EOS
     assert tok.decode(all_ids[:20].tolist()).strip() in "\n\n".join(docs)
 

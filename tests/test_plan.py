@@ -44,6 +44,9 @@ def test_memory_per_stage_is_deepspeeds_estimate_and_counts_come_from_the_config
             cpu2, gpu2 = estimate_zero2_model_states_mem_needs(total, per_node, nodes, cpu_offload=offload)
             _, gpu0 = estimate_zero2_model_states_mem_needs(total, 1, 1, cpu_offload=False)
             assert states[3] == pytest.approx(gpu3 / GIB) and c.memory[3].cpu_gib_per_node == pytest.approx(cpu3 / GIB)
+            if offload:  # DeepSpeed's ZeRO-2 host figure is all nodes' together: per node as its ZeRO-3 one counts
+                cpu2 = estimate_zero3_model_states_mem_needs(total, largest, per_node, nodes, cpu_offload=True,
+                                                             cpu_offload_params=False, zero_init=False)[0]
             assert states[2] == pytest.approx(gpu2 / GIB) and c.memory[2].cpu_gib_per_node == pytest.approx(cpu2 / GIB)
             assert states[0] == pytest.approx(gpu0 / GIB) == pytest.approx(20 * total / GIB)
             assert states[1] == pytest.approx((gpu2 + 2 * total * (1 if offload else 1 - 1 / c.gpus)) / GIB)
@@ -86,6 +89,55 @@ def test_from_run_reads_the_measured_mfu_of_a_real_run(trained):
     # the same model on the same machine: the plan gives back the run's own median throughput
     measured = statistics.median(r["tokens_per_s"] for r in windows)
     assert p.clusters[0].tokens_per_s == pytest.approx(measured, rel=0.02)
+
+
+def test_host_memory_per_node_is_one_nodes():
+    """With offload, ZeRO-1/2 hold on each node its ranks' fp32 loading copies (4 bytes/parameter each) or its share
+    of the offloaded states (16 bytes/parameter over the nodes), x1.5 buffers: 64 GPUs on 8 nodes need what 8 GPUs on
+    one node need, not 8 times that (DeepSpeed's ZeRO-2 estimator counts every node's loading copies)."""
+    from dstool.train.plan import format_table
+
+    p = _plan(model="tiny", gpu="A100", gpus="1,8,64", offload_optimizer=True)
+    one, node, nodes8 = p.clusters
+    for c, per_node, nodes in ((one, 1, 1), (node, 8, 1), (nodes8, 8, 8)):
+        for z in (1, 2):
+            expected = p.parameters * max(4 * per_node, 16 / nodes) * 1.5 / GIB
+            assert c.memory[z].cpu_gib_per_node == pytest.approx(expected, rel=1e-6), (c.gpus, z)
+    assert nodes8.memory[2].cpu_gib_per_node == pytest.approx(node.memory[2].cpu_gib_per_node)
+    host = format_table(p).splitlines()[-1]
+    assert host.startswith("host memory per node for the planned stage") and "1 GPU: " in host, host
+    assert "64 GPUs (8 nodes): " in host and "1 GPUs" not in host, host
+
+
+def _fake_run(folder, windows: int, on_gpu: bool):
+    """A dstool train run's files as `plan --from-run` reads them: `windows` logging windows after the warm-up."""
+    folder.mkdir()
+    (folder / "dstool.json").write_text(json.dumps({"kind": "train-run"}))
+    (folder / "run.json").write_text(json.dumps({"on_gpu": on_gpu, "world_size": 1, "config": {"model": "tiny"}}))
+    rows = [{"step": s, "loss": 5.0, "mfu": 0.2 + s / 1000, "tokens_per_s": 100.0} for s in range(1, windows + 2)]
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def test_from_run_says_when_its_mfu_is_few_windows_or_another_device(tmp_path):
+    """A run with one window: "median of 1 window" and a note that it is too few; a CPU run planning an A100: the
+    plan still comes, with a note (table header and json) that the MFU was measured on a CPU."""
+    from dstool.train.plan import format_table
+
+    one = _fake_run(tmp_path / "one", 1, on_gpu=False)
+    p = _plan(model="tiny", gpu="cpu", gpus="1", from_run=str(one))
+    assert "median of 1 window of" in p.mfu_source and p.mfu == pytest.approx(0.202)
+    assert [n for n in p.notes if "1 window" in n and "too few" in n] and not [n for n in p.notes if "measured on" in n]
+    many = _fake_run(tmp_path / "many", 9, on_gpu=False)
+    assert "median of 9 windows of" in _plan(model="tiny", gpu="cpu", gpus="1", from_run=str(many)).mfu_source
+    assert _plan(model="tiny", gpu="cpu", gpus="1", from_run=str(many)).notes == []
+    on_a100 = _plan(model="tiny", gpu="A100", gpus="1", from_run=str(many))
+    note = next(n for n in on_a100.notes if "measured on CPU" in n)
+    assert "A100" in note and "--mfu" in note, note
+    assert "  note: " + note in format_table(on_a100).splitlines()
+    on_gpu = _fake_run(tmp_path / "gpu", 9, on_gpu=True)
+    assert "measured on a GPU" in " ".join(_plan(model="tiny", gpu="cpu", gpus="1", from_run=str(on_gpu)).notes)
+    assert _plan(model="tiny", gpu="H100", gpus="1", from_run=str(on_gpu)).notes == []
 
 
 def test_the_cli_prints_the_table_and_the_json():

@@ -1,6 +1,8 @@
 """Training observability: rank 0's Prometheus endpoint scraped while a real 2-rank run trains (and, where a
 `prometheus` binary is installed, by Prometheus itself with the shipped config), the profiler trace, TensorBoard's
-memory scalars, the Grafana dashboards' queries against what the real endpoints export, the compose profile."""
+memory scalars, the GPU hardware series (on a CPU run: `dstool_train_gpus 0`, which the dashboard shows as "no GPU";
+the sampler itself against a fake NVML in test_train_hardware.py), the Grafana dashboards' queries against what the
+real endpoints export, the compose profile."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import yaml
 
 from dstool.proc import free_port
+from dstool.train import hardware
 from dstool.train.observe import CUDA_GAUGES, ENDPOINT_FILE, PROFILE_FOLDER
 
 from conftest import DSTOOL, cli, one_line_usage_error
@@ -36,7 +39,9 @@ STEPS, PROFILED = 12, (3, 5)
 TRAIN = ["--nproc", "2", "--zero", "2", "--max-steps", str(STEPS), "--save-every", "6", "--seq-len", "64",
          "--micro-batch-size", "4", "--log-every", "2", "--profile-steps", f"{PROFILED[0]}:{PROFILED[1]}"]
 TOKENS_PER_STEP = 4 * 2 * 64
-GPU_ONLY = {name for name, _, _ in CUDA_GAUGES} | {"dstool_train_gpu_utilization_percent"}
+GPU_ONLY = {name for name, _, _ in CUDA_GAUGES} | {name for name, _, _ in hardware.GAUGES}
+# GPUs rank 0 monitors: those of its node's 2 ranks (none on a CPU run)
+GPUS = min(2, torch.cuda.device_count())
 # the training row's key behind each gauge
 GAUGE_ROW = {"dstool_train_loss": "loss", "dstool_train_learning_rate": "lr", "dstool_train_grad_norm": "grad_norm",
              "dstool_train_tokens_per_second": "tokens_per_s", "dstool_train_mfu_ratio": "mfu",
@@ -195,6 +200,16 @@ def test_endpoint_agrees_with_metrics_jsonl(observed):
     assert 0 < last["dstool_train_last_log_timestamp_seconds"] <= time.time()
     assert ({name for name, _, _ in CUDA_GAUGES} <= set(last)) == torch.cuda.is_available()
     assert set(re.findall(r'run="([^"]*)"', observed.scrapes[-1])) == {observed.out.name}
+    # the GPU hardware series: one per GPU of rank 0's node, labelled by host and device index; a CPU run says no GPU
+    from prometheus_client.parser import text_string_to_metric_families
+
+    samples = [s for f in text_string_to_metric_families(observed.scrapes[-1]) for s in f.samples]
+    labels = {"run": observed.out.name, "host": socket.gethostname()}
+    assert [(s.labels, s.value) for s in samples if s.name == "dstool_train_gpus"] == [(labels, GPUS)]
+    for name, _, _ in hardware.GAUGES:
+        assert [s.labels for s in samples if s.name == name] == [{**labels, "gpu": str(i)} for i in range(GPUS)], name
+    if not GPUS:
+        assert "dstool_train_gpu_" not in observed.scrapes[-1] and "GPU hardware metrics off" not in observed.log
 
 
 def test_profiler_trace_covers_the_profiled_steps(observed):
@@ -218,6 +233,8 @@ def test_tensorboard_has_memory_scalars(observed):
     rss = events.Scalars("memory/rss_bytes")
     assert [e.step for e in rss] == sorted(observed.rows) and min(e.value for e in rss) > 1e8
     assert ("memory/cuda_max_allocated_bytes" in events.Tags()["scalars"]) == torch.cuda.is_available()
+    gpu_tags = {tag for tag in events.Tags()["scalars"] if tag.startswith("gpu/")}
+    assert gpu_tags == {f"gpu/{key}/{i}" for _, _, key in hardware.GAUGES for i in range(GPUS)}, gpu_tags
 
 
 @pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: apt-get install prometheus)")
@@ -247,6 +264,22 @@ def test_training_dashboard_names_only_exported_metrics(observed):
     for expr in _queries(dashboard):
         assert metric_names(expr) and metric_names(expr) <= exported, (expr, metric_names(expr) - exported)
     assert _variable_metrics(dashboard) <= exported
+
+
+def test_training_dashboard_says_no_gpu_rather_than_zeros():
+    """`dstool_train_gpus` 0 (a CPU run, NVML not started) shows as "no GPU"; a panel of per-GPU series shows "no GPU"
+    when there are none, and every per-GPU gauge has a panel."""
+    panels = [p for p in _dashboard("training")["panels"] if p["type"] != "row"]
+    hardware_names = {name for name, _, _ in hardware.GAUGES}
+    count = [p for p in panels if any("dstool_train_gpus" in metric_names(t["expr"]) for t in p["targets"])]
+    assert len(count) == 1, count
+    mappings = count[0]["fieldConfig"]["defaults"]["mappings"]
+    assert any(m["type"] == "value" and m["options"]["0"]["text"] == "no GPU" for m in mappings), mappings
+    per_gpu = [p for p in panels if any(metric_names(t["expr"]) & hardware_names for t in p["targets"])]
+    assert {name for p in per_gpu for t in p["targets"] for name in metric_names(t["expr"])} == hardware_names
+    for p in per_gpu:
+        assert p["fieldConfig"]["defaults"]["noValue"] == "no GPU", p["title"]
+        assert all("{{gpu}}" in t["legendFormat"] and "{{host}}" in t["legendFormat"] for t in p["targets"])
 
 
 def test_serving_dashboard_names_only_exported_metrics(server, gateway, gateway_server, tmp_path):

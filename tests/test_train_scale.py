@@ -158,6 +158,10 @@ def test_doctor_reports_each_misconfiguration(tmp_path):
     loopback = ipaddress.ip_address(socket.gethostbyname(socket.gethostname())).is_loopback
     assert failed == {"ssh no-such-host.invalid", f"master port {port}", "NCCL_SOCKET_IFNAME",
                       f"output {tmp_path / 'a-file' / 'run'}"} | ({"host names"} if loopback else set()), checks
+    # the node ssh does not reach gave no versions or address: not checked, never passed
+    skipped = {name for name, line in checks.items() if line.startswith("[skip]")}
+    assert skipped == {"versions"} | (set() if loopback else {"host names"}), checks
+    assert "no-such-host.invalid: not checked" in checks["versions"]
     assert "does not resolve" in checks["ssh no-such-host.invalid"] and "fix:" in checks["ssh no-such-host.invalid"]
     assert "in use" in checks[f"master port {port}"] and "--master-port" in checks[f"master port {port}"]
     assert "nosuchif0" in checks["NCCL_SOCKET_IFNAME"] and "lo" in checks["NCCL_SOCKET_IFNAME"]
@@ -166,6 +170,66 @@ def test_doctor_reports_each_misconfiguration(tmp_path):
 
 def test_doctor_usage_error_exits_2(tmp_path):
     one_line_usage_error(cli("doctor", "--hostfile", str(tmp_path / "missing")), "does not exist")
+
+
+def _answer(address: str | None = "10.0.0.2", versions: str = "3.11.9 2.5.1 0.16.0") -> dict:
+    """What the probe prints on a node with interfaces lo and eth0."""
+    return {"versions": versions, "hostname": "n", "address": address,
+            "interfaces": {"lo": ["127.0.0.1"], "eth0": ["10.0.0.2"]}}
+
+
+def _marks(*checks) -> list[str]:
+    return [c.line().split("]")[0][1:] for c in checks]
+
+
+def test_doctor_node_checks_pass_only_on_every_nodes_answer():
+    """versions, interfaces and host names: [pass] needs every node's answer; a node that gave none leaves the check
+    [skip] (naming it), unless what the others answered already fails it; a reached node whose probe failed fails."""
+    from dstool.train import doctor
+
+    hosts = ["node0", "node1"]
+    env = {"NCCL_SOCKET_IFNAME": "eth0"}
+
+    def node_checks(probes: dict) -> list:
+        return [doctor.check_versions(probes, hosts), *doctor.check_interfaces(env, probes, hosts),
+                doctor.check_hostnames(probes, hosts, {}, False)]
+
+    nothing = node_checks({})  # no node reached
+    assert _marks(*nothing) == ["skip", "skip", "pass", "skip"], [c.line() for c in nothing]
+    assert all("no node answered" in c.detail for c in (nothing[0], nothing[1], nothing[3]))
+    assert "not set" in nothing[2].detail  # GLOO_SOCKET_IFNAME: nothing to check
+    half = node_checks({"node0": _answer()})  # node1 not reached by ssh
+    assert _marks(*half) == ["skip", "skip", "pass", "skip"], [c.line() for c in half]
+    assert all("node1" in c.detail for c in (half[0], half[1], half[3]))
+    failed_probe = node_checks({"node0": _answer(), "node1": "no /opt/venv/bin/python there"})
+    assert _marks(*failed_probe) == ["FAIL", "skip", "pass", "skip"], [c.line() for c in failed_probe]
+    assert "no /opt/venv/bin/python there" in failed_probe[0].detail and failed_probe[0].fix
+    unresolved = doctor.check_hostnames({"node0": _answer(), "node1": _answer(address=None)}, hosts, {}, False)
+    assert unresolved.ok is False and "node1: n -> no address" in unresolved.detail, unresolved.line()
+    every = node_checks({"node0": _answer(), "node1": _answer()})
+    assert _marks(*every) == ["pass"] * 4, [c.line() for c in every]
+    differ = node_checks({"node0": _answer(), "node1": _answer(versions="3.11.9 2.5.1 0.0.1")})
+    assert _marks(differ[0]) == ["FAIL"]
+
+
+def test_doctor_checks_it_cannot_make_from_here_skip(tmp_path):
+    """The master port of another machine, the output folder from a node ssh does not reach, the GPUs of a hostfile
+    this node is not in: [skip] with the reason, and the summary counts them."""
+    from dstool.train import doctor
+
+    port = _free_port()
+    remote = doctor.check_port("node9.invalid", port)
+    assert remote.ok is None and "node9.invalid" in remote.detail and "not checked" in remote.detail, remote.line()
+    assert doctor.check_port("127.0.0.1", port).ok is True
+    out = doctor.check_output(str(tmp_path / "run"), ["localhost", "node9.invalid"], {"localhost"})
+    assert _marks(*out) == ["pass", "skip"] and "no ssh" in out[1].detail, [c.line() for c in out]
+    gpus = doctor.check_gpus({"node8.invalid": 8, "node9.invalid": 8})
+    assert gpus.ok is None and "not in the hostfile" in gpus.detail, gpus.line()
+    assert doctor.check_gpus(None).ok is True
+    assert doctor.Check("x", None, "why").line() == "[skip] x: why"
+    lines: list[str] = []
+    assert doctor.summarize([doctor.Check("a", True, ""), remote], lines.append) == 0
+    assert lines == [doctor.Check("a", True, "").line(), remote.line(), "doctor: 1/2 checks pass, 1 skipped"]
 
 
 def _free_port() -> int:

@@ -27,7 +27,7 @@ from dstool.config import changed, dump_yaml
 from dstool.errors import StageFailed, TrainingFailed, UsageError
 from dstool.files import write_json_atomic
 from dstool.proc import check_port_free, die_with_parent
-from dstool.train import checkpoint, data, deepspeed_config, launch, pipeline_parallel, preempt
+from dstool.train import archive, checkpoint, data, deepspeed_config, launch, lora, pipeline_parallel, preempt, sources
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import read_metrics
 
@@ -48,6 +48,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     on_gpu = torch.cuda.is_available()
     precision = _precision(cfg, on_gpu)
     models.check_model_ref(cfg.model)
+    if cfg.archive:  # an unknown protocol, an unwritable place: refused before anything is prepared
+        archive.check(cfg.archive)
     if cfg.pipeline_stages > 1:
         pipeline_parallel.check_model(cfg.model)
     if cfg.distill_from:
@@ -56,32 +58,41 @@ def train(cfg: TrainConfig) -> TrainResult:
     _check_metrics_port(cfg, topo)
     ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
     out = Path(cfg.output)
-    docs = data.read_documents(cfg.data)
+    srcs = sources.parse(cfg.data)
 
     with _lock(out):  # nodes sharing the output folder claim it and prepare data one at a time
-        fingerprint = data.corpus_fingerprint(docs)
+        fingerprint = data.fingerprint(cfg, srcs)
         earlier = TrainRun.read(out) if kind_of(out) == "train-run" else None
         if earlier is not None and earlier.data_fingerprint != fingerprint:
-            raise UsageError(f"output {out} was prepared from other data: use a new --output for this data")
+            raise UsageError(f"output {out} was prepared from other data (or another --data-format): use a new "
+                             "--output for this data")
         dlog.to_file(out / "train.log")
-        tokenizer = data.load_or_train_tokenizer(cfg.model, docs, cfg.vocab_size, out / "tokenizer")
+        tokenizer = data.load_or_train_tokenizer(cfg.model, srcs, cfg, out / "tokenizer")
         recorded = earlier.data.sha256 if earlier is not None and earlier.data is not None else {}
-        if not (out / "data" / "meta.json").is_file():
-            data.prepare_dataset(docs, tokenizer, out / "data", cfg.val_fraction)
+        meta_file = out / "data" / "meta.json"
+        if meta_file.is_file():
+            packed_as = json.loads(meta_file.read_text())
+            if packed_as.get("seq_len") != cfg.seq_len:
+                raise UsageError(f"output {out} packed its data in {packed_as.get('seq_len')}-token sequences: use "
+                                 f"that --seq-len, or a new --output for {cfg.seq_len}")
+        else:
+            data.prepare(cfg, srcs, tokenizer, out / "data")
             recorded = {}  # packed now: nothing to compare with
-        meta = json.loads((out / "data" / "meta.json").read_text())
-        packed = data.packed_sha256(out / "data")
+        meta = json.loads(meta_file.read_text())
+        packed = data.run_sha256(out / "data")
         if changed_file := _packed_change(out / "data", recorded, packed, "since the run packed it"):
             raise UsageError(changed_file)
-        resume = _resume_point(cfg, out, topo.world, len(tokenizer))
+        if cfg.lora:  # PEFT refuses targets the model lacks here, before any rank starts
+            lora.wrap(_meta_model(cfg.model, len(tokenizer)), cfg, quiet=True)
+        resume = _resume_point(cfg, out, topo.world, len(tokenizer), precision)
         TrainRun(data_fingerprint=fingerprint, data=DataSplit(
             folder="data", dtype=meta["dtype"], train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
-            fingerprint=fingerprint, sha256=packed)).write(out, hash_files=False)
+            fingerprint=fingerprint, sha256=packed), archive=cfg.archive).write(out, hash_files=False)
 
     replicas = deepspeed_config.data_parallel_size(cfg, topo.world)
-    if meta["train_tokens"] // cfg.seq_len < deepspeed_config.batch_plan(cfg, topo.world)[0] * replicas:
-        raise UsageError(f"data has {meta['train_tokens']} training tokens, fewer than one global micro-batch "
-                         f"of {cfg.seq_len}-token sequences: add data or lower --seq-len/--micro-batch-size")
+    if meta["train_sequences"] < deepspeed_config.batch_plan(cfg, topo.world)[0] * replicas:
+        raise UsageError(f"data has {meta['train_sequences']} training sequences of {cfg.seq_len} tokens, fewer than "
+                         "one global micro-batch: add data or lower --seq-len/--micro-batch-size")
 
     run = {"config": cfg.model_dump(), "ds_config": ds_config, "precision": precision, "on_gpu": on_gpu,
            "world_size": topo.world, "resume": str(resume) if resume else None,
@@ -96,8 +107,9 @@ def train(cfg: TrainConfig) -> TrainResult:
     if replicas != topo.world:
         log.info(f"  model parallel: {cfg.pipeline_stages} pipeline stage(s) x {cfg.tensor_parallel} tensor-parallel "
                  f"rank(s) per replica, {replicas} data-parallel replica(s)")
-    log.info(f"  data: {meta['train_tokens']:,} train / {meta['val_tokens']:,} held-out tokens, vocab "
-             f"{len(tokenizer)}; global batch {micro} x {accum} x {replicas} = {micro * accum * replicas} sequences "
+    log.info(f"  data: {_sources_line(meta)}; {meta['train_sequences']:,} train / {meta['val_sequences']:,} "
+             f"held-out sequences, vocab {len(tokenizer)}; global batch {micro} x {accum} x {replicas} = "
+             f"{micro * accum * replicas} sequences "
              f"of {cfg.seq_len}")
     log.info(f"  lr: peak {deepspeed_config.peak_lr(cfg, topo.world):.3g} (= {cfg.lr:g} x "
              f"{replicas if cfg.lr_scaling == 'linear' else 1}, lr_scaling={cfg.lr_scaling}), warmup "
@@ -113,9 +125,22 @@ def train(cfg: TrainConfig) -> TrainResult:
     preempt.clear(out)
     _run_ranks(launch.command(cfg, topo, out / "run.json"), launch.environment(cfg, topo, on_gpu), out,
                cfg.preempt_grace_s)
-    if changed_file := _packed_change(out / "data", packed, data.packed_sha256(out / "data"), "while the run read it"):
+    if cfg.archive and (cfg.node_rank or 0) == 0:  # a copy rank 0 could not finish (it retries at each save)
+        checkpoint.settle(out / "checkpoints", cfg.keep_checkpoints, cfg.archive)
+    if changed_file := _packed_change(out / "data", packed, data.run_sha256(out / "data"), "while the run read it"):
         raise StageFailed(changed_file)
     return _result(out, cfg)
+
+
+def _sources_line(meta: dict) -> str:
+    """The data set in a few words: format, sources (weights), rows, and what packing cut or dropped."""
+    srcs = ", ".join(f"{s['spec']}" + (f" x{s['weight']:g}" if s["weight"] is not None else "") +
+                     f" ({len(s['shards'])} shard{'s' * (len(s['shards']) != 1)})" for s in meta["sources"])
+    line = f"{meta['format']} from {srcs}, {meta['documents']:,} rows"
+    if meta["truncated"] or meta["dropped"]:
+        line += (f" ({meta['truncated']:,} cut to --seq-len {meta['seq_len']}, {meta['dropped']:,} dropped with "
+                 "nothing left to learn)")
+    return line
 
 
 def _packed_change(folder: Path, recorded: dict[str, str], now: dict[str, str], when: str) -> str | None:
@@ -176,7 +201,7 @@ class _lock:
         self.f.close()
 
 
-def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int) -> Path | None:
+def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, precision: str) -> Path | None:
     """The checkpoint to continue from, checked against this model; converted to DeepSpeed's
     universal format when it was saved on another world size (the ranks then load that)."""
     root = out / "checkpoints"
@@ -184,11 +209,25 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int) -> P
         if checkpoint.complete_tags(root):
             raise UsageError(f"output {out} already has checkpoints and --resume none would overwrite them: "
                              "use --resume auto or a new --output")
+        if cfg.archive and archive.Archive(cfg.archive).tags():
+            raise UsageError(f"--archive {cfg.archive} already holds checkpoints and --resume none would overwrite "
+                             "them: use --resume auto or another --archive")
         return None
-    tag = checkpoint.find_resume(root) if cfg.resume == "auto" else checkpoint.resolve_explicit(cfg.resume)
+    tag = (checkpoint.find_resume(root, archive=cfg.archive) if cfg.resume == "auto"
+           else checkpoint.resolve_explicit(cfg.resume))
     if tag is None:
         return None
     _check_same_model(tag, cfg.model, vocab_size)
+    saved = checkpoint.manifest(tag)
+    if saved.lora != lora.spec(cfg):
+        what = f"LoRA adapters {saved.lora}" if saved.lora else "every weight (no --lora)"
+        raise UsageError(f"checkpoint {tag} trained {what}; this run asks {lora.spec(cfg) or 'no --lora'}: resume "
+                         "with the same LoRA options, or use a new --output")
+    if saved.precision and saved.precision != precision:
+        raise UsageError(f"checkpoint {tag} holds a {saved.precision} engine's optimizer state, which a {precision} "
+                         f"engine cannot load: resume with --precision {saved.precision}, or write its weights (the "
+                         f"same command with --precision {saved.precision} --max-steps {saved.step}) and start the "
+                         f"{precision} phase from them: --model {out / 'model'} --output NEW")
     saved_world = checkpoint.saved_world_size(tag)
     if saved_world != world and (cfg.pipeline_stages > 1 or cfg.tensor_parallel > 1):
         raise UsageError(f"checkpoint {tag} was saved on {saved_world} ranks; pipeline and tensor-parallel runs resume "
@@ -201,17 +240,22 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int) -> P
     return tag
 
 
-def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
-    """Refuse, before any rank starts, a checkpoint whose parameter shapes are not this model's."""
+def _meta_model(model_ref: str, vocab_size: int):
+    """The model's modules with no weights (the meta device): shapes and names only."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    saved = checkpoint.manifest(tag).model_shapes
-    if not saved:  # written before shapes were recorded
-        return
     hf_config = (models.preset_config(model_ref, vocab_size, {}) if models.is_preset(model_ref)
                  else AutoConfig.from_pretrained(model_ref))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(hf_config)
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
+    """Refuse, before any rank starts, a checkpoint whose parameter shapes are not this model's."""
+    saved = checkpoint.manifest(tag).model_shapes
+    if not saved:  # written before shapes were recorded
+        return
+    model = _meta_model(model_ref, vocab_size)
     ours = checkpoint.model_shapes(model)
     if ours != saved:
         diff = next((n for n in ours if saved.get(n) != ours[n]), None) or next(n for n in saved if n not in ours)

@@ -17,11 +17,18 @@ class TrainConfig(CommandConfig):
 
     # What to train on
     model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder")
-    data: str | None = Field(None, description="text file, folder of .txt/.jsonl files, or none for the embedded "
-                             "corpus")
+    data: str | None = Field(None, description="the data: a file, a folder or glob of shards (.jsonl, .parquet, .csv, "
+                             ".txt, .arrow) or a `datasets` save_to_disk folder; several as PATH:WEIGHT,PATH:WEIGHT "
+                             "for a weighted mixture; none for the embedded corpus")
+    data_format: Literal["text", "chat", "prompt-completion"] = Field(
+        "text", description="text: rows' `text` packed as one stream; chat: OpenAI-style `messages`, learned on the "
+        "assistant's turns; prompt-completion: `prompt` and `completion`, learned on the completion")
+    chat_template: str | None = Field(None, description="chat template for chat data: a Jinja file, or 'default' (the "
+                                      "ROLE: layout `dstool serve` uses without one); saved with the tokenizer "
+                                      "(default: the model tokenizer's own)")
     output: str = Field("runs/train", description="run folder: checkpoints/, model/, metrics.jsonl, tensorboard/")
     vocab_size: int = Field(4096, ge=256, le=65535, description="BPE vocabulary when a tokenizer is trained")
-    seq_len: int = Field(128, ge=8, description="packed sequence length in tokens")
+    seq_len: int = Field(128, ge=8, le=65535, description="packed sequence length in tokens")
     val_fraction: float = Field(0.05, gt=0, lt=0.5, description="held-out share of the token stream")
 
     # Launch
@@ -67,6 +74,9 @@ class TrainConfig(CommandConfig):
     preempt_grace_s: float = Field(30.0, gt=0, description="on SIGTERM/SIGUSR1 (preemption): seconds the ranks get "
                                    "to finish their step and write a checkpoint before they are stopped")
     keep_checkpoints: int = Field(3, ge=1, description="newest checkpoints kept")
+    archive: str | None = Field(None, description="cold storage (a folder or fsspec URL) for checkpoints leaving the "
+                                "kept window: copied there, sha256-verified, then deleted here; --resume auto looks "
+                                "there too", json_schema_extra={"cli": {"metavar": "URL"}})
     resume: str = Field("auto", description="auto (latest valid checkpoint), none, or a checkpoint folder")
     log_every: int = Field(10, ge=1)
     eval_every: int = Field(0, ge=0, description="held-out evaluation every N steps (0 = at the end only)")
@@ -84,6 +94,14 @@ class TrainConfig(CommandConfig):
     keep_zero_weights: bool = Field(False, description="hold weights that start at exactly zero at zero (N:M sparsity)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                            "backward pass instead of keeping them: less memory, ~1/3 more compute")
+    lora: int | None = Field(None, ge=1, description="fine-tune LoRA adapters of this rank (PEFT) instead of every "
+                             "weight; checkpoints hold the adapters only, model/ is merged, model/adapter/ the adapter")
+    lora_alpha: float | None = Field(None, gt=0, description="LoRA scaling numerator (default: 2 x rank)")
+    lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA path")
+    lora_targets: list[str] = Field(default_factory=lambda: ["all-linear"], description="a module name LoRA adapts "
+                                    "(repeat: --lora-target q_proj --lora-target v_proj), or all-linear: every linear "
+                                    "layer but the output head", json_schema_extra={"cli": {"flag": "--lora-target",
+                                                                                            "metavar": "NAME"}})
     distill_from: str | None = Field(None, description="teacher model folder: loss = cross-entropy + KL(teacher || "
                                      "student) on the logits (knowledge distillation)")
 
@@ -101,6 +119,16 @@ class TrainConfig(CommandConfig):
                              "pipeline_stages and tensor_parallel to 1")
         if self.offload_params and self.zero != 3:
             raise ValueError("offload_params needs zero: 3")
+        if self.data_format != "text" and self.pipeline_stages > 1:
+            raise ValueError(f"data_format {self.data_format} needs pipeline_stages 1 (the pipeline stages pass token "
+                             "ids only, not the learn mask and positions)")
+        if self.lora is None and (self.lora_alpha is not None or self.lora_dropout or
+                                  self.lora_targets != ["all-linear"]):
+            raise ValueError("lora_alpha, lora_dropout and lora_targets need --lora RANK")
+        if self.lora is not None and (self.pipeline_stages > 1 or self.tensor_parallel > 1 or self.distill_from
+                                      or self.keep_zero_weights):
+            raise ValueError("lora trains with data parallelism and ZeRO only: drop pipeline_stages, tensor_parallel, "
+                             "distill_from and keep_zero_weights")
         if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:
             raise ValueError(f"node_rank {self.node_rank} is not below num_nodes {self.num_nodes}")
         if self.profile_steps is not None:

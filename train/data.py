@@ -1,27 +1,41 @@
-"""Corpus -> tokenizer -> packed token arrays on disk, and a resumable sharded sampler."""
+"""Sources -> tokenizer -> tokenized shards (cached by content hash) -> the run's data set, and the resumable global
+sample order (a mixture of sources when they are weighted).
+
+A tokenized shard is a folder of fixed-length sequences: tokens.bin, and for instruction data learn.bin (1 where the
+token is learned) and pos.bin (position ids restarting at each packed example, so attention stays within it). Its
+last `val_fraction` of sequences is held out. Shards are made once per (shard bytes, tokenizer, format, seq_len) in
+the cache (dstool.files.cache_dir()/tokenized), in parallel, and hard-linked into the run's data/shards/.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import multiprocessing
+import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from dstool.corpus import read_documents
+from dstool import log as dlog
 from dstool.errors import UsageError
-from dstool.files import replace_folder, sha256_file
+from dstool.files import cache_dir, replace_folder, sha256_file, write_json_atomic
+from dstool.train import chat, sources
 
-__all__ = ["read_documents", "train_tokenizer", "load_or_train_tokenizer", "prepare_dataset", "open_split",
-           "corpus_fingerprint", "packed_sha256", "GlobalOrder", "TokenSplit"]
+__all__ = ["train_tokenizer", "load_or_train_tokenizer", "fingerprint", "prepare", "open_run", "run_sha256",
+           "GlobalOrder", "Mixture", "Split", "collate"]
+log = dlog.log
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
+_TOKENIZER_TEXT = 100 << 20  # bytes of text a tokenizer is trained on, at most
+_SAMPLE_TOKENS = 2_000_000  # tokens of data/train.bin and data/val.bin (calibration and measurement samples)
 
 
-def train_tokenizer(docs: list[str], vocab_size: int):
-    """A byte-level BPE trained on `docs`, wrapped as a transformers fast tokenizer."""
+def train_tokenizer(docs, vocab_size: int):
+    """A byte-level BPE trained on `docs` (an iterable of text), wrapped as a transformers fast tokenizer."""
     from tokenizers import ByteLevelBPETokenizer
     from transformers import PreTrainedTokenizerFast
 
@@ -32,77 +46,345 @@ def train_tokenizer(docs: list[str], vocab_size: int):
                                    pad_token=PAD, unk_token=None, model_max_length=1 << 30)
 
 
-def load_or_train_tokenizer(model_ref: str, docs: list[str], vocab_size: int, save_dir: Path):
-    """The model folder's tokenizer when it has one, else a BPE trained on the corpus; saved to `save_dir`."""
+def _texts(srcs: list[sources.Source], data_format: str):
+    """Up to _TOKENIZER_TEXT bytes of the sources' text, for training a tokenizer."""
+    seen = 0
+    for src in srcs:
+        for shard in src.shards:
+            for batch in sources.rows(shard, data_format):
+                for row in batch:
+                    if data_format == "text":
+                        text = row["text"]
+                    elif data_format == "chat":
+                        msgs = row["messages"] if isinstance(row["messages"], list) else []
+                        text = "\n".join(str(m.get("content") or "") for m in msgs if isinstance(m, dict))
+                    else:
+                        text = f"{row['prompt']}{row['completion']}"
+                    yield text
+                    seen += len(text)
+                    if seen > _TOKENIZER_TEXT:
+                        return
+
+
+def load_or_train_tokenizer(model_ref: str, srcs: list[sources.Source], cfg, save_dir: Path):
+    """The run's tokenizer: saved in `save_dir` by an earlier start, else the model folder's, else a BPE trained on
+    the data; with the chat template asked for."""
     from transformers import AutoTokenizer
 
     if (save_dir / "tokenizer.json").is_file():
-        return AutoTokenizer.from_pretrained(save_dir)
+        tok = AutoTokenizer.from_pretrained(save_dir)
+        if cfg.chat_template is not None:
+            before = tok.chat_template
+            chat.set_template(tok, cfg.chat_template, needed=False)
+            if tok.chat_template != before:
+                raise UsageError(f"--chat-template {cfg.chat_template} differs from the template this run's tokenizer "
+                                 f"({save_dir}) was saved with: use a new --output for another template")
+        chat.set_template(tok, None, needed=cfg.data_format == "chat")
+        return tok
     model_dir = Path(model_ref)
     if model_dir.is_dir() and any((model_dir / f).is_file() for f in ("tokenizer.json", "tokenizer.model")):
         tok = AutoTokenizer.from_pretrained(model_dir)
     else:
-        tok = train_tokenizer(docs, vocab_size)
+        tok = train_tokenizer(_texts(srcs, cfg.data_format), cfg.vocab_size)
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
+    chat.set_template(tok, cfg.chat_template, needed=cfg.data_format == "chat")
     tmp = save_dir.with_name(save_dir.name + ".tmp")
     tok.save_pretrained(tmp)
     replace_folder(tmp, save_dir)
     return tok
 
 
+def _tokenizer_id(tok) -> str:
+    """What decides a shard's tokens besides its bytes: the vocabulary, merges, special tokens and chat template."""
+    h = hashlib.sha256(tok.backend_tokenizer.to_str().encode())
+    h.update(json.dumps([tok.eos_token_id, tok.pad_token_id, tok.chat_template or ""]).encode())
+    return h.hexdigest()
+
+
 @dataclass
-class TokenSplit:
-    """Fixed-length packed sequences over a flat token array (memory-mapped)."""
-
-    tokens: np.ndarray
+class _Job:
+    shard: str
+    digest: str
+    data_format: str
     seq_len: int
-
-    def __len__(self) -> int:
-        return len(self.tokens) // self.seq_len
-
-    def __getitem__(self, i: int) -> torch.Tensor:
-        s = self.tokens[i * self.seq_len:(i + 1) * self.seq_len]
-        return torch.from_numpy(s.astype(np.int64))
+    val_fraction: float
+    tokenizer_dir: str
+    target: str
 
 
-def prepare_dataset(docs: list[str], tokenizer, out_dir: Path, val_fraction: float) -> dict:
-    """Tokenize, join documents with EOS, split off the tail as held-out, write train.bin/val.bin."""
-    eos = tokenizer.eos_token_id
-    ids: list[int] = []
-    for enc in tokenizer(docs, add_special_tokens=False)["input_ids"]:
-        ids.extend(enc)
-        ids.append(eos)
-    dtype = np.uint16 if len(tokenizer) < 65536 else np.uint32
-    arr = np.asarray(ids, dtype=dtype)
-    n_val = max(int(len(arr) * val_fraction), 1)
+def _tokenize(job: _Job) -> dict:
+    """Tokenize and pack one shard into `job.target` (written beside it, then renamed)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(job.tokenizer_dir)
+    target = Path(job.target)
+    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    packer = _Packer(tmp, job.seq_len, len(tok), tok.eos_token_id, tok.pad_token_id, job.data_format != "text")
+    rows = dropped = 0
+    with packer:
+        for batch in sources.rows(job.shard, job.data_format):
+            if job.data_format == "text":
+                texts = [r["text"] for r in batch]
+                for r, ids in zip(batch, tok(texts, add_special_tokens=False)["input_ids"]):
+                    packer.stream(ids + ([] if r.get("piece") else [tok.eos_token_id]))
+                rows += sum(not r.get("piece") for r in batch)
+                continue
+            for r in batch:
+                rows += 1
+                ids, learn = chat.encode(r, job.data_format, tok, f"{job.shard} row {rows}")
+                dropped += not packer.example(ids, learn)
+    n = packer.sequences
+    val = int(n * job.val_fraction) if n >= 2 else 0
+    meta = {"shard": job.shard, "sha256": job.digest, "format": job.data_format, "seq_len": job.seq_len,
+            "dtype": packer.dtype.name, "rows": rows, "sequences": n, "val_sequences": max(val, 1 if n >= 2 else 0),
+            "tokens": packer.real_tokens, "truncated": packer.truncated, "dropped": dropped,
+            "files": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.bin"))}}
+    write_json_atomic(tmp / "meta.json", meta)
+    replace_folder(tmp, target)
+    return meta
+
+
+class _Packer:
+    """Appends fixed-length sequences to tokens.bin (learn.bin and pos.bin for instruction data) as they fill."""
+
+    def __init__(self, folder: Path, seq_len: int, vocab: int, eos: int, pad: int, examples: bool):
+        self.seq_len, self.eos, self.pad, self.examples = seq_len, eos, pad, examples
+        self.dtype = np.dtype(np.uint16 if vocab < 65536 else np.uint32)
+        self.files = {name: open(folder / f"{name}.bin", "wb") for name in
+                      (("tokens", "learn", "pos") if examples else ("tokens",))}
+        self.buf: dict[str, list[int]] = {name: [] for name in self.files}
+        self.sequences = self.real_tokens = self.truncated = 0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        if exc[0] is None and self.examples and self.buf["tokens"]:
+            self._close_sequence()
+        for f in self.files.values():
+            f.close()
+
+    def stream(self, ids: list[int]) -> None:
+        """Text: one token stream cut into sequences (attention crosses documents, EOS between them)."""
+        buf = self.buf["tokens"]
+        buf.extend(ids)
+        full = len(buf) // self.seq_len * self.seq_len
+        if full:
+            np.asarray(buf[:full], dtype=self.dtype).tofile(self.files["tokens"])
+            self.sequences += full // self.seq_len
+            self.real_tokens += full
+            del buf[:full]
+
+    def example(self, ids: list[int], learn: list[int]) -> bool:
+        """Instruction data: whole examples packed into sequences, truncated to one sequence; False when nothing of
+        it is left to learn (dropped)."""
+        if len(ids) > self.seq_len:
+            ids, learn = ids[:self.seq_len], learn[:self.seq_len]
+            self.truncated += 1
+        if not any(learn):
+            return False
+        if len(self.buf["tokens"]) + len(ids) > self.seq_len:
+            self._close_sequence()
+        self.buf["tokens"].extend(ids)
+        self.buf["learn"].extend(learn)
+        self.buf["pos"].extend(range(len(ids)))
+        self.real_tokens += len(ids)
+        return True
+
+    def _close_sequence(self) -> None:
+        fill = self.seq_len - len(self.buf["tokens"])
+        self.buf["tokens"].extend([self.pad] * fill)
+        self.buf["learn"].extend([0] * fill)
+        self.buf["pos"].extend(range(fill))  # the padding is a segment of its own
+        for name, dtype in (("tokens", self.dtype), ("learn", np.uint8), ("pos", np.uint16)):
+            np.asarray(self.buf[name], dtype=dtype).tofile(self.files[name])
+            self.buf[name] = []
+        self.sequences += 1
+
+
+def fingerprint(cfg, srcs: list[sources.Source]) -> str:
+    """sha256 over what the data set is made of: the format, and each source's weight and shards' bytes (hashed
+    here, through the stat cache)."""
+    stat_cache = sources.StatCache(cache_dir() / "tokenized" / "hashes.json")
+    for src in srcs:
+        src.hashes = [sources.content_hash(s, stat_cache.entries) for s in src.shards]
+    stat_cache.save()
+    return hashlib.sha256(json.dumps([cfg.data_format, [[src.weight, src.hashes] for src in srcs]]).encode()
+                          ).hexdigest()[:16]
+
+
+def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
+    """The run's data set in `out_dir` (`srcs` hashed by `fingerprint`): every shard tokenized (from the cache when
+    it was before), linked in, and data/meta.json describing the sources; returns that meta."""
+    tok_id = _tokenizer_id(tokenizer)
+    jobs = []
+    for src in srcs:
+        for shard, digest in zip(src.shards, src.hashes):
+            key = hashlib.sha256(json.dumps([digest, tok_id, cfg.data_format, cfg.seq_len, cfg.val_fraction]).encode())
+            jobs.append(_Job(shard, digest, cfg.data_format, cfg.seq_len, cfg.val_fraction, str(out_dir.parent /
+                             "tokenizer"), str(cache_dir() / "tokenized" / key.hexdigest()[:32])))
+    todo = [j for j in jobs if not _cached(Path(j.target))]
+    if todo:
+        log.info(f"  tokenizing {len(todo)} of {len(jobs)} shard(s) ({len(jobs) - len(todo)} from the cache "
+                 f"{cache_dir() / 'tokenized'})")
+        workers = min(len(todo), os.cpu_count() or 1)
+        if workers > 1:
+            with multiprocessing.get_context("spawn").Pool(workers) as pool:
+                pool.map(_tokenize, todo, chunksize=1)
+        else:
+            for job in todo:
+                _tokenize(job)
     tmp = out_dir.with_name(out_dir.name + ".tmp")
-    tmp.mkdir(parents=True, exist_ok=True)
-    arr[:-n_val].tofile(tmp / "train.bin")
-    arr[-n_val:].tofile(tmp / "val.bin")
-    meta = {"dtype": np.dtype(dtype).name, "train_tokens": int(len(arr) - n_val), "val_tokens": int(n_val),
-            "documents": len(docs)}
-    (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
+    shutil.rmtree(tmp, ignore_errors=True)
+    (tmp / "shards").mkdir(parents=True)
+    described: list[dict] = []
+    k = 0
+    for src in srcs:
+        shards = []
+        for _ in src.shards:
+            job = jobs[k]
+            k += 1
+            name = f"{k - 1:05d}"
+            _link_folder(Path(job.target), tmp / "shards" / name)
+            shards.append({"name": name, **json.loads((Path(job.target) / "meta.json").read_text())})
+        described.append({"spec": src.spec, "weight": src.weight, "shards": shards})
+    meta = _describe(cfg, described)
+    if meta["train_sequences"] == 0:
+        raise UsageError(f"--data holds no full {cfg.seq_len}-token sequence to train on: give more data or a smaller "
+                         "--seq-len")
+    if meta["val_sequences"] == 0:
+        raise UsageError("--data is too small to hold out a validation sequence (each shard holds out its last "
+                         "--val-fraction of sequences, at least one when it has two): give more data")
+    for entry in described:
+        if entry["weight"] and not sum(s["sequences"] - s["val_sequences"] for s in entry["shards"]):
+            raise UsageError(f"--data {entry['spec']} has weight {entry['weight']:g} but no sequence to train on: "
+                             "give it more data or weight 0")
+    write_json_atomic(tmp / "meta.json", meta)
+    _write_samples(tmp, meta)
     replace_folder(tmp, out_dir)
     return meta
 
 
-def open_split(data_dir: Path, split: str, seq_len: int) -> TokenSplit:
-    meta = json.loads((data_dir / "meta.json").read_text())
-    tokens = np.memmap(data_dir / f"{split}.bin", dtype=meta["dtype"], mode="r")
-    return TokenSplit(tokens, seq_len)
+def _describe(cfg, described: list[dict]) -> dict:
+    shards = [s for src in described for s in src["shards"]]
+    train = sum(s["sequences"] - s["val_sequences"] for s in shards)
+    val = sum(s["val_sequences"] for s in shards)
+    return {"format": cfg.data_format, "seq_len": cfg.seq_len, "dtype": max((s["dtype"] for s in shards),
+                                                                             key=lambda d: np.dtype(d).itemsize),
+            "sources": described, "train_sequences": train, "val_sequences": val,
+            "train_tokens": train * cfg.seq_len, "val_tokens": val * cfg.seq_len,
+            "documents": sum(s["rows"] for s in shards), "truncated": sum(s["truncated"] for s in shards),
+            "dropped": sum(s["dropped"] for s in shards)}
 
 
-def packed_sha256(data_dir: Path) -> dict[str, str]:
-    """sha256 of the packed token files, by name."""
-    return {name: sha256_file(data_dir / name) for name in ("train.bin", "val.bin") if (data_dir / name).is_file()}
+def _cached(folder: Path) -> bool:
+    """A tokenized shard in the cache whose files are those it was written with (a run's data/shards/ are hard links
+    to them: a file changed in either place is tokenized again)."""
+    try:
+        files = json.loads((folder / "meta.json").read_text())["files"]
+    except (OSError, ValueError, KeyError):
+        return False
+    return all((folder / name).is_file() and sha256_file(folder / name) == digest for name, digest in files.items())
 
 
-def corpus_fingerprint(docs: list[str]) -> str:
-    h = hashlib.sha256()
-    for d in docs:
-        h.update(hashlib.sha256(d.encode()).digest())
-    return h.hexdigest()[:16]
+def _link_folder(src: Path, dst: Path) -> None:
+    """Hard links of the cached shard's files (a copy across file systems)."""
+    dst.mkdir(parents=True)
+    for f in src.iterdir():
+        try:
+            os.link(f, dst / f.name)
+        except OSError:
+            shutil.copy2(f, dst / f.name)
+
+
+def _write_samples(folder: Path, meta: dict) -> None:
+    """data/train.bin and data/val.bin: the first training and held-out tokens (up to _SAMPLE_TOKENS each) as flat
+    arrays, which `dstool compress` calibrates and measures on."""
+    run = _RunData(folder, meta)
+    for name, split in (("train", run.train), ("val", run.val)):
+        n = min(len(split), max(1, _SAMPLE_TOKENS // meta["seq_len"]))
+        arr = np.concatenate([split.tokens(i) for i in range(n)]) if n else np.zeros(0)
+        arr.astype(meta["dtype"]).tofile(folder / f"{name}.bin")
+
+
+def run_sha256(data_dir: Path) -> dict[str, str]:
+    """sha256 of every file of the run's data set, by path relative to `data_dir`."""
+    return {str(f.relative_to(data_dir)): sha256_file(f) for f in sorted(data_dir.rglob("*.bin"))}
+
+
+class Split:
+    """Sequences over several tokenized shards (memory-mapped): `split[i]` is one sequence's model inputs."""
+
+    def __init__(self, parts: list[tuple[Path, int, int, str]], examples: bool):
+        """parts: (shard folder, first sequence, sequences, dtype)."""
+        self.examples = examples
+        self.maps = []
+        for folder, first, _count, dtype in parts:
+            seq_len = json.loads((folder / "meta.json").read_text())["seq_len"]
+            arrays: dict[str, np.ndarray] = {"tokens": np.memmap(folder / "tokens.bin", dtype=dtype, mode="r")}
+            if examples:
+                arrays["learn"] = np.memmap(folder / "learn.bin", dtype=np.uint8, mode="r")
+                arrays["pos"] = np.memmap(folder / "pos.bin", dtype=np.uint16, mode="r")
+            self.maps.append((arrays, first, seq_len))
+        self.ends = np.cumsum([p[2] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+
+    def __len__(self) -> int:
+        return int(self.ends[-1]) if len(self.ends) else 0
+
+    def _where(self, i: int):
+        part = int(np.searchsorted(self.ends, i, side="right"))
+        arrays, first, seq_len = self.maps[part]
+        j = first + i - (int(self.ends[part - 1]) if part else 0)
+        return arrays, slice(j * seq_len, (j + 1) * seq_len)
+
+    def tokens(self, i: int) -> np.ndarray:
+        arrays, s = self._where(i)
+        return np.asarray(arrays["tokens"][s])
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        arrays, s = self._where(i)
+        ids = torch.from_numpy(arrays["tokens"][s].astype(np.int64))
+        if not self.examples:
+            return {"input_ids": ids, "labels": ids}
+        learn = torch.from_numpy(arrays["learn"][s].astype(np.bool_))
+        return {"input_ids": ids, "labels": torch.where(learn, ids, torch.full_like(ids, -100)),
+                "position_ids": torch.from_numpy(arrays["pos"][s].astype(np.int64))}
+
+
+def collate(samples: list[dict[str, torch.Tensor]], device) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([s[k] for s in samples]).to(device) for k in samples[0]}
+
+
+class _RunData:
+    """A run's data set: the train split (sources in order, each's shards' leading sequences), the held-out split
+    (every shard's trailing sequences) and the sources' sizes and weights."""
+
+    def __init__(self, folder: Path, meta: dict):
+        self.meta = meta
+        examples = meta["format"] != "text"
+        train, val, self.sizes, self.weights = [], [], [], []
+        for src in meta["sources"]:
+            size = 0
+            for s in src["shards"]:
+                held = s["val_sequences"]
+                train.append((folder / "shards" / s["name"], 0, s["sequences"] - held, s["dtype"]))
+                val.append((folder / "shards" / s["name"], s["sequences"] - held, held, s["dtype"]))
+                size += s["sequences"] - held
+            self.sizes.append(size)
+            self.weights.append(src["weight"])
+        self.train, self.val = Split(train, examples), Split(val, examples)
+
+    def order(self, seed: int):
+        if self.weights[0] is None or len(self.sizes) == 1:
+            return GlobalOrder(len(self.train), seed)
+        return Mixture(self.sizes, self.weights, seed)
+
+
+def open_run(data_dir: Path) -> _RunData:
+    return _RunData(data_dir, json.loads((data_dir / "meta.json").read_text()))
 
 
 class GlobalOrder:
@@ -133,3 +415,38 @@ class GlobalOrder:
         """`offset` shifts every position: set on resume when the global batch changed with the world size."""
         start = offset + step * micro * accum * world + (micro_step * world + rank) * micro
         return [self.sample_at(start + k) for k in range(micro)]
+
+
+class Mixture(GlobalOrder):
+    """Weighted sources: every block of BLOCK global positions holds each source's share (largest remainder), in a
+    seeded order; a source's k-th draw is sample k of its own GlobalOrder (its own epochs: a small source repeats,
+    a large one is not exhausted). Still a function of the position alone, so resume stays exact."""
+
+    BLOCK = 1000
+
+    def __init__(self, sizes: list[int], weights: list[float], seed: int):
+        total = sum(weights)
+        share = [w / total * self.BLOCK for w in weights]
+        counts = [int(s) for s in share]
+        for i in sorted(range(len(share)), key=lambda i: counts[i] - share[i])[:self.BLOCK - sum(counts)]:
+            counts[i] += 1
+        self.counts, self.seed = counts, seed
+        self.orders = [GlobalOrder(n, seed + 7919 * (k + 1)) if n else None for k, n in enumerate(sizes)]
+        self.offsets = np.concatenate([[0], np.cumsum(sizes)[:-1]]).astype(int).tolist()
+        self._block, self._slots, self._seen = -1, np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int64)
+
+    def sample_at(self, position: int) -> int:
+        block, r = divmod(position, self.BLOCK)
+        if block != self._block:
+            slots = np.repeat(np.arange(len(self.counts)), self.counts)
+            np.random.default_rng([self.seed, block]).shuffle(slots)
+            seen = np.zeros_like(slots)
+            running = np.zeros(len(self.counts), dtype=np.int64)
+            for i, s in enumerate(slots):
+                seen[i] = running[s]
+                running[s] += 1
+            self._block, self._slots, self._seen = block, slots, seen
+        src = int(self._slots[r])
+        order = self.orders[src]
+        assert order is not None  # a source with no sequences has weight 0 (prepare refuses otherwise)
+        return self.offsets[src] + order.sample_at(block * self.counts[src] + int(self._seen[r]))

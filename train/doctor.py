@@ -4,7 +4,8 @@ Versions equal on every node, passwordless ssh to remote hosts, the master port 
 interfaces named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME present on every node, no node whose own name
 resolves to a loopback address (gloo would hand that address to the others), GPUs matching the hostfile
 slots, the output folder writable from every node, and a gloo all-reduce across local processes with
-its measured bandwidth.
+its measured bandwidth. A check passes only on evidence (every node's answer): one it could not make is [skip] with
+the reason, or [FAIL].
 """
 
 from __future__ import annotations
@@ -55,13 +56,13 @@ ALLREDUCE_MB = 16
 @dataclass
 class Check:
     name: str
-    ok: bool
+    ok: bool | None  # None: not checked (skip), the reason in `detail`
     detail: str
     fix: str = ""
 
     def line(self) -> str:
         fix = f" -> fix: {self.fix}" if self.fix else ""
-        return f"[{'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}{fix}"
+        return f"[{'skip' if self.ok is None else 'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}{fix}"
 
 
 def is_local(host: str) -> bool:
@@ -110,35 +111,58 @@ def probe(host: str) -> dict | str:
         (proc.stderr.strip().splitlines() or [f"exit code {proc.returncode}"])[-1]
 
 
-def check_versions(probes: dict[str, dict | str]) -> Check:
-    found = {h: p["versions"] if isinstance(p, dict) else f"({p})" for h, p in probes.items()}
-    detail = "; ".join(f"{h}: python/torch/deepspeed {v}" for h, v in found.items())
-    if len(set(found.values())) > 1:
-        local = next((v for h, v in found.items() if is_local(h)), None)
+def _unanswered(probes: dict[str, dict | str], hosts: list[str]) -> dict[str, str]:
+    """The hosts without a probe answer, and why: ssh did not reach them, or the probe failed there."""
+    return {h: "no ssh" if h not in probes else str(probes[h]) for h in hosts if not isinstance(probes.get(h), dict)}
+
+
+def _not_checked(probes: dict[str, dict | str], hosts: list[str]) -> str:
+    missing = _unanswered(probes, hosts)
+    if len(missing) == len(hosts):
+        return "no node answered the probe (" + "; ".join(f"{h}: {why}" for h, why in missing.items()) + ")"
+    return "; ".join(f"{h}: not checked ({why})" for h, why in missing.items())
+
+
+def check_versions(probes: dict[str, dict | str], hosts: list[str]) -> Check:
+    """Python, torch and DeepSpeed versions equal on every node; a reached node whose probe failed fails (the
+    launcher runs the same interpreter there)."""
+    answers = {h: p["versions"] for h, p in probes.items() if isinstance(p, dict)}
+    failed = {h: p for h, p in probes.items() if not isinstance(p, dict)}
+    detail = "; ".join([f"{h}: python/torch/deepspeed {v}" for h, v in answers.items()]
+                       + ([_not_checked(probes, hosts)] if len(answers) < len(hosts) else []))
+    if failed or len(set(answers.values())) > 1:
+        local = next((v for h, v in answers.items() if is_local(h)), None)
         here = f" (this node: {local})" if local else ""
-        return Check("versions", False, detail, f"install the same versions on every node{here}, e.g. one venv on a "
-                     "shared path")
-    return Check("versions", True, detail)
+        run_it = f", and {sys.executable} runnable on {', '.join(failed)}" if failed else ""
+        return Check("versions", False, detail, f"install the same versions on every node{here}{run_it}, e.g. one "
+                     "venv on a shared path")
+    return Check("versions", None if len(answers) < len(hosts) else True, detail)
 
 
-def check_hostnames(probes: dict[str, dict | str], nodes: int, env: dict[str, str], on_gpu: bool) -> Check:
-    """Several nodes: none whose own name resolves to a loopback address, unless the ranks' socket interface is
-    named (gloo takes its address from the host name; NCCL picks an interface itself)."""
+def check_hostnames(probes: dict[str, dict | str], hosts: list[str], env: dict[str, str], on_gpu: bool) -> Check:
+    """Several nodes: none whose own name resolves to a loopback address or to none (gloo then falls back to the
+    loopback device), unless the ranks' socket interface is named (gloo takes its address from the host name; NCCL
+    picks an interface itself)."""
     var = "NCCL_SOCKET_IFNAME" if on_gpu else "GLOO_SOCKET_IFNAME"
-    if nodes < 2:
+    if len(hosts) < 2:
         return Check("host names", True, "one node: loopback addresses are fine")
     if env.get("GLOO_SOCKET_IFNAME") or (on_gpu and env.get("NCCL_SOCKET_IFNAME")):
         return Check("host names", True, "the socket interface is named: the ranks use it whatever the host names "
                      "resolve to")
-    bad = {h: p for h, p in probes.items() if isinstance(p, dict) and _is_loopback(p["address"])}
+    bad = {h: p for h, p in probes.items() if isinstance(p, dict) and (p["address"] is None or
+                                                                        _is_loopback(p["address"]))}
     if not bad:
+        if _unanswered(probes, hosts):
+            seen = [f"{h}: {p['hostname']} -> {p['address']}" for h, p in probes.items() if isinstance(p, dict)]
+            return Check("host names", None, "; ".join([*seen, _not_checked(probes, hosts)]))
         return Check("host names", True, "every node's name resolves to a non-loopback address")
-    named = "; ".join(f"{h}: {p['hostname']} -> {p['address']}" for h, p in bad.items())
+    named = "; ".join(f"{h}: {p['hostname']} -> {p['address'] or 'no address'}" for h, p in bad.items())
     cluster_ifs = sorted({n for p in bad.values() for n, addrs in p["interfaces"].items()
                           if any(not _is_loopback(a) for a in addrs)})
     example = cluster_ifs[0] if cluster_ifs else "eth0"
     return Check("host names", False, f"{named} (a loopback address, e.g. Debian's '127.0.1.1 <hostname>' line in "
-                 "/etc/hosts: gloo would hand it to the other nodes, whose connections then fail or hang)",
+                 "/etc/hosts, or none: gloo would hand the loopback address to the other nodes, whose connections "
+                 "then fail or hang)",
                  f"set {var} to the cluster interface on every node, e.g. --env {var}={example} (interfaces with an "
                  f"address there: {', '.join(cluster_ifs) or 'none'}), or map the name to the host's cluster address")
 
@@ -149,6 +173,8 @@ def _is_loopback(address: str | None) -> bool:
 
 def check_port(addr: str, port: int) -> Check:
     name = f"master port {port}"
+    if not (is_local(addr) or _is_own_address(addr)):
+        return Check(name, None, f"not checked: the master {addr} is another machine (run dstool doctor there)")
     with socket.socket() as s:
         try:
             s.bind(("127.0.0.1" if is_local(addr) else "0.0.0.0", port))
@@ -160,8 +186,13 @@ def check_port(addr: str, port: int) -> Check:
     return Check(name, True, "free")
 
 
-def check_interfaces(env: dict[str, str], probes: dict[str, dict | str]) -> list[Check]:
-    """The interfaces NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name, on every node that answered the probe."""
+def _is_own_address(addr: str) -> bool:
+    return any(a.address == addr for al in psutil.net_if_addrs().values() for a in al)
+
+
+def check_interfaces(env: dict[str, str], probes: dict[str, dict | str], hosts: list[str]) -> list[Check]:
+    """The interfaces NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME name, on every node that answered the probe (the
+    others: not checked)."""
     interfaces = {h: sorted(p["interfaces"]) for h, p in probes.items() if isinstance(p, dict)}
     checks = []
     for var in ("NCCL_SOCKET_IFNAME", "GLOO_SOCKET_IFNAME"):
@@ -173,14 +204,18 @@ def check_interfaces(env: dict[str, str], probes: dict[str, dict | str]) -> list
                    for h, present in interfaces.items()}
         missing = {h: m for h, m in missing.items() if m}
         if missing:
-            where = "; ".join(f"on {h} no interface matches {', '.join(m)} (there: {', '.join(interfaces[h])})"
-                              for h, m in missing.items())
+            where = "; ".join([f"on {h} no interface matches {', '.join(m)} (there: {', '.join(interfaces[h])})"
+                               for h, m in missing.items()]
+                              + ([_not_checked(probes, hosts)] if _unanswered(probes, hosts) else []))
             choices = sorted(set.intersection(*(set(i) for i in interfaces.values())))
             checks.append(Check(var, False, f"{var}={value}: {where}",
                                 f"set {var} to an interface every node has: {', '.join(choices) or 'none is common'}"))
+        elif _unanswered(probes, hosts):
+            seen = f" matches an interface on {', '.join(interfaces)};" if interfaces else ":"
+            checks.append(Check(var, None, f"{var}={value}{seen} {_not_checked(probes, hosts)}"))
         else:
             checks.append(Check(var, True, f"{var}={value} matches an interface on "
-                                f"{'every node' if len(interfaces) > 1 else 'this node'}"))
+                                f"{'every node' if len(interfaces) > 1 else next(iter(interfaces))}"))
     return checks
 
 
@@ -193,16 +228,20 @@ def _if_matches(pattern: str, name: str) -> bool:
     return name == pattern[1:] if pattern.startswith("=") else name.startswith(pattern)
 
 
-def check_gpus(slots: int | None) -> Check:
+def check_gpus(hosts: dict[str, int] | None) -> Check:
+    """This node's GPUs against its hostfile slots (`hosts`: the hostfile; None: no hostfile)."""
     import torch
 
+    slots = next((s for h, s in hosts.items() if is_local(h)), None) if hosts else None
+    if hosts and slots is None:
+        return Check("GPUs", None, "not checked: this node is not in the hostfile (run dstool doctor on a node)")
     count = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if count == 0:
-        return Check("GPUs", True, "no GPU visible: training runs on CPU with gloo")
+        return Check("GPUs", True, "no GPU visible on this node: training runs on CPU with gloo")
     if slots is not None and slots > count:
         return Check("GPUs", False, f"{count} GPU(s) visible, the hostfile gives this node slots={slots}",
                      f"set slots={count} in the hostfile, or check CUDA_VISIBLE_DEVICES")
-    return Check("GPUs", True, f"{count} visible" + (f", hostfile slots={slots}" if slots else ""))
+    return Check("GPUs", True, f"{count} visible on this node" + (f", hostfile slots={slots}" if slots else ""))
 
 
 def check_output(output: str, hosts: list[str], reachable: set[str]) -> list[Check]:
@@ -220,10 +259,18 @@ def check_output(output: str, hosts: list[str], reachable: set[str]) -> list[Che
                       "choose a folder you can write (on a filesystem every node mounts) with --output")]
     checks = [Check(name, True, "writable here")]
     for h in hosts:
-        if is_local(h) or h not in reachable:
+        if is_local(h):
+            continue
+        if h not in reachable:
+            checks.append(Check(f"output from {h}", None, "not checked (no ssh)"))
             continue
         q = shlex.quote(str(folder / probe))
-        proc = _ssh(h, f"mkdir -p {shlex.quote(str(folder))} && touch {q} && rm {q}")
+        try:
+            proc = _ssh(h, f"mkdir -p {shlex.quote(str(folder))} && touch {q} && rm {q}")
+        except subprocess.TimeoutExpired:
+            checks.append(Check(f"output from {h}", False, "no answer within 15 s", f"check that {folder} on {h} is "
+                                "not a hung mount"))
+            continue
         checks.append(Check(f"output from {h}", proc.returncode == 0, "writable" if proc.returncode == 0 else
                             "not writable there", "" if proc.returncode == 0 else
                             f"mount the same shared folder at {folder} on {h}"))
@@ -275,7 +322,7 @@ def _allreduce_worker(rank: int) -> None:
 
 def run(hostfile: str | None, master_addr: str | None, master_port: int, output: str, nproc: int,
         env: dict[str, str], echo=print) -> int:
-    """Run every check, print one line each; 0 when all pass, 1 otherwise."""
+    """Run every check, print one line each; 0 when none fails, 1 otherwise."""
     import torch
 
     hosts = launch.parse_hostfile(hostfile) if hostfile else {"localhost": nproc}
@@ -283,18 +330,24 @@ def run(hostfile: str | None, master_addr: str | None, master_port: int, output:
     reachable = {c.name.split(" ", 1)[1] for c in checks if c.ok}
     probes = {h: probe(h) for h in hosts if h in reachable}
     environment = {**os.environ, **env}
-    checks.append(check_versions(probes))
+    checks.append(check_versions(probes, list(hosts)))
     checks.append(check_port(master_addr or (next(iter(hosts)) if hostfile else "127.0.0.1"), master_port))
-    checks += check_interfaces(environment, probes)
-    checks.append(check_hostnames(probes, len(hosts), environment, torch.cuda.is_available()))
-    local_slots = next((s for h, s in hosts.items() if is_local(h)), None)
-    checks.append(check_gpus(local_slots if hostfile else None))
+    checks += check_interfaces(environment, probes, list(hosts))
+    checks.append(check_hostnames(probes, list(hosts), environment, torch.cuda.is_available()))
+    checks.append(check_gpus(hosts if hostfile else None))
     checks += check_output(output, list(hosts), reachable)
     checks.append(check_allreduce(max(2, min(nproc, os.cpu_count() or 2))))
+    return summarize(checks, echo)
+
+
+def summarize(checks: list[Check], echo=print) -> int:
+    """Print each check's line and the counts; 1 when one failed, else 0 (a skip is no failure)."""
     for c in checks:
         echo(c.line())
-    failed = [c for c in checks if not c.ok]
-    echo(f"doctor: {len(checks) - len(failed)}/{len(checks)} checks pass" + (f", {len(failed)} fail" if failed else ""))
+    passed, failed = sum(c.ok is True for c in checks), sum(c.ok is False for c in checks)
+    skipped = len(checks) - passed - failed
+    echo(f"doctor: {passed}/{len(checks)} checks pass" + (f", {skipped} skipped" if skipped else "")
+         + (f", {failed} fail" if failed else ""))
     return 1 if failed else 0
 
 

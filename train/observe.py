@@ -1,5 +1,6 @@
-"""Training observability beside metrics.jsonl: rank 0's Prometheus endpoint (--metrics-port), memory scalars in
-TensorBoard, and the torch profiler over --profile-steps A:B on every rank.
+"""Training observability beside metrics.jsonl: rank 0's Prometheus endpoint (--metrics-port), memory and GPU hardware
+scalars in TensorBoard (the GPUs of rank 0's node, train/hardware.py), and the torch profiler over --profile-steps A:B
+on every rank.
 
 The worker makes one `Observer` per rank and calls it at four points of its loop: `stepped` after each optimizer
 step, `window` after each logging window's metrics row (rank 0), `checkpointed` after each checkpoint, `close` when
@@ -18,6 +19,7 @@ import torch
 
 from dstool import log as dlog
 from dstool.files import write_json_atomic
+from dstool.train import hardware
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog
 
@@ -65,7 +67,9 @@ class Observer:
         self.metrics = metrics
         self.device = torch.cuda.current_device() if torch.cuda.is_available() else None  # this rank's GPU
         self.profiler = _profiler(cfg, out, rank, start_step)
-        self.endpoint = (_Endpoint(cfg, out, start_step, restarts, self.device)
+        wanted = rank == 0 and (cfg.metrics_port is not None or cfg.tensorboard)
+        self.gpus = hardware.GpuMonitor(hardware.local_gpus()) if wanted else None  # its own thread samples NVML
+        self.endpoint = (_Endpoint(cfg, out, start_step, restarts, self.device, self.gpus)
                          if rank == 0 and cfg.metrics_port is not None else None)
 
     def stepped(self) -> None:
@@ -74,9 +78,13 @@ class Observer:
             self.profiler.step()
 
     def window(self, step: int, row: dict) -> None:
-        """After a logging window's row is written (rank 0): memory to TensorBoard, the row to the endpoint."""
+        """After a logging window's row is written (rank 0): memory and the GPUs' latest sample to TensorBoard, the
+        row to the endpoint."""
         if self.metrics is not None:
             self.metrics.scalars(step, {f"memory/{k}": v for k, v in memory(self.device).items()})
+            if self.gpus is not None:
+                self.metrics.scalars(step, {f"gpu/{key}/{index}": value for index, values in self.gpus.latest.items()
+                                            for key, value in values.items()})
         if self.endpoint is not None:
             self.endpoint.window(step, row)
 
@@ -85,10 +93,13 @@ class Observer:
             self.endpoint.checkpointed(step)
 
     def close(self) -> None:
-        """Stop the profiler (a range cut short by an error is still written)."""
+        """Stop the profiler (a range cut short by an error is still written) and the GPU sampling (the endpoint keeps
+        its last figures)."""
         if self.profiler is not None:
             self.profiler.stop()
             self.profiler = None
+        if self.gpus is not None:
+            self.gpus.close()
 
 
 def _profiler(cfg: TrainConfig, out: Path, rank: int, start_step: int):
@@ -132,12 +143,13 @@ def _profiler(cfg: TrainConfig, out: Path, rank: int, start_step: int):
 
 class _Endpoint:
     """Rank 0's /metrics: the last window's figures (one consistent set per scrape), counters, and figures read at
-    scrape time (checkpoint age, memory)."""
+    scrape time (checkpoint age, memory), and the GPUs' latest sample."""
 
-    def __init__(self, cfg: TrainConfig, out: Path, start_step: int, restarts: int, device: int | None):
+    def __init__(self, cfg: TrainConfig, out: Path, start_step: int, restarts: int, device: int | None,
+                 gpus: hardware.GpuMonitor | None):
         from prometheus_client import CollectorRegistry, start_http_server
 
-        self.device = device
+        self.device, self.gpus = device, gpus
         self.run, self.max_steps, self.restarts = Path(cfg.output).resolve().name, cfg.max_steps, restarts
         self.last_step, self.tokens, self.checkpoints = start_step, 0, 0
         self.values: dict[str, float] = {"step": float(start_step)}  # replaced whole, never updated in place
@@ -147,7 +159,6 @@ class _Endpoint:
         if latest.is_file():
             self.checkpoint_step = int(latest.read_text().strip().rsplit("-", 1)[1])
             self.checkpoint_time = latest.stat().st_mtime
-        self.gpu_utilization = device is not None and _gpu_utilization_works(device)
         registry = CollectorRegistry()
         registry.register(self)
         try:
@@ -206,15 +217,24 @@ class _Endpoint:
         if self.device is not None:
             for name, doc, key in CUDA_GAUGES:
                 yield gauge(name, doc, now[key], device=str(self.device))
-            if self.gpu_utilization:
-                yield gauge("dstool_train_gpu_utilization_percent", "Utilisation of rank 0's GPU (NVML, 0-100)",
-                            float(torch.cuda.utilization(self.device)), device=str(self.device))
+        if self.gpus is not None:
+            yield from _gpu_families(self.gpus, self.run)
 
 
-def _gpu_utilization_works(device: int) -> bool:
-    """torch.cuda.utilization needs NVML bindings (pynvml); without them the gauge is left out."""
-    try:
-        torch.cuda.utilization(device)
-    except Exception:  # noqa: BLE001 — ModuleNotFoundError, or NVML's own errors
-        return False
-    return True
+def _gpu_families(gpus: hardware.GpuMonitor, run: str):
+    """`dstool_train_gpus` (0: no GPU monitored, which the dashboard shows as "no GPU") and each GPU's latest figures,
+    labelled by device index and host."""
+    from prometheus_client.core import GaugeMetricFamily
+
+    count = GaugeMetricFamily("dstool_train_gpus", "GPUs of rank 0's node monitored through NVML (0: none: a CPU "
+                              "run, or NVML did not start)", labels=["run", "host"])
+    count.add_metric([run, gpus.host], gpus.gpus)
+    yield count
+    latest = gpus.latest
+    for name, doc, key in hardware.GAUGES:
+        family = GaugeMetricFamily(name, doc, labels=["run", "host", "gpu"])
+        for index, values in sorted(latest.items()):
+            if key in values:
+                family.add_metric([run, gpus.host, str(index)], values[key])
+        if family.samples:
+            yield family

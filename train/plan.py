@@ -33,6 +33,8 @@ GPU_MFU, OFFLOAD_MFU = 0.40, 0.30
 USABLE = 0.9
 # With activation checkpointing the forward pass runs twice: 8N instead of 6N FLOPs per token on the hardware.
 RECOMPUTE = 6 / 8
+# Fewer logging windows than this (after the warm-up) make --from-run's median unreliable.
+MIN_WINDOWS = 5
 
 
 class StageMemory(BaseModel):
@@ -42,7 +44,7 @@ class StageMemory(BaseModel):
     device_gib: float = Field(description="per device: DeepSpeed's model-state estimate + activations (for cpu "
                               "also the rank's share of host memory)")
     cpu_gib_per_node: float = Field(description="host memory per node, DeepSpeed's estimate (offloaded states, "
-                                    "loading buffers)")
+                                    "loading buffers; ZeRO-1/2 with offload as its ZeRO-3 estimator counts a node)")
     fits: bool = Field(description=f"device_gib is at most {USABLE:.0%} of the device's memory")
 
 
@@ -79,6 +81,8 @@ class Plan(BaseModel):
     device_memory_gib: float = Field(description="per device (cpu: the whole machine, shared by its ranks)")
     mfu: float = Field(description="model FLOPs utilisation planned (recomputation already taken off)")
     mfu_source: str
+    notes: list[str] = Field(default_factory=list, description="caveats of the MFU planned (--from-run: too few "
+                             "windows, measured on another kind of device)")
     node_scaling: float
     gpus_per_node: int
     offload_optimizer: bool
@@ -127,7 +131,7 @@ def plan(cfg: PlanConfig) -> Plan:
     if device.cpu and counts[-1] > device.cores:
         raise UsageError(f"this machine has {device.cores} cores: plan at most {device.cores} ranks on it "
                          f"(--gpus 1,...,{device.cores})")
-    mfu, source = _mfu(cfg, device)
+    mfu, source, notes = _mfu(cfg, device)
     acts = _activations(shape, cfg.seq_len, cfg.micro_batch_size, cfg.activation_checkpointing)
     clusters = []
     for n in counts:
@@ -153,6 +157,7 @@ def plan(cfg: PlanConfig) -> Plan:
         model=cfg.model, parameters=shape.total, active_parameters=shape.active,
         largest_layer_parameters=shape.largest, flops_per_token=shape.flops_per_token, tokens=cfg.token_budget(),
         seq_len=cfg.seq_len, device=_label(device), device_memory_gib=device.memory_gib, mfu=mfu, mfu_source=source,
+        notes=notes,
         node_scaling=cfg.node_scaling, gpus_per_node=cfg.gpus_per_node, offload_optimizer=cfg.offload_optimizer,
         offload_params=cfg.offload_params, activation_checkpointing=cfg.activation_checkpointing,
         activations_gib=acts / GIB,
@@ -219,11 +224,12 @@ def _model_shape(ref: str, vocab_size: int | None, seq_len: int) -> _Shape:
                   flops_per_token(matmul, layers, hidden, seq_len))
 
 
-def _mfu(cfg: PlanConfig, device: _Device) -> tuple[float, str]:
-    """The MFU planned and where it comes from; with activation checkpointing the recomputed forward pass is taken
-    off a figure measured or published without it (and added back to a run that had it)."""
+def _mfu(cfg: PlanConfig, device: _Device) -> tuple[float, str, list[str]]:
+    """The MFU planned, where it comes from and its caveats; with activation checkpointing the recomputed forward
+    pass is taken off a figure measured or published without it (and added back to a run that had it)."""
+    notes: list[str] = []
     if cfg.from_run:
-        mfu, source, run_recomputed = measured_mfu(Path(cfg.from_run))
+        mfu, source, run_recomputed, notes = measured_mfu(Path(cfg.from_run), device)
     elif cfg.mfu is not None:
         mfu, source, run_recomputed = cfg.mfu, "given (--mfu)", cfg.activation_checkpointing
     elif device.cpu:
@@ -236,7 +242,7 @@ def _mfu(cfg: PlanConfig, device: _Device) -> tuple[float, str]:
     if cfg.activation_checkpointing != run_recomputed:
         mfu *= RECOMPUTE if cfg.activation_checkpointing else 1 / RECOMPUTE
         source += f"; x{RECOMPUTE if cfg.activation_checkpointing else 1 / RECOMPUTE:.3g} for recomputation"
-    return mfu, source
+    return mfu, source, notes
 
 
 def step_windows(run: Path) -> list[dict]:
@@ -252,8 +258,9 @@ def step_windows(run: Path) -> list[dict]:
     return rows
 
 
-def measured_mfu(run: Path) -> tuple[float, str, bool]:
-    """(median MFU of `run`'s step windows, a description, whether the run recomputed activations)."""
+def measured_mfu(run: Path, device: _Device) -> tuple[float, str, bool, list[str]]:
+    """(median MFU of `run`'s step windows, a description, whether the run recomputed activations, the caveats of
+    planning `device` with it: too few windows, another kind of device)."""
     if kind_of(run) != "train-run":
         raise UsageError(f"--from-run {run} is not a dstool train run (no train-run dstool.json there): pass the "
                          "--output folder of a dstool train run")
@@ -263,10 +270,20 @@ def measured_mfu(run: Path) -> tuple[float, str, bool]:
                          "warm-up): train more steps than --log-every, or log more often")
     info = json.loads((run / "run.json").read_text()) if (run / "run.json").is_file() else {}
     config = info.get("config", {})
-    where = (f"{config.get('model', '?')}, {info.get('world_size', '?')} rank(s), "
-             f"{'GPU' if info.get('on_gpu') else 'CPU'}")
-    return (statistics.median(values), f"measured: median of {len(values)} windows of {run} ({where})",
-            bool(config.get("activation_checkpointing")))
+    on_gpu = info.get("on_gpu")
+    measured_on = "?" if on_gpu is None else "a GPU" if on_gpu else "CPU"
+    where = f"{config.get('model', '?')}, {info.get('world_size', '?')} rank(s), {measured_on}"
+    windows = f"{len(values)} window{'s' if len(values) != 1 else ''}"
+    notes = []
+    if len(values) < MIN_WINDOWS:
+        notes.append(f"--from-run {run} has {windows} after the warm-up, too few for a reliable median (at least "
+                     f"{MIN_WINDOWS}: train more steps or log more often, --log-every)")
+    if on_gpu is not None and on_gpu == device.cpu:
+        notes.append(f"the MFU was measured on {measured_on} and is applied to {_label(device)}: a ratio to each "
+                     "device's peak, it may not transfer between CPU and GPU; plan from a run on the device you will "
+                     "use, or give --mfu")
+    return (statistics.median(values), f"measured: median of {windows} of {run} ({where})",
+            bool(config.get("activation_checkpointing")), notes)
 
 
 # ---- memory ------------------------------------------------------------------------------------------------------
@@ -275,9 +292,9 @@ def measured_mfu(run: Path) -> tuple[float, str, bool]:
 def model_states(shape: _Shape, zero: int, gpus: int, gpus_per_node: int, offload_optimizer: bool,
                  offload_params: bool) -> tuple[float, float]:
     """(bytes per device, host bytes per node) of parameters, gradients and Adam states: DeepSpeed's estimators.
-    ZeRO-3 and ZeRO-2 are theirs; ZeRO-1 is ZeRO-2 with the 16-bit gradients whole on every device; ZeRO-0 is ZeRO-2
-    on one device (nothing partitioned: 20 bytes per parameter, DeepSpeed counting 4-byte fp32 gradients on top of
-    the ZeRO paper's 16)."""
+    ZeRO-3 and ZeRO-2 are theirs (ZeRO-2's host figure with offload made per node); ZeRO-1 is ZeRO-2 with the 16-bit
+    gradients whole on every device; ZeRO-0 is ZeRO-2 on one device (nothing partitioned: 20 bytes per parameter,
+    DeepSpeed counting 4-byte fp32 gradients on top of the ZeRO paper's 16)."""
     from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
     from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
 
@@ -292,6 +309,13 @@ def model_states(shape: _Shape, zero: int, gpus: int, gpus_per_node: int, offloa
         cpu, _ = estimate_zero2_model_states_mem_needs(shape.total, per_node, nodes, cpu_offload=False)
         return float(device), float(cpu)
     cpu, device = estimate_zero2_model_states_mem_needs(shape.total, per_node, nodes, cpu_offload=offload_optimizer)
+    if offload_optimizer:
+        # DeepSpeed's ZeRO-2 host figure, Ψ·max(4·all GPUs, 16)·1.5, is all nodes' together; one node holds its ranks'
+        # fp32 loading copies or its share of the offloaded states, as the ZeRO-3 estimator counts a node without
+        # zero_init: Ψ·max(4·GPUs per node, 16 / nodes)·1.5
+        cpu, _, _ = estimate_zero3_model_states_mem_needs(
+            shape.total, shape.largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=True,
+            cpu_offload_params=False, zero_init=False)
     if zero == 1:
         device += 2 * shape.total * (1 if offload_optimizer else 1 - 1 / gpus)
     return float(device), float(cpu)
@@ -409,6 +433,7 @@ def format_table(p: Plan) -> str:
         f"{c0.peak_tflops * (c0.gpus if unit == 'rank' else 1):.3g} TFLOP/s declared peak; a plan fills at most "
         f"{USABLE:.0%} of device memory",
         f"  MFU {p.mfu:.1%}: {p.mfu_source}; {p.flops_per_token:.3g} FLOPs per token (6N + 12LHS)",
+        *(f"  note: {n}" for n in p.notes),
         f"  scaling efficiency: 1.0 within a node of {p.gpus_per_node}, x{p.node_scaling:g} per doubling of nodes"
         if unit == "GPU" else "  scaling efficiency: 1.0 (the ranks share this machine's cores)",
         f"  memory per {unit}: DeepSpeed's model-state estimators + activations (an estimate: "
@@ -433,9 +458,9 @@ def format_table(p: Plan) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
     lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
     if p.offload_optimizer:
-        host = [f"{c.gpus} {unit}s: {_count(c.memory[c.zero].cpu_gib_per_node)} GiB" for c in p.clusters
-                if c.zero is not None]
-        lines += ["", "host memory per node for the planned stage (DeepSpeed's estimate): " + ", ".join(host)]
+        host = [f"{c.gpus} {unit}{'s' if c.gpus > 1 else ''}{f' ({c.nodes} nodes)' if c.nodes > 1 else ''}: "
+                f"{_count(c.memory[c.zero].cpu_gib_per_node)} GiB" for c in p.clusters if c.zero is not None]
+        lines += ["", "host memory per node for the planned stage (DeepSpeed's estimators): " + ", ".join(host)]
     if p.price is not None:
         lines.append(f"cost: {p.price:g} per {unit}-hour (in the currency of --price)")
     return "\n".join(lines)

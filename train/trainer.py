@@ -24,7 +24,7 @@ from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
 from dstool.files import replace_folder, write_json_atomic
-from dstool.train import checkpoint, data, pipeline_parallel, preempt
+from dstool.train import checkpoint, data, lora, pipeline_parallel, preempt
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 from dstool.train.observe import Observer
@@ -44,9 +44,9 @@ class Trainer:
         self.cfg, self.out, self.precision = cfg, Path(cfg.output), run["precision"]
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self._build_engine(ds_config)
-        self.train_split = data.open_split(self.out / "data", "train", cfg.seq_len)
-        val_split = data.open_split(self.out / "data", "val", cfg.seq_len)
-        self.order = data.GlobalOrder(len(self.train_split), cfg.seed)
+        run_data = data.open_run(self.out / "data")
+        self.train_split, val_split = run_data.train, run_data.val
+        self.order = run_data.order(cfg.seed)
         self.start_step, self.data_offset = self._resume(resume)
         self.step = self.start_step
         failed_at = _last_heartbeat(self.out) if restarts and self.rank == 0 else None
@@ -91,16 +91,17 @@ class Trainer:
             recomputed = sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules())
             log.info(f"dstool: activation checkpointing: {recomputed} decoder layers recomputed in the backward pass")
         self.model = model
-        self.total_params, self.active_params = models.count_parameters(model)
         self.shapes = checkpoint.model_shapes(model)  # whole shapes: AutoTP and pipeline stages hold parts
+        self.adapter = lora.wrap(model, cfg) if cfg.lora else None
         module = (pipeline_parallel.build(model, cfg.pipeline_stages, cfg.activation_checkpointing)
-                  if cfg.pipeline_stages > 1 else model)
+                  if cfg.pipeline_stages > 1 else self.adapter or model)
+        self.total_params, self.active_params = models.count_parameters(model)
         if cfg.activation_checkpointing and cfg.pipeline_stages > 1:
             recomputed = sum(type(m).__name__ == "_Decoder" for m in module.modules())
             log.info(f"dstool: activation checkpointing (DeepSpeed's, per pipeline stage): {recomputed} decoder "
                      "layers of this stage recomputed in the backward pass")
-        self.engine, _, _, self.scheduler = deepspeed.initialize(model=module, model_parameters=module.parameters(),
-                                                                 config=ds_config)
+        self.engine, _, _, self.scheduler = deepspeed.initialize(
+            model=module, model_parameters=[p for p in module.parameters() if p.requires_grad], config=ds_config)
         del hf_ds_config  # later from_pretrained calls (the parity check on rank 0) must not be ZeRO-3 collectives
         self.micro, self.accum = self.engine.train_micro_batch_size_per_gpu(), self.engine.gradient_accumulation_steps()
         # Data is sharded over model replicas: tensor-parallel peers and pipeline stages read the same samples.
@@ -113,7 +114,8 @@ class Trainer:
         data position being the samples consumed."""
         if not resume:
             return 0, 0
-        _, client = self.engine.load_checkpoint(str(resume.parent), tag=resume.name)
+        _, client = self.engine.load_checkpoint(str(resume.parent), tag=resume.name,
+                                                load_module_strict=self.adapter is None)  # LoRA: adapters only
         step = client["step"]
         return step, client["samples_consumed"] - step * self.micro * self.accum * self.dp_world
 
@@ -164,7 +166,7 @@ class Trainer:
             self.metrics.close()
         if not stopping:
             _save_hf_folder(self.engine, self.model, self.tokenizer, self.validator.split, self.out, self.precision,
-                            self.step)
+                            self.step, self.adapter)
 
     def batches(self):
         """The step's micro-batches, as the global sample order deals them to this model replica."""
@@ -173,19 +175,19 @@ class Trainer:
                                          self.data_offset)
             if self.trace:
                 self.trace.write(json.dumps({"step": self.step, "micro": m, "samples": ids}) + "\n")
-            yield torch.stack([self.train_split[i] for i in ids]).to(self.engine.device)
+            yield data.collate([self.train_split[i] for i in ids], self.engine.device)
 
     def train_step(self) -> float | None:
         """One optimizer step over the step's micro-batches; DeepSpeed's global gradient norm after it."""
         engine = self.engine
         if self.cfg.pipeline_stages > 1:  # the pipeline engine runs the step's micro-batches itself
-            loss = engine.train_batch(data_iter=((batch, batch) for batch in self.batches()))
+            loss = engine.train_batch(data_iter=((b["input_ids"], b["labels"]) for b in self.batches()))
             self.window.add(loss.float().reshape(()))  # shape (1,) off the last stage: the step's mean
         else:
             for batch in self.batches():
-                outputs = engine(input_ids=batch, labels=batch)
+                outputs = engine(**batch)
                 loss = outputs.loss
-                kl = distill_kl(outputs.logits, self.teacher, batch) if self.teacher is not None else None
+                kl = distill_kl(outputs.logits, self.teacher, batch["input_ids"]) if self.teacher is not None else None
                 if kl is not None:
                     loss = loss + kl
                 engine.backward(loss)
@@ -241,7 +243,8 @@ class Checkpointer:
     def save(self, step: int) -> Path:
         self.tag = checkpoint.save(self.engine, self.out / "checkpoints", step,
                                    {"step": step, "samples_consumed": self.data_offset + step * self.samples_per_step},
-                                   self.cfg.keep_checkpoints, self.shapes)
+                                   self.cfg.keep_checkpoints, self.shapes, lora.spec(self.cfg), self.cfg.archive,
+                                   last=step == self.cfg.max_steps)
         self.gate.saved()
         self.observer.checkpointed(step)
         self.last_saved = step
@@ -309,7 +312,7 @@ class MetricsWindow:
 class Validator:
     """The held-out loss every --eval-every steps, and at the end unless that step's was just measured."""
 
-    def __init__(self, engine, split: data.TokenSplit, cfg: TrainConfig, metrics: MetricsLog | None):
+    def __init__(self, engine, split: data.Split, cfg: TrainConfig, metrics: MetricsLog | None):
         self.engine, self.split, self.cfg, self.metrics = engine, split, cfg, metrics
         self.last: int | None = None
 
@@ -384,29 +387,31 @@ def _log_recovery(metrics: MetricsLog, failed_at: dict, restarts: int, start_ste
 
 
 @torch.no_grad()
-def evaluate(engine, split: data.TokenSplit, micro: int, batches: int) -> float:
+def evaluate(engine, split: data.Split, micro: int, batches: int) -> float:
     """Mean held-out loss; every model replica evaluates its own shard of the split (same count on all)."""
     rank, world = dist.get_rank(group=engine.data_parallel_group), engine.dp_world_size
     n = len(split)
     per_rank = max(1, min(batches, n // (micro * world)))
-    shard = (torch.stack([split[((b * world + rank) * micro + k) % n] for k in range(micro)]).to(engine.device)
+    shard = (data.collate([split[((b * world + rank) * micro + k) % n] for k in range(micro)], engine.device)
              for b in range(per_rank))
     if engine.pipeline_parallelism:  # the mean over the micro-batches, on every stage
-        mean = engine.eval_batch(((batch, batch) for batch in shard), num_micro_batches=per_rank).reshape(())
+        mean = engine.eval_batch(((b["input_ids"], b["labels"]) for b in shard), num_micro_batches=per_rank).reshape(())
         total = mean * per_rank
     else:
         engine.eval()
-        total = sum(engine(input_ids=batch, labels=batch).loss.float() for batch in shard)
+        total = sum(engine(**batch).loss.float() for batch in shard)
         engine.train()
     dist.all_reduce(total)  # every rank holds its replica's total: the mean over all ranks is the mean over replicas
     return total.item() / (per_rank * dist.get_world_size())
 
 
-def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int) -> None:
-    """Consolidate the weights the engine computes with into out/model (`module`: the Hugging Face model),
-    then prove it: reload with transformers and compare logits with the engine's on held-out tokens."""
+def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int, adapter) -> None:
+    """Consolidate the weights the engine computes with into out/model (`module`: the Hugging Face model; with
+    `adapter`, the PEFT model around it, merged into it and saved beside it in out/adapter), then prove it: reload
+    with transformers and compare logits with the engine's on held-out tokens."""
     rank = dist.get_rank()
-    probe = torch.stack([val_split[i % len(val_split)] for i in range(2)])[:, :64]
+    probe = torch.stack([torch.from_numpy(val_split.tokens(i % len(val_split)).astype("int64")) for i in range(2)])
+    probe = probe[:, :64]
     if engine.pipeline_parallelism:  # collectives; logits and full dict on rank 0
         engine_logits = pipeline_parallel.logits(engine, probe.to(engine.device))
         state = pipeline_parallel.hf_state_dict(engine, module)
@@ -420,6 +425,8 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
             state = engine.module.state_dict() if rank == 0 else None
     if rank != 0 or state is None:
         return
+    if adapter is not None:
+        state = lora.save_and_merge(adapter, state, out / "adapter")
     target, tmp = out / "model", out / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     module.config.use_cache = True
