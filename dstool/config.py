@@ -51,7 +51,8 @@ def add_options(parser: argparse.ArgumentParser, model: type[BaseModel]) -> None
         if extra.get("hidden"):
             continue
         base = _base_type(field.annotation)
-        argtype = getattr(base, "cli_type", base)  # a parsed type takes its text, the model parses it
+        # a parsed type (or a field of several types) takes its text, the model parses it
+        argtype = str if extra.get("text") else getattr(base, "cli_type", base)
         required = field.is_required()
         default = None if required else _default(field)
         help_ = (field.description or "").replace("%", "%%")

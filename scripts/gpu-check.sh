@@ -11,6 +11,7 @@
 # 1. bf16 and fp16 training steps with DeepSpeed ZeRO-2 on the GPU (nccl), the tiny preset: loss and step time.
 # 2. The exported decoder and the fused-attention decoder on ONNX Runtime's CUDA execution provider: logit parity
 #    with PyTorch on the GPU, and one decoding step at 1 and 16 rows.
+#    Then --micro-batch-size auto: the sizes that ran out of memory, the one kept.
 # 3. GPU hardware metrics (issue 28, train/hardware.py) during a run with --metrics-port: dstool_train_gpus >= 1 and
 #    each GPU's temperature, power, memory used/total and utilisation above 0 in the scrapes; PCIe TX/RX printed (a
 #    tiny model may move next to nothing); the same figures in TensorBoard as gpu/KEY/INDEX.
@@ -36,6 +37,12 @@ if "$python" -c "import deepspeed" 2>/dev/null; then
       --max-steps 30 --seq-len 256 2>&1 | tail -3
     echo "$precision: exit $?, $(echo "$(date +%s.%N) - $started" | bc) s for 30 steps (start-up included)"
   done
+  # issue 28: --micro-batch-size auto probes the real step at 4096, 2048, ... sequences of 1024 tokens (~40 KB of
+  # activations per token for the tiny preset: ~170 GB at 4096) and keeps the global batch by accumulation
+  "$python" -m dstool.cli train --output "$out/train-auto" --nproc 1 --zero 2 --micro-batch-size auto \
+    --global-batch-size 4096 --seq-len 1024 --max-steps 2 2>&1 \
+    | grep -E "micro batch|error" | tail -4
+  echo "auto micro batch: exit $? (the lines above name the sizes that ran out of memory and the one kept)"
 else
   echo "deepspeed is not installed there (carry its wheel in .whl/): training not checked"
 fi

@@ -55,7 +55,7 @@ def test_empty_data_folder(tmp_path):
     (tmp_path / "corpus").mkdir()
     (tmp_path / "corpus" / "notes.md").write_text("not a txt or jsonl")
     _expect_usage_error(["train", "--data", str(tmp_path / "corpus"), "--output", str(tmp_path / "run")],
-                        "no .txt or .jsonl", tmp_path)
+                        "holds no shards", tmp_path)
 
 
 def test_bad_jsonl(tmp_path):

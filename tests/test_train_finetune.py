@@ -331,3 +331,36 @@ def test_every_family_trains_and_fine_tunes(family, trained, tmp_path):
     assert model.parity.max_abs_logit_diff < 1e-4 and sorted(losses(out)) == [1, 2, 3]
     assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == config.model_type
     assert (out / "adapter" / "adapter_model.safetensors").is_file() == bool(rank)
+
+
+def test_out_of_memory_is_named_with_its_fixes(tmp_path):
+    from dstool.train import api, worker
+
+    line = worker.failure_message(torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB\nmore"), "3")
+    assert line.startswith("rank 3 ran out of device memory (CUDA out of memory. Tried to allocate 2.00 GiB)")
+    assert "--micro-batch-size" in line and "--activation-checkpointing" in line and "\n" not in line
+    log = tmp_path / "launcher.log"
+    log.write_text("[ERROR] failed (exitcode: -9) local_rank: 1 (pid: 77) of binary\n  exitcode  : -9 (pid: 77)\n"
+                   "  error_file: <N/A>\n  traceback : Signal 9 (SIGKILL) received by PID 77\n")
+    assert api._killed(log)
+    log.write_text("  exitcode  : 1 (pid: 77)\n")
+    assert not api._killed(log)
+
+
+def test_auto_micro_batch_keeps_the_global_batch():
+    from dstool.train import autobatch
+
+    cfg, sizes = autobatch.resolve(TrainConfig(micro_batch_size="auto", global_batch_size=24, nproc=2), True, 2)
+    assert sizes == [12, 6, 4, 3, 2, 1] and cfg.global_batch_size == 24  # a GPU searches, largest first
+    cpu, none = autobatch.resolve(TrainConfig(micro_batch_size="auto", global_batch_size=24), False, 2)
+    assert none is None and cpu.micro_batch_size == 6  # CPU: no search, the largest divisor up to 8
+    tried: list[int] = []
+    assert autobatch.search(sizes, lambda m: tried.append(m) or m <= 4) == 4 and tried == [12, 6, 4]
+    with pytest.raises(UsageError, match="even a micro batch of 1"):
+        autobatch.search([2, 1], lambda m: False)
+    ds = {"train_batch_size": 24, "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 12}
+    assert autobatch.with_micro(ds, 4)["gradient_accumulation_steps"] == 3
+    assert autobatch.with_micro(ds, 4, accumulation=1)["train_batch_size"] == 8
+    assert TrainConfig(micro_batch_size="4").micro_batch_size == 4
+    with pytest.raises(ValueError):
+        TrainConfig(micro_batch_size="lots")

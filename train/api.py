@@ -27,7 +27,18 @@ from dstool.config import changed, dump_yaml
 from dstool.errors import StageFailed, TrainingFailed, UsageError
 from dstool.files import write_json_atomic
 from dstool.proc import check_port_free, die_with_parent
-from dstool.train import archive, checkpoint, data, deepspeed_config, launch, lora, pipeline_parallel, preempt, sources
+from dstool.train import (
+    archive,
+    autobatch,
+    checkpoint,
+    data,
+    deepspeed_config,
+    launch,
+    lora,
+    pipeline_parallel,
+    preempt,
+    sources,
+)
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import read_metrics
 
@@ -55,6 +66,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
+    cfg, micro_search = autobatch.resolve(cfg, on_gpu, topo.world)
     _check_metrics_port(cfg, topo)
     ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
     out = Path(cfg.output)
@@ -95,6 +107,7 @@ def train(cfg: TrainConfig) -> TrainResult:
                          "one global micro-batch: add data or lower --seq-len/--micro-batch-size")
 
     run = {"config": cfg.model_dump(), "ds_config": ds_config, "precision": precision, "on_gpu": on_gpu,
+           "micro_batch_search": micro_search,
            "world_size": topo.world, "resume": str(resume) if resume else None,
            "console": dlog.console_shows_info()}  # rank 0's step lines: shown, or in its log file only
     write_json_atomic(out / "run.json", run)
@@ -304,7 +317,23 @@ def _run_ranks(cmd: list[str], env: dict[str, str], out: Path, grace_s: float) -
         if failure.is_file():
             reason = json.loads(failure.read_text())["message"]
             raise TrainingFailed(f"training stopped: {reason}", log=out / "logs")
+        if _killed(out / "logs" / "launcher.log"):
+            raise TrainingFailed("a training rank was killed (SIGKILL): on Linux most often the kernel's out-of-memory "
+                                 "killer (`dmesg` says): lower --micro-batch-size or --nproc, add "
+                                 "--activation-checkpointing, drop --offload-* (it moves state into host memory)",
+                                 log=out / "logs", exit_code=rc if rc > 0 else 1)
         raise TrainingFailed(f"training ranks exited with code {rc}", log=out / "logs", exit_code=rc if rc > 0 else 1)
+
+
+def _killed(launcher_log: Path) -> bool:
+    """Whether the launcher reported a rank ended by SIGKILL (torchrun: "exitcode  : -9", DeepSpeed: "-9")."""
+    try:
+        with open(launcher_log, "rb") as f:
+            f.seek(max(0, f.seek(0, 2) - 65536))
+            tail = f.read().decode("utf-8", "replace")
+    except OSError:
+        return False
+    return bool(re.search(r"exitcode\s*:\s*-9\b|Signal 9 \(SIGKILL\)|exits with return code = -9", tail))
 
 
 _LAUNCHER_INFO = re.compile(rb"^(\S+: )?\[[\d:, -]+\] \[INFO\] \[(launch|runner|multinode_runner)\.py:\d+:")

@@ -4,7 +4,7 @@ fast)."""
 from __future__ import annotations
 
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -55,7 +55,10 @@ class TrainConfig(CommandConfig):
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP); "
                                  "data-parallel size = world / tensor_parallel")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
-    micro_batch_size: int = Field(8, ge=1, description="sequences per rank per micro-step")
+    micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        8, description="sequences per rank per micro-step; auto: the largest that fits the GPU's memory, found with "
+        "the real step (the global batch, --global-batch-size or 8 per replica, kept by accumulation)",
+        json_schema_extra={"cli": {"metavar": "N|auto", "text": True}})
     gradient_accumulation_steps: int | None = Field(None, ge=1, description="micro-steps per optimizer step")
     global_batch_size: int | None = Field(None, ge=1, description="sequences per optimizer step across all ranks")
     max_steps: int = Field(200, ge=1, description="optimizer steps in total")
@@ -119,6 +122,8 @@ class TrainConfig(CommandConfig):
                              "pipeline_stages and tensor_parallel to 1")
         if self.offload_params and self.zero != 3:
             raise ValueError("offload_params needs zero: 3")
+        if self.micro_batch_size == "auto" and self.pipeline_stages > 1:
+            raise ValueError("micro_batch_size auto needs pipeline_stages 1: give the pipeline's micro batch")
         if self.data_format != "text" and self.pipeline_stages > 1:
             raise ValueError(f"data_format {self.data_format} needs pipeline_stages 1 (the pipeline stages pass token "
                              "ids only, not the learn mask and positions)")

@@ -31,6 +31,7 @@ log = dlog.log
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 _TOKENIZER_TEXT = 100 << 20  # bytes of text a tokenizer is trained on, at most
+_SHARD_LAYOUT = 2  # part of every cached shard's key: a change to how shards are tokenized or laid out bumps it
 _SAMPLE_TOKENS = 2_000_000  # tokens of data/train.bin and data/val.bin (calibration and measurement samples)
 
 
@@ -124,12 +125,16 @@ def _tokenize(job: _Job) -> dict:
     tmp.mkdir(parents=True)
     packer = _Packer(tmp, job.seq_len, len(tok), tok.eos_token_id, tok.pad_token_id, job.data_format != "text")
     rows = dropped = 0
+    started = False  # a .txt document has text so far
     with packer:
         for batch in sources.rows(job.shard, job.data_format):
-            if job.data_format == "text":
-                texts = [r["text"] for r in batch]
-                for r, ids in zip(batch, tok(texts, add_special_tokens=False)["input_ids"]):
+            if job.data_format == "text":  # whitespace-only rows are no documents; a .txt's pieces end with one EOS
+                batch = [r for r in batch if str(r["text"]).strip() or (r.get("piece") is False and started)]
+                if not batch:
+                    continue
+                for r, ids in zip(batch, tok([str(r["text"]) for r in batch], add_special_tokens=False)["input_ids"]):
                     packer.stream(ids + ([] if r.get("piece") else [tok.eos_token_id]))
+                    started = bool(r.get("piece"))
                 rows += sum(not r.get("piece") for r in batch)
                 continue
             for r in batch:
@@ -223,7 +228,8 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
     jobs = []
     for src in srcs:
         for shard, digest in zip(src.shards, src.hashes):
-            key = hashlib.sha256(json.dumps([digest, tok_id, cfg.data_format, cfg.seq_len, cfg.val_fraction]).encode())
+            key = hashlib.sha256(json.dumps([_SHARD_LAYOUT, digest, tok_id, cfg.data_format, cfg.seq_len,
+                                                   cfg.val_fraction]).encode())
             jobs.append(_Job(shard, digest, cfg.data_format, cfg.seq_len, cfg.val_fraction, str(out_dir.parent /
                              "tokenizer"), str(cache_dir() / "tokenized" / key.hexdigest()[:32])))
     todo = [j for j in jobs if not _cached(Path(j.target))]
@@ -252,6 +258,8 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
             shards.append({"name": name, **json.loads((Path(job.target) / "meta.json").read_text())})
         described.append({"spec": src.spec, "weight": src.weight, "shards": shards})
     meta = _describe(cfg, described)
+    if meta["documents"] == 0:
+        raise UsageError(f"data {cfg.data} is empty: it holds no text to train on")
     if meta["train_sequences"] == 0:
         raise UsageError(f"--data holds no full {cfg.seq_len}-token sequence to train on: give more data or a smaller "
                          "--seq-len")

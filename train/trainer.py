@@ -24,7 +24,7 @@ from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
 from dstool.files import replace_folder, write_json_atomic
-from dstool.train import checkpoint, data, lora, pipeline_parallel, preempt
+from dstool.train import autobatch, checkpoint, data, lora, pipeline_parallel, preempt
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 from dstool.train.observe import Observer
@@ -65,6 +65,28 @@ class Trainer:
                                     samples_per_step * cfg.seq_len, flops, self.scheduler,
                                     distilling=self.teacher is not None)
         self.validator = Validator(self.engine, val_split, cfg, self.metrics)
+
+    @classmethod
+    def fits(cls, cfg: TrainConfig, ds_config: dict, micro: int) -> bool:
+        """Whether one real step (forward, backward, optimizer step) at micro batch `micro` fits every rank's
+        memory, on a throw-away engine (a collective)."""
+        probe = cls.__new__(cls)
+        probe.cfg, probe.out = cfg, Path(cfg.output)
+        failed = False
+        try:
+            probe._build_engine(autobatch.with_micro(ds_config, micro, accumulation=1))
+            split = data.open_run(probe.out / "data").train
+            batch = data.collate([split[i % len(split)] for i in range(micro)], probe.engine.device)
+            probe.engine.backward(probe.engine(**batch).loss)
+            probe.engine.step()
+        except torch.OutOfMemoryError:
+            failed = True
+        finally:
+            engine = getattr(probe, "engine", None)
+            if engine is not None:
+                engine.destroy()
+            del probe
+        return not autobatch.out_of_memory_anywhere(failed)
 
     # ---- set-up --------------------------------------------------------------------------------------------
     def _build_engine(self, ds_config: dict) -> None:

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from dstool import log as dlog
 from dstool.files import write_json_atomic
 from dstool.proc import die_with_parent
-from dstool.train import checkpoint, preempt, watchdog
+from dstool.train import autobatch, checkpoint, preempt, watchdog
 from dstool.train.config import TrainConfig
 
 
@@ -57,6 +57,13 @@ def main(run_file: str) -> None:
     resume, universal = _resume_source(run, out, world, restarts)
     if universal:  # saved on another world size: DeepSpeed re-partitions the universal form
         ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
+    if run.get("micro_batch_search"):  # --micro-batch-size auto on GPUs: the largest that fits, same on every rank
+        micro = autobatch.search(run["micro_batch_search"], lambda m: Trainer.fits(cfg, ds_config, m))
+        ds_config = autobatch.with_micro(ds_config, micro)
+        torch.manual_seed(cfg.seed)
+        if rank == 0:
+            dlog.log.info(f"dstool: micro batch {micro} per rank fits ({ds_config['gradient_accumulation_steps']} "
+                          f"accumulation steps for the global batch of {ds_config['train_batch_size']})")
     Trainer(run, cfg, ds_config, gate, resume, restarts).run()
     dist.barrier()
     dist.destroy_process_group()
@@ -110,6 +117,18 @@ def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Pat
     return checkpoint.load_source(tag, world) if tag else (None, False)
 
 
+OUT_OF_MEMORY_FIX = ("lower --micro-batch-size (the global batch is kept with --global-batch-size), add "
+                     "--activation-checkpointing, or offload (--offload-optimizer; --zero 3 --offload-params)")
+
+
+def failure_message(e: Exception, rank: str) -> str:
+    """One line for failure.json: an out-of-memory error named with its fixes, anything else as it is."""
+    if isinstance(e, torch.OutOfMemoryError):
+        said = str(e).strip().splitlines()[0] if str(e).strip() else ""
+        return f"rank {rank} ran out of device memory ({said[:160]}): {OUT_OF_MEMORY_FIX}"
+    return f"rank {rank}: {type(e).__name__}: {e}"
+
+
 def _run(run_file: str) -> None:
     """`main`, and any failure it meets becomes failure.json (the launching `dstool train` reports it in one line)
     plus the traceback in this rank's log. Then the process ends without the interpreter's teardown: its final
@@ -124,7 +143,7 @@ def _run(run_file: str) -> None:
         out = Path(json.loads(Path(run_file).read_text())["config"]["output"])
         rank = os.environ.get("RANK", "?")
         if not (out / "failure.json").exists():
-            write_json_atomic(out / "failure.json", {"message": f"rank {rank}: {type(e).__name__}: {e}"})
+            write_json_atomic(out / "failure.json", {"message": failure_message(e, rank)})
         code = 1
     logging.shutdown()
     dlog.console_stream().flush()
