@@ -20,8 +20,10 @@ def data_parallel_size(cfg: TrainConfig, world: int) -> int:
 
 
 def batch_plan(cfg: TrainConfig, world: int) -> tuple[int, int]:
-    """(micro batch, accumulation steps) such that micro * accumulation * data-parallel size is the global batch."""
-    micro, dp = cfg.micro_batch_size, data_parallel_size(cfg, world)
+    """(micro batch, accumulation steps) such that micro * accumulation * data-parallel size is the global batch
+    (`auto` counts as 1 here: the ranks choose it, train/autobatch.py)."""
+    micro = cfg.micro_batch_size if isinstance(cfg.micro_batch_size, int) else 1
+    dp = data_parallel_size(cfg, world)
     if cfg.global_batch_size is None:
         return micro, cfg.gradient_accumulation_steps or 1
     accum, rest = divmod(cfg.global_batch_size, micro * dp)
