@@ -122,8 +122,8 @@ def _write(entry: Path, made: Baseline) -> None:
         return
     staging = entry.with_name(f".{entry.name}.{uuid.uuid4().hex[:8]}.tmp")
     try:
-        record: dict = {"figures": {k: float(v) if isinstance(v, float | np.floating) else int(v)
-                                    for k, v in made.figures.items()}}
+        record: dict = {"figures": {k: v if v is None else float(v) if isinstance(v, float | np.floating) else int(v)
+                                    for k, v in made.figures.items()}}  # None: a figure the data cannot give
         for role, e in graphs.items():
             shutil.copytree(e.path.parent, staging / role)
             record[role] = {**dataclasses.asdict(e), "path": f"{role}/{e.path.name}"}

@@ -271,7 +271,7 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
             raise UsageError(f"--data {entry['spec']} has weight {entry['weight']:g} but no sequence to train on: "
                              "give it more data or weight 0")
     write_json_atomic(tmp / "meta.json", meta)
-    _write_samples(tmp, meta)
+    _write_samples(tmp, meta, tokenizer.pad_token_id)
     replace_folder(tmp, out_dir)
     return meta
 
@@ -308,13 +308,15 @@ def _link_folder(src: Path, dst: Path) -> None:
             shutil.copy2(f, dst / f.name)
 
 
-def _write_samples(folder: Path, meta: dict) -> None:
-    """data/train.bin and data/val.bin: the first training and held-out tokens (up to _SAMPLE_TOKENS each) as flat
-    arrays, which `dstool compress` calibrates and measures on."""
+def _write_samples(folder: Path, meta: dict, pad: int) -> None:
+    """data/train.bin and data/val.bin: the first training and held-out tokens (up to _SAMPLE_TOKENS each; packed
+    examples without their padding) as flat arrays, which `dstool compress` calibrates and measures on."""
     run = _RunData(folder, meta)
     for name, split in (("train", run.train), ("val", run.val)):
         n = min(len(split), max(1, _SAMPLE_TOKENS // meta["seq_len"]))
         arr = np.concatenate([split.tokens(i) for i in range(n)]) if n else np.zeros(0)
+        if meta["format"] != "text":
+            arr = arr[arr != pad]
         arr.astype(meta["dtype"]).tofile(folder / f"{name}.bin")
 
 
