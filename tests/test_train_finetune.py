@@ -242,6 +242,13 @@ def test_lora_model_is_merged_and_the_adapter_beside_it(lora_runs, trained):
     assert tok.chat_template == chat.DEFAULT_TEMPLATE  # what `dstool serve` renders chats with
 
 
+def test_export_carries_the_chat_template_serve_renders_with(lora_runs, tmp_path):
+    ref = lora_runs[0]
+    dstool("export", str(ref / "model"), "--repository", str(tmp_path / "repo"), timeout=900)
+    served = tmp_path / "repo" / "dstool_lm_llm" / "1" / "chat_template.jinja"
+    assert served.read_text() == (ref / "model" / "chat_template.jinja").read_text() == chat.DEFAULT_TEMPLATE
+
+
 def test_mixture_draws_by_weight(lora_runs):
     ref = lora_runs[0]
     meta = json.loads((ref / "data" / "meta.json").read_text())
