@@ -40,7 +40,7 @@ import sys, time
 from dstool.train import data
 shard, tokenizer_dir, target = sys.argv[1:4]
 t0 = time.perf_counter()
-meta = data._tokenize(data._Job(shard, "bench", "text", 1024, 0.0, tokenizer_dir, target))
+meta = data._tokenize(data._Job(shard, "bench", "text", 1024, tokenizer_dir, target))
 print(meta["tokens"], time.perf_counter() - t0)
 """
 

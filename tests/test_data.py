@@ -29,11 +29,11 @@ def test_tokenizer_packing_and_split(tmp_path):
     assert len(tok) <= 512 and tok.eos_token_id is not None
     tok.save_pretrained(tmp_path / "tokenizer")
     (tmp_path / "c.jsonl").write_text("".join(json.dumps({"text": d}) + "\n" for d in docs))
-    meta = data._tokenize(data._Job(str(tmp_path / "c.jsonl"), "h", "text", 32, 0.1, str(tmp_path / "tokenizer"),
+    meta = data._tokenize(data._Job(str(tmp_path / "c.jsonl"), "h", "text", 32, str(tmp_path / "tokenizer"),
                                     str(tmp_path / "d")))
     split = data.Split([(tmp_path / "d", 0, meta["sequences"], meta["dtype"])], examples=False)
     assert len(split) == meta["sequences"] == meta["tokens"] // 32 and split[0]["input_ids"].shape == (32,)
-    assert meta["val_sequences"] == int(meta["sequences"] * 0.1) and meta["rows"] == 400
+    assert meta["rows"] == 400 and meta["tail_tokens"] < 32
     all_ids = np.fromfile(tmp_path / "d" / "tokens.bin", dtype=meta["dtype"])
     assert (all_ids == tok.eos_token_id).sum() >= 300  # documents separated by EOS
     assert tok.decode(all_ids[:20].tolist()).strip() in "\n\n".join(docs)

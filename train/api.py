@@ -87,6 +87,9 @@ def train(cfg: TrainConfig) -> TrainResult:
             if packed_as.get("seq_len") != cfg.seq_len:
                 raise UsageError(f"output {out} packed its data in {packed_as.get('seq_len')}-token sequences: use "
                                  f"that --seq-len, or a new --output for {cfg.seq_len}")
+            if packed_as.get("val_fraction") != cfg.val_fraction:
+                raise UsageError(f"output {out} held out --val-fraction {packed_as.get('val_fraction')} of its data: "
+                                 f"use that, or a new --output for {cfg.val_fraction}")
         else:
             data.prepare(cfg, srcs, tokenizer, out / "data")
             recorded = {}  # packed now: nothing to compare with
@@ -150,6 +153,9 @@ def _sources_line(meta: dict) -> str:
     srcs = ", ".join(f"{s['spec']}" + (f" x{s['weight']:g}" if s["weight"] is not None else "") +
                      f" ({len(s['shards'])} shard{'s' * (len(s['shards']) != 1)})" for s in meta["sources"])
     line = f"{meta['format']} from {srcs}, {meta['documents']:,} rows"
+    if meta["tail_tokens"] > 0.01 * max(meta["tokens"], 1):
+        line += (f" ({meta['tail_tokens']:,} tokens at shard ends fill no whole sequence and are not trained on: "
+                 "fewer, larger shards or a smaller --seq-len)")
     if meta["truncated"] or meta["dropped"]:
         line += (f" ({meta['truncated']:,} cut to --seq-len {meta['seq_len']}, {meta['dropped']:,} dropped with "
                  "nothing left to learn)")
@@ -232,7 +238,13 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
         return None
     _check_same_model(tag, cfg.model, vocab_size)
     saved = checkpoint.manifest(tag)
-    if saved.lora != lora.spec(cfg):
+    asked = lora.spec(cfg)
+    if saved.lora and asked and {**saved.lora, "base": ""} == {**asked, "base": ""} \
+            and saved.lora.get("base") != asked["base"]:
+        raise UsageError(f"checkpoint {tag} holds LoRA adapters trained on other base weights than {cfg.model}'s now "
+                         "(its weight files changed since): resume on the base it was trained on, or use a new "
+                         "--output")
+    if saved.lora != asked:
         what = f"LoRA adapters {saved.lora}" if saved.lora else "every weight (no --lora)"
         raise UsageError(f"checkpoint {tag} trained {what}; this run asks {lora.spec(cfg) or 'no --lora'}: resume "
                          "with the same LoRA options, or use a new --output")

@@ -4,6 +4,7 @@ completion (and its EOS)."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from dstool.errors import UsageError
@@ -40,31 +41,55 @@ def set_template(tokenizer, template: str | None, needed: bool) -> None:
 
 def encode(row: dict, data_format: str, tokenizer, where: str) -> tuple[list[int], list[int]]:
     """(token ids, learn mask) of one row."""
-    if data_format == "chat":
-        return _chat(row["messages"], tokenizer, where)
+    if data_format == "chat":  # a CSV cell holds them as JSON text
+        return _chat(*(_json(row.get(k)) for k in ("messages", "tools")), tokenizer, where)
     prompt, completion = row["prompt"], row["completion"]
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise UsageError(f"{where}: prompt and completion must be text (conversational prompt-completion rows: "
                          "use --data-format chat with messages)")
-    p = tokenizer(prompt, add_special_tokens=False)["input_ids"]
-    c = tokenizer(completion, add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
-    return p + c, [0] * len(p) + [1] * len(c)
+    # tokenized together, with the special tokens `dstool serve` adds to a prompt: the completion's tokens are those
+    # that start in it
+    enc = tokenizer(prompt + completion, return_offsets_mapping=True)
+    learn = [int(start >= len(prompt) and end > start) for start, end in enc["offset_mapping"]]
+    return enc["input_ids"] + [tokenizer.eos_token_id], learn + [1]
 
 
-def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
-    """The whole chat rendered once; each assistant turn's span is where the rendering up to it (generation prompt
-    added) ends and the rendering with it ends, tokens inside those spans learned."""
+def _json(value):
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except (ValueError, RecursionError):
+            return value
+    return value
+
+
+def _chat(messages, tools, tokenizer, where: str) -> tuple[list[int], list[int]]:
+    """The whole chat rendered once (with the row's tools, when it has them); each assistant turn's span is where the
+    rendering up to it (generation prompt added) ends and the rendering with it ends, tokens starting inside those
+    spans learned."""
     if not isinstance(messages, list) or not messages or not all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content", ""), str)
+            isinstance(m, dict) and isinstance(m.get("role"), str)
+            and (isinstance(m.get("content", ""), str) or m.get("content") is None and m.get("tool_calls"))
             for m in messages):
-        raise UsageError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects")
+        raise UsageError(f"{where}: messages must be a list of {{\"role\": ..., \"content\": ...}} objects (content "
+                         "text, or null beside tool_calls)")
+    if tools is not None and not (isinstance(tools, list) and all(isinstance(t, dict) for t in tools)):
+        raise UsageError(f"{where}: tools must be a list of tool objects")
     if not any(m["role"] == "assistant" for m in messages):
         raise UsageError(f"{where}: the chat has no assistant turn, so nothing to learn: drop the row or add the "
                          "assistant's answer")
-    messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    messages = [{k: ("" if k == "content" and v is None else v) for k, v in m.items()
+                 if v is not None or k == "content"} for m in messages]
+    extra = {"tools": tools} if tools else {}
 
     def render(upto: int, prompt: bool) -> str:
-        return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt)
+        try:
+            return tokenizer.apply_chat_template(messages[:upto], tokenize=False, add_generation_prompt=prompt,
+                                                 **extra)
+        except Exception as e:  # noqa: BLE001 - a template's raise_exception, a jinja error, a template's own check
+            said = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UsageError(f"{where}: the chat template refuses this chat ({said[:200]}): fix the row or pass "
+                             "--chat-template") from None
 
     full = render(len(messages), False)
     spans = []
@@ -78,6 +103,5 @@ def _chat(messages, tokenizer, where: str) -> tuple[list[int], list[int]]:
         raise UsageError(f"{where}: the chat template renders no assistant turn as a continuation of the chat before "
                          "it, so dstool cannot find the tokens to learn: use --chat-template")
     enc = tokenizer(full, add_special_tokens=False, return_offsets_mapping=True)
-    learn = [int(any(s <= start and end <= e for s, e in spans) and end > start)
-             for start, end in enc["offset_mapping"]]
+    learn = [int(any(s <= start < e for s, e in spans)) for start, _ in enc["offset_mapping"]]
     return enc["input_ids"], learn

@@ -68,7 +68,7 @@ class TrainConfig(CommandConfig):
     min_lr_ratio: float = Field(0.1, ge=0, le=1, description="cosine decay floor as a share of peak lr")
     weight_decay: float = Field(0.1, ge=0)
     grad_clip: float = Field(1.0, ge=0, description="global gradient-norm clip (0 = off)")
-    seed: int = 1234
+    seed: int = Field(1234, ge=0)
 
     # Checkpoints, metrics
     save_every: int = Field(100, ge=1, description="checkpoint every N steps (and at the end)")
@@ -124,6 +124,9 @@ class TrainConfig(CommandConfig):
             raise ValueError("offload_params needs zero: 3")
         if self.micro_batch_size == "auto" and self.pipeline_stages > 1:
             raise ValueError("micro_batch_size auto needs pipeline_stages 1: give the pipeline's micro batch")
+        if self.data_format != "text" and self.distill_from:
+            raise ValueError(f"distill_from needs data_format text (the teacher reads token ids only, not the packed "
+                             f"examples' positions and learn mask of {self.data_format} data)")
         if self.data_format != "text" and self.pipeline_stages > 1:
             raise ValueError(f"data_format {self.data_format} needs pipeline_stages 1 (the pipeline stages pass token "
                              "ids only, not the learn mask and positions)")

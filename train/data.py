@@ -3,8 +3,9 @@ sample order (a mixture of sources when they are weighted).
 
 A tokenized shard is a folder of fixed-length sequences: tokens.bin, and for instruction data learn.bin (1 where the
 token is learned) and pos.bin (position ids restarting at each packed example, so attention stays within it). Its
-last `val_fraction` of sequences is held out. Shards are made once per (shard bytes, tokenizer, format, seq_len) in
-the cache (dstool.files.cache_dir()/tokenized), in parallel, and hard-linked into the run's data/shards/.
+last `--val-fraction` of sequences is held out. Shards are made once per (shard bytes and reader, tokenizer, format,
+seq_len) in the cache (dstool.files.cache_dir()/tokenized), in parallel, and hard-linked into the run's
+data/shards/.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import json
 import multiprocessing
 import os
 import shutil
+import uuid
+from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +34,7 @@ log = dlog.log
 EOS = "<|endoftext|>"
 PAD = "<|pad|>"
 _TOKENIZER_TEXT = 100 << 20  # bytes of text a tokenizer is trained on, at most
-_SHARD_LAYOUT = 2  # part of every cached shard's key: a change to how shards are tokenized or laid out bumps it
+_SHARD_LAYOUT = 3  # part of every cached shard's key: a change to how shards are tokenized or laid out bumps it
 _SAMPLE_TOKENS = 2_000_000  # tokens of data/train.bin and data/val.bin (calibration and measurement samples)
 
 
@@ -55,12 +58,12 @@ def _texts(srcs: list[sources.Source], data_format: str):
             for batch in sources.rows(shard, data_format):
                 for row in batch:
                     if data_format == "text":
-                        text = row["text"]
+                        text = row["text"] if isinstance(row["text"], str) else ""
                     elif data_format == "chat":
                         msgs = row["messages"] if isinstance(row["messages"], list) else []
                         text = "\n".join(str(m.get("content") or "") for m in msgs if isinstance(m, dict))
                     else:
-                        text = f"{row['prompt']}{row['completion']}"
+                        text = f"{row['prompt'] or ''}{row['completion'] or ''}"
                     yield text
                     seen += len(text)
                     if seen > _TOKENIZER_TEXT:
@@ -109,7 +112,6 @@ class _Job:
     digest: str
     data_format: str
     seq_len: int
-    val_fraction: float
     tokenizer_dir: str
     target: str
 
@@ -120,7 +122,7 @@ def _tokenize(job: _Job) -> dict:
 
     tok = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     target = Path(job.target)
-    tmp = target.with_name(f".{target.name}.tmp{os.getpid()}")
+    tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")  # unique across hosts sharing the cache
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     packer = _Packer(tmp, job.seq_len, len(tok), tok.eos_token_id, tok.pad_token_id, job.data_format != "text")
@@ -129,10 +131,14 @@ def _tokenize(job: _Job) -> dict:
     with packer:
         for batch in sources.rows(job.shard, job.data_format):
             if job.data_format == "text":  # whitespace-only rows are no documents; a .txt's pieces end with one EOS
-                batch = [r for r in batch if str(r["text"]).strip() or (r.get("piece") is False and started)]
+                for i, r in enumerate(batch):
+                    if not isinstance(r["text"], str):
+                        raise UsageError(f"{job.shard} row {rows + i + 1}: text is {type(r['text']).__name__}, not "
+                                         "text: fix or drop the row")
+                batch = [r for r in batch if r["text"].strip() or (r.get("piece") is False and started)]
                 if not batch:
                     continue
-                for r, ids in zip(batch, tok([str(r["text"]) for r in batch], add_special_tokens=False)["input_ids"]):
+                for r, ids in zip(batch, tok([r["text"] for r in batch], add_special_tokens=False)["input_ids"]):
                     packer.stream(ids + ([] if r.get("piece") else [tok.eos_token_id]))
                     started = bool(r.get("piece"))
                 rows += sum(not r.get("piece") for r in batch)
@@ -141,14 +147,17 @@ def _tokenize(job: _Job) -> dict:
                 rows += 1
                 ids, learn = chat.encode(r, job.data_format, tok, f"{job.shard} row {rows}")
                 dropped += not packer.example(ids, learn)
-    n = packer.sequences
-    val = int(n * job.val_fraction) if n >= 2 else 0
     meta = {"shard": job.shard, "sha256": job.digest, "format": job.data_format, "seq_len": job.seq_len,
-            "dtype": packer.dtype.name, "rows": rows, "sequences": n, "val_sequences": max(val, 1 if n >= 2 else 0),
-            "tokens": packer.real_tokens, "truncated": packer.truncated, "dropped": dropped,
+            "dtype": packer.dtype.name, "rows": rows, "sequences": packer.sequences, "tokens": packer.real_tokens,
+            "tail_tokens": packer.tail, "truncated": packer.truncated, "dropped": dropped,
             "files": {f.name: sha256_file(f) for f in sorted(tmp.glob("*.bin"))}}
     write_json_atomic(tmp / "meta.json", meta)
-    replace_folder(tmp, target)
+    try:
+        replace_folder(tmp, target)
+    except OSError:  # another process (a run on another output, another host) made the same entry meanwhile
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not _cached(target):
+            raise
     return meta
 
 
@@ -161,7 +170,7 @@ class _Packer:
         self.files = {name: open(folder / f"{name}.bin", "wb") for name in
                       (("tokens", "learn", "pos") if examples else ("tokens",))}
         self.buf: dict[str, list[int]] = {name: [] for name in self.files}
-        self.sequences = self.real_tokens = self.truncated = 0
+        self.sequences = self.real_tokens = self.truncated = self.tail = 0
 
     def __enter__(self):
         return self
@@ -169,6 +178,7 @@ class _Packer:
     def __exit__(self, *exc):
         if exc[0] is None and self.examples and self.buf["tokens"]:
             self._close_sequence()
+        self.tail = 0 if self.examples else len(self.buf["tokens"])  # text that fills no whole sequence
         for f in self.files.values():
             f.close()
 
@@ -228,11 +238,12 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
     jobs = []
     for src in srcs:
         for shard, digest in zip(src.shards, src.hashes):
-            key = hashlib.sha256(json.dumps([_SHARD_LAYOUT, digest, tok_id, cfg.data_format, cfg.seq_len,
-                                                   cfg.val_fraction]).encode())
-            jobs.append(_Job(shard, digest, cfg.data_format, cfg.seq_len, cfg.val_fraction, str(out_dir.parent /
-                             "tokenizer"), str(cache_dir() / "tokenized" / key.hexdigest()[:32])))
-    todo = [j for j in jobs if not _cached(Path(j.target))]
+            reader = sources.reader(shard)  # the same bytes read as .txt and as .jsonl are different data
+            key = hashlib.sha256(json.dumps([_SHARD_LAYOUT, digest, reader, tok_id, cfg.data_format, cfg.seq_len]
+                                            ).encode())
+            jobs.append(_Job(shard, digest, cfg.data_format, cfg.seq_len, str(out_dir.parent / "tokenizer"),
+                             str(cache_dir() / "tokenized" / key.hexdigest()[:32])))
+    todo = list({j.target: j for j in jobs if not _cached(Path(j.target))}.values())  # equal shards: once
     if todo:
         log.info(f"  tokenizing {len(todo)} of {len(jobs)} shard(s) ({len(jobs) - len(todo)} from the cache "
                  f"{cache_dir() / 'tokenized'})")
@@ -257,6 +268,7 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
             _link_folder(Path(job.target), tmp / "shards" / name)
             shards.append({"name": name, **json.loads((Path(job.target) / "meta.json").read_text())})
         described.append({"spec": src.spec, "weight": src.weight, "shards": shards})
+    _hold_out(described, cfg.val_fraction)
     meta = _describe(cfg, described)
     if meta["documents"] == 0:
         raise UsageError(f"data {cfg.data} is empty: it holds no text to train on")
@@ -264,8 +276,8 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
         raise UsageError(f"--data holds no full {cfg.seq_len}-token sequence to train on: give more data or a smaller "
                          "--seq-len")
     if meta["val_sequences"] == 0:
-        raise UsageError("--data is too small to hold out a validation sequence (each shard holds out its last "
-                         "--val-fraction of sequences, at least one when it has two): give more data")
+        raise UsageError("--data is too small to hold out a validation sequence (it needs two sequences in one "
+                         "shard): give more data")
     for entry in described:
         if entry["weight"] and not sum(s["sequences"] - s["val_sequences"] for s in entry["shards"]):
             raise UsageError(f"--data {entry['spec']} has weight {entry['weight']:g} but no sequence to train on: "
@@ -276,15 +288,27 @@ def prepare(cfg, srcs: list[sources.Source], tokenizer, out_dir: Path) -> dict:
     return meta
 
 
+def _hold_out(described: list[dict], fraction: float) -> None:
+    """Each shard's held-out sequences: the last `fraction` of them (rounded down), and when that leaves the whole
+    data set none, the last sequence of its largest shard."""
+    shards = [s for src in described for s in src["shards"]]
+    for s in shards:
+        s["val_sequences"] = int(s["sequences"] * fraction)
+    largest = max(shards, key=lambda s: s["sequences"])
+    if not any(s["val_sequences"] for s in shards) and largest["sequences"] >= 2:
+        largest["val_sequences"] = 1
+
+
 def _describe(cfg, described: list[dict]) -> dict:
     shards = [s for src in described for s in src["shards"]]
     train = sum(s["sequences"] - s["val_sequences"] for s in shards)
     val = sum(s["val_sequences"] for s in shards)
-    return {"format": cfg.data_format, "seq_len": cfg.seq_len, "dtype": max((s["dtype"] for s in shards),
-                                                                             key=lambda d: np.dtype(d).itemsize),
+    dtype = max((s["dtype"] for s in shards), key=lambda d: np.dtype(d).itemsize)
+    return {"format": cfg.data_format, "seq_len": cfg.seq_len, "val_fraction": cfg.val_fraction, "dtype": dtype,
             "sources": described, "train_sequences": train, "val_sequences": val,
             "train_tokens": train * cfg.seq_len, "val_tokens": val * cfg.seq_len,
             "documents": sum(s["rows"] for s in shards), "truncated": sum(s["truncated"] for s in shards),
+            "tail_tokens": sum(s["tail_tokens"] for s in shards), "tokens": sum(s["tokens"] for s in shards),
             "dropped": sum(s["dropped"] for s in shards)}
 
 
@@ -314,10 +338,16 @@ def _write_samples(folder: Path, meta: dict, pad: int) -> None:
     run = _RunData(folder, meta)
     for name, split in (("train", run.train), ("val", run.val)):
         n = min(len(split), max(1, _SAMPLE_TOKENS // meta["seq_len"]))
-        arr = np.concatenate([split.tokens(i) for i in range(n)]) if n else np.zeros(0)
-        if meta["format"] != "text":
-            arr = arr[arr != pad]
-        arr.astype(meta["dtype"]).tofile(folder / f"{name}.bin")
+        parts = [split.tokens(i) if meta["format"] == "text" else _unpadded(split, i, pad) for i in range(n)]
+        (np.concatenate(parts) if parts else np.zeros(0)).astype(meta["dtype"]).tofile(folder / f"{name}.bin")
+
+
+def _unpadded(split: Split, i: int, pad: int) -> np.ndarray:
+    """A packed sequence without its padding: the last segment (positions restart at 0), when it is all `pad`."""
+    sample = split[i]
+    ids, starts = sample["input_ids"].numpy(), np.flatnonzero(sample["position_ids"].numpy() == 0)
+    last = int(starts[-1]) if len(starts) else len(ids)
+    return ids[:last] if last and (ids[last:] == pad).all() else ids
 
 
 def run_sha256(data_dir: Path) -> dict[str, str]:
@@ -326,29 +356,40 @@ def run_sha256(data_dir: Path) -> dict[str, str]:
 
 
 class Split:
-    """Sequences over several tokenized shards (memory-mapped): `split[i]` is one sequence's model inputs."""
+    """Sequences over several tokenized shards: `split[i]` is one sequence's model inputs. Shards are memory-mapped
+    when read, the most recent OPEN kept (a data set of thousands of shards holds no file descriptor per shard)."""
+
+    OPEN = 64
 
     def __init__(self, parts: list[tuple[Path, int, int, str]], examples: bool):
         """parts: (shard folder, first sequence, sequences, dtype)."""
-        self.examples = examples
-        self.maps = []
-        for folder, first, _count, dtype in parts:
-            seq_len = json.loads((folder / "meta.json").read_text())["seq_len"]
-            arrays: dict[str, np.ndarray] = {"tokens": np.memmap(folder / "tokens.bin", dtype=dtype, mode="r")}
-            if examples:
-                arrays["learn"] = np.memmap(folder / "learn.bin", dtype=np.uint8, mode="r")
-                arrays["pos"] = np.memmap(folder / "pos.bin", dtype=np.uint16, mode="r")
-            self.maps.append((arrays, first, seq_len))
+        self.examples, self.parts = examples, parts
+        self.seq_len = [json.loads((folder / "meta.json").read_text())["seq_len"] for folder, *_ in parts]
         self.ends = np.cumsum([p[2] for p in parts]) if parts else np.zeros(0, dtype=np.int64)
+        self._open: OrderedDict[int, dict[str, np.ndarray]] = OrderedDict()
 
     def __len__(self) -> int:
         return int(self.ends[-1]) if len(self.ends) else 0
 
+    def _arrays(self, part: int) -> dict[str, np.ndarray]:
+        if part in self._open:
+            self._open.move_to_end(part)
+            return self._open[part]
+        folder, _, _, dtype = self.parts[part]
+        arrays: dict[str, np.ndarray] = {"tokens": np.memmap(folder / "tokens.bin", dtype=dtype, mode="r")}
+        if self.examples:
+            arrays["learn"] = np.memmap(folder / "learn.bin", dtype=np.uint8, mode="r")
+            arrays["pos"] = np.memmap(folder / "pos.bin", dtype=np.uint16, mode="r")
+        self._open[part] = arrays
+        if len(self._open) > self.OPEN:
+            self._open.popitem(last=False)
+        return arrays
+
     def _where(self, i: int):
         part = int(np.searchsorted(self.ends, i, side="right"))
-        arrays, first, seq_len = self.maps[part]
+        first, seq_len = self.parts[part][1], self.seq_len[part]
         j = first + i - (int(self.ends[part - 1]) if part else 0)
-        return arrays, slice(j * seq_len, (j + 1) * seq_len)
+        return self._arrays(part), slice(j * seq_len, (j + 1) * seq_len)
 
     def tokens(self, i: int) -> np.ndarray:
         arrays, s = self._where(i)

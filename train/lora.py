@@ -4,6 +4,7 @@ in PEFT's format and merged into the weights, so model/ stays a plain Hugging Fa
 from __future__ import annotations
 
 import copy
+import hashlib
 from pathlib import Path
 
 import torch
@@ -18,7 +19,18 @@ def spec(cfg) -> dict | None:
     if not cfg.lora:
         return None
     return {"rank": cfg.lora, "alpha": cfg.lora_alpha or 2.0 * cfg.lora, "dropout": cfg.lora_dropout,
-            "targets": list(cfg.lora_targets)}
+            "targets": list(cfg.lora_targets), "base": base_id(cfg.model)}
+
+
+def base_id(model: str) -> str:
+    """Which base weights the adapter is trained on (checkpoints hold the adapter only): a preset's name, or a
+    digest of the model folder's weight files' names, sizes and mtimes (a base trained further is another base)."""
+    folder = Path(model)
+    if not folder.is_dir():
+        return f"preset:{model}"
+    stamp = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in folder.iterdir()
+                   if f.suffix in (".safetensors", ".bin"))
+    return hashlib.sha256(repr(stamp).encode()).hexdigest()[:16]
 
 
 def wrap(model, cfg, quiet: bool = False):

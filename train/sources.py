@@ -9,6 +9,7 @@ import gzip
 import json
 import os
 import re
+import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import resources
@@ -20,6 +21,7 @@ from dstool.files import sha256_file, write_json_atomic
 
 SHARD_SUFFIXES = (".txt", ".jsonl", ".parquet", ".csv", ".arrow")
 COLUMNS = {"text": ("text",), "chat": ("messages",), "prompt-completion": ("prompt", "completion")}
+OPTIONAL = {"chat": ("tools",)}  # read when a shard has them
 _BATCH_ROWS = 512
 _TEXT_CHUNK = 1 << 20
 
@@ -44,8 +46,8 @@ def parse(data: str | None) -> list[Source]:
             raise UsageError(f"--data {data!r} has an empty entry: separate sources with single commas")
         m = re.fullmatch(r"(.+?):([-+]?[0-9]*\.?[0-9]+(?:[eE][-+]?\d+)?)", entry)
         path, weight = (m.group(1), float(m.group(2))) if m else (entry, None)
-        if weight is not None and not weight >= 0:
-            raise UsageError(f"--data {entry}: a weight must be zero or more, not {weight:g}")
+        if weight is not None and not 0 <= weight < float("inf"):
+            raise UsageError(f"--data {entry}: a weight must be a finite number, zero or more, not {weight:g}")
         sources.append(Source(path, _shards(path), weight))
     weights = [s.weight for s in sources]
     if any(w is None for w in weights) and any(w is not None for w in weights):
@@ -69,14 +71,17 @@ def _shards(path: str) -> list[str]:
     elif p.is_file():
         files = [path]
     elif (p / "dataset_dict.json").is_file():
-        splits = json.loads((p / "dataset_dict.json").read_text()).get("splits", [])
+        splits = _json_field(p / "dataset_dict.json", "splits")
         if "train" not in splits:
             raise UsageError(f"--data {path} is a DatasetDict without a 'train' split ({', '.join(splits)}): name the "
                              f"split's folder, e.g. {p / (splits[0] if splits else 'SPLIT')}")
         return _shards(str(p / "train"))
     elif (p / "state.json").is_file() and (p / "dataset_info.json").is_file():
-        state = json.loads((p / "state.json").read_text())
-        files = [str(p / f["filename"]) for f in state.get("_data_files", [])]
+        files = [str(p / f["filename"]) for f in _json_field(p / "state.json", "_data_files")
+                 if isinstance(f, dict) and isinstance(f.get("filename"), str)]
+        if not files:
+            raise UsageError(f"--data {path}: its state.json names no arrow file: is it a complete `datasets` "
+                             "save_to_disk folder?")
     else:
         files = sorted(str(f) for f in p.rglob("*") if f.is_file() and _suffix(f) in SHARD_SUFFIXES
                        and not any(part.startswith(".") for part in f.relative_to(p).parts))
@@ -87,6 +92,22 @@ def _shards(path: str) -> list[str]:
             raise UsageError(f"--data: {f} is not a shard dstool reads ({', '.join(SHARD_SUFFIXES)}, optionally .gz "
                              "for text and jsonl)")
     return files
+
+
+def _json_field(path: Path, key: str) -> list:
+    """A list field of a `datasets` folder's JSON file, or a one-line UsageError."""
+    try:
+        value = json.loads(path.read_text()).get(key)
+    except (OSError, ValueError, AttributeError):
+        value = None
+    if not isinstance(value, list):
+        raise UsageError(f"{path} is not a `datasets` file with a {key!r} list: is the folder complete?")
+    return value
+
+
+def reader(shard: str) -> str:
+    """Which reader a shard goes through (its suffix)."""
+    return "embedded" if shard == EMBEDDED else _suffix(Path(shard))
 
 
 def _suffix(f: Path) -> str:
@@ -146,12 +167,12 @@ def rows(shard: str, data_format: str) -> Iterator[list[dict]]:
                                  f"{' and '.join(want)} from .jsonl, .parquet, .csv or arrow shards")
             yield from _text_chunks(shard)
         elif suffix == ".jsonl":
-            yield from _jsonl(shard, want)
+            yield from _jsonl(shard, want, OPTIONAL.get(data_format, ()))
         else:
-            yield from _arrow(shard, suffix, want)
+            yield from _arrow(shard, suffix, want, OPTIONAL.get(data_format, ()))
     except UsageError:
         raise
-    except (OSError, ValueError, UnicodeDecodeError) as e:  # pyarrow's errors are ValueErrors / OSErrors
+    except (OSError, ValueError, UnicodeDecodeError, EOFError, zlib.error) as e:  # pyarrow's: ValueError/OSError
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise UsageError(f"shard {shard} is not a readable {suffix.lstrip('.')} file ({first[:200]}): fix or remove "
                          "it") from None
@@ -167,7 +188,9 @@ def _text_chunks(shard: str) -> Iterator[list[dict]]:
     with _open(shard) as f:
         while block := f.read(_TEXT_CHUNK):
             buf += block
-            cut = buf.rfind("\n\n")
+            cut = buf.rfind("\n\n", len(buf) - len(block) - 1)
+            if cut < 0 and len(buf) > 4 * _TEXT_CHUNK:  # no paragraph end for a while: cut at a line or a space
+                cut = max(buf.rfind("\n"), buf.rfind(" "), len(buf) - 3)
             if cut > 0:
                 yield [{"text": buf[:cut + 2], "piece": True}]
                 buf = buf[cut + 2:]
@@ -176,7 +199,7 @@ def _text_chunks(shard: str) -> Iterator[list[dict]]:
     yield [{"text": "", "piece": False}]  # the document ends: the tokenizer adds its EOS here
 
 
-def _jsonl(shard: str, want: tuple[str, ...]) -> Iterator[list[dict]]:
+def _jsonl(shard: str, want: tuple[str, ...], optional: tuple[str, ...]) -> Iterator[list[dict]]:
     batch: list[dict] = []
     with _open(shard) as f:
         for n, line in enumerate(f, 1):
@@ -190,7 +213,7 @@ def _jsonl(shard: str, want: tuple[str, ...]) -> Iterator[list[dict]]:
                 got = ", ".join(sorted(row)) if isinstance(row, dict) else type(row).__name__
                 raise UsageError(f"{shard}:{n} has no {' and '.join(repr(c) for c in want)} field (it has: {got}): "
                                  f"every row needs it, or choose --data-format")
-            batch.append({c: row[c] for c in want})
+            batch.append({c: row[c] for c in want + optional if c in row})
             if len(batch) == _BATCH_ROWS:
                 yield batch
                 batch = []
@@ -198,7 +221,7 @@ def _jsonl(shard: str, want: tuple[str, ...]) -> Iterator[list[dict]]:
         yield batch
 
 
-def _arrow(shard: str, suffix: str, want: tuple[str, ...]) -> Iterator[list[dict]]:
+def _arrow(shard: str, suffix: str, want: tuple[str, ...], optional: tuple[str, ...]) -> Iterator[list[dict]]:
     import pyarrow as pa
     import pyarrow.csv as pa_csv
     import pyarrow.parquet as pq
@@ -207,9 +230,10 @@ def _arrow(shard: str, suffix: str, want: tuple[str, ...]) -> Iterator[list[dict
         pf = pq.ParquetFile(shard)
         names = pf.schema_arrow.names
         _has_columns(shard, names, want)
-        batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=list(want))
+        batches = pf.iter_batches(batch_size=_BATCH_ROWS, columns=[*want, *(c for c in optional if c in names)])
     elif suffix == ".csv":
-        reader = pa_csv.open_csv(shard, read_options=pa_csv.ReadOptions(block_size=1 << 22))
+        reader = pa_csv.open_csv(shard, read_options=pa_csv.ReadOptions(block_size=1 << 22),  # text, not inferred
+                                 convert_options=pa_csv.ConvertOptions(column_types={c: pa.string() for c in want}))
         _has_columns(shard, reader.schema.names, want)
         batches = reader
     else:  # a `datasets` arrow file (IPC stream), memory-mapped
@@ -225,10 +249,11 @@ def _arrow(shard: str, suffix: str, want: tuple[str, ...]) -> Iterator[list[dict
             _has_columns(shard, reader.schema.names, want)
             batches = reader
     for batch in batches:
-        columns = {c: batch.column(batch.schema.get_field_index(c)).to_pylist() for c in want}
-        n = batch.num_rows
-        for start in range(0, n, _BATCH_ROWS):
-            yield [{c: columns[c][i] for c in want} for i in range(start, min(n, start + _BATCH_ROWS))]
+        read = want + tuple(c for c in optional if c in batch.schema.names)
+        for start in range(0, batch.num_rows, _BATCH_ROWS):  # a huge record batch is read a slice at a time
+            part = batch.slice(start, _BATCH_ROWS)
+            columns = {c: part.column(part.schema.get_field_index(c)).to_pylist() for c in read}
+            yield [{c: columns[c][i] for c in read} for i in range(part.num_rows)]
 
 
 def _has_columns(shard: str, names: list[str], want: tuple[str, ...]) -> None:
