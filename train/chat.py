@@ -42,7 +42,7 @@ def set_template(tokenizer, template: str | None, needed: bool) -> None:
 def encode(row: dict, data_format: str, tokenizer, where: str) -> tuple[list[int], list[int]]:
     """(token ids, learn mask) of one row."""
     if data_format == "chat":  # a CSV cell holds them as JSON text
-        return _chat(*(_json(row.get(k)) for k in ("messages", "tools")), tokenizer, where)
+        return _chat(_json(row["messages"]), _json(row.get("tools")), tokenizer, where)
     prompt, completion = row["prompt"], row["completion"]
     if not isinstance(prompt, str) or not isinstance(completion, str):
         raise UsageError(f"{where}: prompt and completion must be text (conversational prompt-completion rows: "
