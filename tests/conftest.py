@@ -10,6 +10,7 @@ import os
 import shutil
 import subprocess
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,6 +31,22 @@ def dstool(*args: str, timeout: float = 600, check: bool = True,
         raise AssertionError(f"dstool {' '.join(args)} exited {proc.returncode}\n--- stdout\n{proc.stdout[-4000:]}"
                              f"\n--- stderr\n{proc.stderr[-6000:]}")
     return proc
+
+
+def crash_after_first_checkpoint(output: Path, *args: str) -> None:
+    """`dstool train --output OUTPUT ARGS`, killed (SIGKILL: the CLI, the launcher and every rank at once, a crash)
+    as soon as its first checkpoint is complete."""
+    import psutil
+
+    proc = subprocess.Popen([*DSTOOL, "train", "--output", str(output), *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.time() + 300
+    while not (output / "checkpoints" / "latest").exists():
+        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
+        time.sleep(0.05)
+    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
+        p.kill()
+    proc.wait()
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 
 from dstool.artifacts import Checkpoint, HFModel
 
-from conftest import DSTOOL, FAST, dstool, losses
+from conftest import DSTOOL, FAST, crash_after_first_checkpoint, dstool, losses
 
 BF16 = ["--nproc", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "16", "--save-every", "4",
         "--trace-samples", *FAST]
@@ -27,15 +27,7 @@ def bf16_runs(session_tmp):
     """An uninterrupted ZeRO-2 bf16 run, and the same run SIGKILLed after its first checkpoint, then resumed."""
     ref, crashed = session_tmp / "bf16_ref", session_tmp / "bf16_crash"
     dstool("train", "--output", str(ref), *BF16)
-    proc = subprocess.Popen([*DSTOOL, "train", "--output", str(crashed), *BF16], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (crashed / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-        time.sleep(0.05)
-    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-        p.kill()  # a crash: the CLI, the launcher and every rank die at once (SIGKILL)
-    proc.wait()
+    crash_after_first_checkpoint(crashed, *BF16)
     killed_at = (crashed / "checkpoints" / "latest").read_text().strip()
     crash_trace = {r: _trace(crashed, r) for r in (0, 1)}
     resumed = dstool("train", "--output", str(crashed), "--resume", "auto", *BF16)

@@ -4,12 +4,9 @@ LoRA fine-tuning, on real DeepSpeed processes."""
 from __future__ import annotations
 
 import json
-import subprocess
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 import pytest
 import torch
 
@@ -17,7 +14,7 @@ from dstool.artifacts import Checkpoint, HFModel
 from dstool.errors import UsageError
 from dstool.train import TrainConfig, chat, data, sources
 
-from conftest import DSTOOL, dstool, losses, one_line_usage_error
+from conftest import crash_after_first_checkpoint, dstool, losses, one_line_usage_error
 
 
 def _chats(n: int, seed: int = 0) -> list[dict]:
@@ -192,15 +189,7 @@ def lora_runs(trained, session_tmp):
     args = ["--model", str(trained), "--data", spec, *LORA]
     ref, crashed = session_tmp / "lora_ref", session_tmp / "lora_crash"
     first = dstool("train", "--output", str(ref), *args, timeout=900)
-    proc = subprocess.Popen([*DSTOOL, "train", "--output", str(crashed), *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.time() + 300
-    while not (crashed / "checkpoints" / "latest").exists():
-        assert proc.poll() is None and time.time() < deadline, "run ended before its first checkpoint"
-        time.sleep(0.05)
-    for p in [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]:
-        p.kill()
-    proc.wait()
+    crash_after_first_checkpoint(crashed, *args)
     resumed = dstool("train", "--output", str(crashed), *args, timeout=900)
     return ref, crashed, first, resumed, args
 

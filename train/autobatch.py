@@ -64,6 +64,12 @@ def with_micro(ds_config: dict, micro: int, accumulation: int | None = None) -> 
             "train_batch_size": micro * accum * ranks}
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """torch's out-of-memory error, or a library's RuntimeError that says the same."""
+    said = str(e).lower()
+    return isinstance(e, torch.OutOfMemoryError) or "out of memory" in said or "alloc_failed" in said
+
+
 def out_of_memory_anywhere(failed: bool) -> bool:
     """Whether any rank ran out of memory (a collective); frees what the failed try held."""
     import torch.distributed as dist

@@ -79,7 +79,9 @@ class Trainer:
             batch = data.collate([split[i % len(split)] for i in range(micro)], probe.engine.device)
             probe.engine.backward(probe.engine(**batch).loss)
             probe.engine.step()
-        except torch.OutOfMemoryError:
+        except (torch.OutOfMemoryError, RuntimeError) as e:  # cuBLAS and NCCL say it in RuntimeErrors of their own
+            if not autobatch.is_out_of_memory(e):
+                raise
             failed = True
         finally:
             engine = getattr(probe, "engine", None)

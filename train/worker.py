@@ -123,7 +123,7 @@ OUT_OF_MEMORY_FIX = ("lower --micro-batch-size (the global batch is kept with --
 
 def failure_message(e: Exception, rank: str) -> str:
     """One line for failure.json: an out-of-memory error named with its fixes, anything else as it is."""
-    if isinstance(e, torch.OutOfMemoryError):
+    if autobatch.is_out_of_memory(e):
         said = str(e).strip().splitlines()[0] if str(e).strip() else ""
         return f"rank {rank} ran out of device memory ({said[:160]}): {OUT_OF_MEMORY_FIX}"
     return f"rank {rank}: {type(e).__name__}: {e}"
