@@ -13,15 +13,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-# A fresh interpreter per run: RUSAGE_CHILDREN's maxrss is the largest descendant it waited for (torchrun waits
-# for its ranks), so it is one run's peak only when nothing else ran before it there.
-_MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+from _rss import peak_rss
 
 
 def run(a, model: str, checkpointing: bool, out: Path) -> tuple[int, list[float], dict[int, float]]:
@@ -31,8 +27,7 @@ def run(a, model: str, checkpointing: bool, out: Path) -> tuple[int, list[float]
            "--eval-batches", "1", "--no-tensorboard", "--resume", "none"]
     if checkpointing:
         cmd.append("--activation-checkpointing")
-    peak = int(subprocess.run([sys.executable, "-c", _MEASURE, *cmd], check=True, capture_output=True,
-                              text=True).stdout.split()[-1])
+    peak = peak_rss(cmd)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [r for r in rows if "step_time_s" in r]
     return peak, [r["step_time_s"] for r in steps[2:]], {r["step"]: r["loss"] for r in steps}

@@ -14,13 +14,11 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-_MEASURE = ("import resource, subprocess, sys; subprocess.run(sys.argv[1:], check=True, stdout=subprocess.DEVNULL); "
-            "print(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * 1024)")
+from _rss import peak_rss
 
 
 def _model(folder: Path, hidden: int, layers: int) -> None:
@@ -56,8 +54,7 @@ def run(a, model: Path, chats: Path, lora: bool, out: Path) -> tuple[int, list[f
            str(a.zero), "--max-steps", str(a.steps), "--save-every", str(a.steps), "--log-every", "1", "--seq-len",
            str(a.seq_len), "--micro-batch-size", str(a.micro_batch_size), "--eval-batches", "1",
            "--no-tensorboard", "--resume", "none", *(["--lora", str(a.rank)] if lora else [])]
-    peak = int(subprocess.run([sys.executable, "-c", _MEASURE, *cmd], check=True, capture_output=True,
-                              text=True).stdout.split()[-1])
+    peak = peak_rss(cmd)
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rates = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r][2:]
     tag = out / "checkpoints" / f"step-{a.steps:08d}"

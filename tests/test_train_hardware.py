@@ -228,20 +228,25 @@ def _scrape(url: str) -> str:
 ROW = {"loss": 2.0, "lr": 1e-3, "tokens_per_s": 100.0, "mfu": 0.1, "step_time_s": 0.5, "grad_norm": 1.0}
 
 
-def test_endpoint_and_tensorboard_label_each_gpu(tmp_path, monkeypatch, nvml):
-    """Rank 0's /metrics: dstool_train_gpus and each figure of each GPU labelled run, host, gpu (the device index);
-    TensorBoard: gpu/KEY/INDEX at each logging window."""
-    nvml()
-    observer, url, metrics = _observer(tmp_path, monkeypatch, RUN_GPUS)
+def _scrape_then_close(observer, url: str) -> dict:
+    """The endpoint's series, scraped before one logging window is written; then the observer is closed."""
     try:
-        assert observer.gpus is not None
-        _wait_sampled(observer.gpus)
         text = _scrape(url)
         observer.window(2, ROW)
     finally:
         observer.close()
         observer.endpoint.server.shutdown()
-    series = _series(text)
+    return _series(text)
+
+
+def test_endpoint_and_tensorboard_label_each_gpu(tmp_path, monkeypatch, nvml):
+    """Rank 0's /metrics: dstool_train_gpus and each figure of each GPU labelled run, host, gpu (the device index);
+    TensorBoard: gpu/KEY/INDEX at each logging window."""
+    nvml()
+    observer, url, metrics = _observer(tmp_path, monkeypatch, RUN_GPUS)
+    assert observer.gpus is not None
+    _wait_sampled(observer.gpus)
+    series = _scrape_then_close(observer, url)
     host = socket.gethostname()
     assert series[("dstool_train_gpus", (("host", host), ("run", "run")))] == 2
     per_gpu = {key: value for key, value in series.items() if key[0].startswith("dstool_train_gpu_")}
@@ -263,13 +268,7 @@ def test_endpoint_of_a_cpu_run_says_no_gpu(tmp_path, monkeypatch, nvml):
     """dstool_train_gpus 0 and no per-GPU series (the dashboard shows "no GPU", not zeros); nothing to TensorBoard."""
     fake = nvml()
     observer, url, metrics = _observer(tmp_path, monkeypatch, [])
-    try:
-        text = _scrape(url)
-        observer.window(2, ROW)
-    finally:
-        observer.close()
-        observer.endpoint.server.shutdown()
-    series = _series(text)
+    series = _scrape_then_close(observer, url)
     assert series[("dstool_train_gpus", (("host", socket.gethostname()), ("run", "run")))] == 0
     assert not any(name.startswith("dstool_train_gpu_") for name, _ in series) and fake.calls == []
     assert not any(k.startswith("gpu/") for k in metrics.written) and "memory/rss_bytes" in metrics.written

@@ -246,7 +246,7 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
                          "--output")
     if saved.lora != asked:
         what = f"LoRA adapters {saved.lora}" if saved.lora else "every weight (no --lora)"
-        raise UsageError(f"checkpoint {tag} trained {what}; this run asks {lora.spec(cfg) or 'no --lora'}: resume "
+        raise UsageError(f"checkpoint {tag} trained {what}; this run asks {asked or 'no --lora'}: resume "
                          "with the same LoRA options, or use a new --output")
     if saved.precision and saved.precision != precision:
         raise UsageError(f"checkpoint {tag} holds a {saved.precision} engine's optimizer state, which a {precision} "

@@ -128,13 +128,11 @@ class Archive:
                                     f"{MARKER}'s)")
             try:
                 manifest = Checkpoint.read(tmp)
+                for rel in manifest.files:
+                    self._download(tag, rel, tmp)
+                manifest.verify(tmp)
             except ManifestError as e:
-                raise ManifestError(f"{where}: {str(e).replace(str(tmp), '')}") from None
-            for rel, info in manifest.files.items():
-                self._download(tag, rel, tmp)
-                p = tmp / rel
-                if p.stat().st_size != info.bytes or sha256_file(p) != info.sha256:
-                    raise ManifestError(f"{where}: file {rel} fails its sha256 check")
+                raise ManifestError(f"{where}: {str(e).replace(f'{tmp}: ', '').replace(str(tmp), '')}") from None
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise

@@ -12,10 +12,9 @@ import re
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from importlib import resources
 from pathlib import Path
 
-from dstool.corpus import EMBEDDED
+from dstool.corpus import EMBEDDED, read_documents
 from dstool.errors import UsageError
 from dstool.files import sha256_file, write_json_atomic
 
@@ -154,8 +153,7 @@ def rows(shard: str, data_format: str) -> Iterator[list[dict]]:
         if data_format != "text":
             raise UsageError(f"--data-format {data_format} needs data with {' and '.join(want)}: the embedded corpus "
                              "is plain text (pass --data FILE.jsonl)")
-        text = gzip.decompress(resources.files("dstool").joinpath("data/tinyshakespeare.txt.gz").read_bytes())
-        docs = [{"text": d} for d in text.decode("utf-8").split("\n\n") if d.strip()]
+        docs = [{"text": d} for d in read_documents(None)]
         for i in range(0, len(docs), _BATCH_ROWS):
             yield docs[i:i + _BATCH_ROWS]
         return

@@ -87,7 +87,6 @@ class Trainer:
             engine = getattr(probe, "engine", None)
             if engine is not None:
                 engine.destroy()
-            del probe
         return not autobatch.out_of_memory_anywhere(failed)
 
     # ---- set-up --------------------------------------------------------------------------------------------
