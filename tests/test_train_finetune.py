@@ -115,10 +115,12 @@ def test_chat_learns_the_assistant_turns_only():
     assert tok.decode([i for i, m in zip(ids, learn) if m]) == " ROMEO" + tok.eos_token
 
 
-def test_chat_needs_a_template():
+def test_chat_needs_a_template(tmp_path):
     tok = _tokenizer()
     with pytest.raises(UsageError, match="--chat-template default"):
         chat.set_template(tok, None, needed=True)
+    with pytest.raises(UsageError, match="no such file"):
+        chat.set_template(tok, str(tmp_path / "missing.jinja"), needed=True)
 
 
 def test_packed_examples_restart_positions_and_pad(tmp_path):
