@@ -54,6 +54,9 @@ class TrainConfig(CommandConfig):
                                  "models, zero 0 or 1); data-parallel size = world / stages")
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP); "
                                  "data-parallel size = world / tensor_parallel")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's routed "
+                                 "experts, tokens exchanged by all-to-all (DeepSpeed AutoEP; MoE models, zero 0-3); "
+                                 "shared experts and dense layers stay data-parallel")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         8, description="sequences per rank per micro-step; auto: the largest that fits the GPU's memory, found with "
