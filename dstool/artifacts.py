@@ -223,6 +223,8 @@ class Checkpoint(Manifest):
                               "trained: the frozen weights are not in the checkpoint")
     precision: str | None = Field(None, description="fp32, bf16 or fp16: the engine's compute precision (its "
                                   "optimizer state files differ by it)")
+    expert_parallel: int | None = Field(None, description="ranks each MoE layer's routed experts were sharded over "
+                                        "(DeepSpeed AutoEP's module layout); None: the model's own MoE blocks")
 
 
 class UniversalCheckpoint(Checkpoint):

@@ -64,7 +64,8 @@ def _emit_k8s(cmd) -> int:
 def _doctor(cfg) -> int:
     from dstool.train import doctor
 
-    return doctor.run(cfg.hostfile, cfg.master_addr, cfg.master_port, cfg.output, cfg.nproc, cfg.env)
+    return doctor.run(cfg.hostfile, cfg.master_addr, cfg.master_port, cfg.output, cfg.nproc, cfg.env,
+                      cfg.pipeline_stages, cfg.tensor_parallel, cfg.expert_parallel)
 
 
 def _plan(cfg) -> int:
@@ -280,9 +281,9 @@ COMMANDS: dict[str, Command] = {
                      "nodes)", "Train a Hugging Face causal LM with DeepSpeed. Flags override --config; the options "
                      "that differ from the defaults are printed, the whole config is saved under --output."),
     "doctor": Command(_doctor_config, _doctor, "preflight checks before a launch: versions, ssh, port, interfaces, "
-                      "GPUs, output folder, all-reduce", "One line per check: pass, FAIL with the fix, or skip with "
-                      "the reason (a check it could not make). Exit code 0 when none fails, 1 when one fails, 2 for "
-                      "bad usage."),
+                      "GPUs, parallel layout and GPU interconnect, output folder, all-reduce", "One line per check: "
+                      "pass, warn, FAIL with the fix, or skip with the reason (a check it could not make). Exit code 0 "
+                      "when none fails, 1 when one fails, 2 for bad usage."),
     "plan": Command(_plan_config, _plan, "capacity and cost plan of a training run: memory per device for each ZeRO "
                     "stage, step time, total time, GPU-hours and cost for several cluster sizes", "Plan a training "
                     "run before renting it: memory per device for each ZeRO stage (DeepSpeed's estimators plus an "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from transformers import AutoConfig, DeepseekV3Config, LlamaConfig, PretrainedConfig
+from transformers import AutoConfig, DeepseekV2Config, DeepseekV3Config, LlamaConfig, PretrainedConfig
 
 from dstool.artifacts import model_hint
 from dstool.errors import UsageError
@@ -40,8 +40,32 @@ def _deepseek_7b(vocab_size: int) -> PretrainedConfig:
     )
 
 
-PRESETS = {"tiny": _tiny, "tiny-moe": _tiny_moe, "deepseek-7b": _deepseek_7b}
-PRESET_VOCAB = {"deepseek-7b": 102400}
+def _deepseek_v3(vocab_size: int) -> PretrainedConfig:
+    # deepseek-ai/DeepSeek-V3 shape (671 B parameters, 37 B active; its tokenizer has 129,280 entries), without the
+    # multi-token-prediction module; 4K positions, as pre-trained before the YaRN extension.
+    return DeepseekV3Config(
+        vocab_size=vocab_size, hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
+        num_hidden_layers=61, first_k_dense_replace=3, num_attention_heads=128, num_key_value_heads=128,
+        n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8, n_group=8, topk_group=4,
+        q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+        max_position_embeddings=4096, tie_word_embeddings=False,
+    )
+
+
+def _deepseek_v2_lite(vocab_size: int) -> PretrainedConfig:
+    # deepseek-ai/DeepSeek-V2-Lite shape (15.7 B parameters, 2.4 B active; its tokenizer has 102,400 entries).
+    return DeepseekV2Config(
+        vocab_size=vocab_size, hidden_size=2048, intermediate_size=10944, moe_intermediate_size=1408,
+        num_hidden_layers=27, first_k_dense_replace=1, num_attention_heads=16, num_key_value_heads=16,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, max_position_embeddings=4096,
+        tie_word_embeddings=False,
+    )
+
+
+PRESETS = {"tiny": _tiny, "tiny-moe": _tiny_moe, "deepseek-7b": _deepseek_7b, "deepseek-v3": _deepseek_v3,
+           "deepseek-v2-lite": _deepseek_v2_lite}
+PRESET_VOCAB = {"deepseek-7b": 102400, "deepseek-v3": 129280, "deepseek-v2-lite": 102400}
 
 
 def is_preset(name: str) -> bool:
@@ -80,7 +104,7 @@ def preset_config(name: str, vocab_size: int, special_ids: dict[str, int]) -> Pr
     cfg = PRESETS[name](vocab_size)
     for key, value in special_ids.items():
         setattr(cfg, key, value)
-    cfg.architectures = [("DeepseekV3" if isinstance(cfg, DeepseekV3Config) else "Llama") + "ForCausalLM"]
+    cfg.architectures = [type(cfg).__name__.removesuffix("Config") + "ForCausalLM"]
     return cfg
 
 
@@ -94,5 +118,10 @@ def count_parameters(model) -> tuple[int, int]:
     for name, p in model.named_parameters():
         n = p.ds_numel if hasattr(p, "ds_numel") else p.numel()
         total += n
-        active += int(n * share) if ".experts." in name else n  # not shared_experts
+        active += int(n * share) if is_routed_expert(name) else n
     return total, active
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter `name` (or a module's name + ".") belongs to a routed expert (not the shared experts)."""
+    return ".experts." in name

@@ -195,7 +195,8 @@ def test_doctor_passes_a_healthy_cluster(cluster, tmp_path):
     when it is imported, used to make them differ)."""
     hostfile = cluster.hostfile(tmp_path / "hostfile", ["node0", "node1"])
     code, checks = _doctor(cluster, "--hostfile", str(hostfile), "--output", str(tmp_path / "run"), *ON_CLUSTER)
-    assert code == 0 and all(line.startswith("[pass]") for line in checks.values()), checks
+    assert code == 0 and all(line.startswith("[skip]" if name.startswith("GPU topology") else "[pass]")
+                             for name, line in checks.items()), checks
     assert "passwordless ssh works" in checks["ssh node1"] and "node1: python/torch/deepspeed" in checks["versions"]
     assert "every node" in checks["GLOO_SOCKET_IFNAME"] and "output from node1" in checks
 

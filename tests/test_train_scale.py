@@ -131,12 +131,27 @@ def _doctor(*args: str) -> tuple[int, dict[str, str]]:
 
 
 def test_doctor_passes_on_this_machine(tmp_path):
+    """Every check passes but the GPU topology, a [skip] without NVIDIA GPUs (NVML does not start)."""
     port = _free_port()
-    code, checks = _doctor("--output", str(tmp_path / "run"), "--master-port", str(port))
+    code, checks = _doctor("--output", str(tmp_path / "run"), "--master-port", str(port), "--tensor-parallel", "2",
+                           "--expert-parallel", "2")
     assert code == 0, checks
-    assert all(line.startswith("[pass]") for line in checks.values())
+    topology = checks.pop("GPU topology localhost")
+    assert all(line.startswith("[pass]") for line in checks.values()), checks
+    assert topology.startswith("[skip]") and "no NVIDIA GPU/NVML" in topology, topology
     assert "no GPU visible" in checks["GPUs"] and "passwordless" not in checks["ssh localhost"]
     assert "GB/s" in checks["all-reduce (2 local gloo processes)"]
+    assert "2 ranks = PP1 x TP2 x DP1, EP2" in checks["layout"], checks["layout"]
+
+
+def test_doctor_fails_a_layout_the_world_does_not_factor(tmp_path):
+    """--nproc 2 (the world without a hostfile) cannot hold TP3: [FAIL] layout with the reason and the fix, exit 1."""
+    code, checks = _doctor("--output", str(tmp_path / "run"), "--master-port", str(_free_port()), "--nproc", "2",
+                           "--tensor-parallel", "3")
+    failed = {name for name, line in checks.items() if line.startswith("[FAIL]")}
+    assert code == 1 and failed == {"layout"}, checks
+    assert "--tensor-parallel 3" in checks["layout"] and "multiple of 3" in checks["layout"], checks["layout"]
+    assert "fix: change --nproc" in checks["layout"], checks["layout"]
 
 
 def test_doctor_reports_each_misconfiguration(tmp_path):
@@ -160,7 +175,8 @@ def test_doctor_reports_each_misconfiguration(tmp_path):
                       f"output {tmp_path / 'a-file' / 'run'}"} | ({"host names"} if loopback else set()), checks
     # the node ssh does not reach gave no versions or address: not checked, never passed
     skipped = {name for name, line in checks.items() if line.startswith("[skip]")}
-    assert skipped == {"versions"} | (set() if loopback else {"host names"}), checks
+    assert skipped == {"versions", "GPU topology localhost", "GPU topology no-such-host.invalid"} | (
+        set() if loopback else {"host names"}), checks
     assert "no-such-host.invalid: not checked" in checks["versions"]
     assert "does not resolve" in checks["ssh no-such-host.invalid"] and "fix:" in checks["ssh no-such-host.invalid"]
     assert "in use" in checks[f"master port {port}"] and "--master-port" in checks[f"master port {port}"]
@@ -230,6 +246,85 @@ def test_doctor_checks_it_cannot_make_from_here_skip(tmp_path):
     lines: list[str] = []
     assert doctor.summarize([doctor.Check("a", True, ""), remote], lines.append) == 0
     assert lines == [doctor.Check("a", True, "").line(), remote.line(), "doctor: 1/2 checks pass, 1 skipped"]
+
+
+def test_doctor_layout_factors_the_world_and_keeps_tensor_parallel_in_a_node():
+    """The hostfile's slots are the world; TP groups (consecutive ranks) must not span nodes, EP groups that do are a
+    warning."""
+    from dstool.train import doctor
+
+    fine = doctor.check_layout({"a": 8, "b": 8}, 2, 4, 8, "the hostfile slots")
+    assert fine.line() == "[pass] layout: 16 ranks = PP2 x TP4 x DP2, EP8 (each routed expert on 1 rank(s) per stage)"
+    odd = doctor.check_layout({"a": 3, "b": 2}, 1, 2, 1, "the hostfile slots")
+    assert odd.ok is False and odd.detail == doctor.Layout(5, 1, 2).problem(), odd.line()
+    assert "fix: change the hostfile slots" in odd.line(), odd.line()
+    split = doctor.check_layout({"a": 6, "b": 2}, 1, 4, 1, "the hostfile slots")
+    assert split.ok is False and "TP4 groups would span nodes (a slots=6, b slots=2)" in split.detail, split.line()
+    assert "divides 2" in split.fix
+    spread = doctor.check_layout({"a": 4, "b": 4}, 1, 2, 8, "the hostfile slots")
+    assert spread.line().startswith("[warn] layout: 8 ranks = PP1 x TP2 x DP4, EP8") and "all-to-all" in spread.detail
+    lines: list[str] = []
+    assert doctor.summarize([fine, spread], lines.append) == 0 and lines[-1] == "doctor: 1/2 checks pass, 1 warn"
+
+
+# pynvml's topology calls on a box of {gpus} GPUs with {links} active NVLinks each of 12 (0: PCIe boards, their NVLink
+# queries not supported); two GPUs in the same group of {per} share common ancestor {near}, others {far}
+FAKE_PYNVML = """
+NVML_NVLINK_MAX_LINKS, NVML_FEATURE_ENABLED = 18, 1
+class NVMLError(Exception): pass
+class NVMLError_NotSupported(NVMLError): pass
+class NVMLError_InvalidArgument(NVMLError): pass
+def nvmlInit(): pass
+def nvmlShutdown(): pass
+def nvmlDeviceGetCount(): return {gpus}
+def nvmlDeviceGetHandleByIndex(i): return i
+def nvmlDeviceGetTopologyCommonAncestor(a, b): return {near} if a // {per} == b // {per} else {far}
+def nvmlDeviceGetNvLinkState(handle, link):
+    if not {links}: raise NVMLError_NotSupported()
+    if link >= 12: raise NVMLError_InvalidArgument()
+    return int(link < {links})
+"""
+
+
+def test_doctor_gpu_topology_per_node_with_a_fake_nvml(tmp_path, monkeypatch):
+    """Two nodes' probes (the real probe subprocess, a fake pynvml first on its path): an NVLink box (8 GPUs, 12
+    links each, two CPU sockets) and a PCIe box (4 GPUs, pairs behind one PCIe switch, then the host bridge)."""
+    from dstool.train import doctor
+
+    boxes = {"nvlink": dict(gpus=8, links=12, per=4, near=40, far=50),
+             "pcie": dict(gpus=4, links=0, per=2, near=10, far=30)}
+    probes: dict[str, dict | str] = {}
+    for host, box in boxes.items():
+        (tmp_path / host).mkdir()
+        (tmp_path / host / "pynvml.py").write_text(FAKE_PYNVML.format(**box))
+        monkeypatch.setenv("PYTHONPATH", str(tmp_path / host))
+        answer = doctor.probe("localhost")
+        assert isinstance(answer, dict), answer
+        probes[host] = answer
+    assert probes["nvlink"]["topology"]["links"] == [12] * 8 and probes["pcie"]["topology"]["links"] == [0] * 4
+    hosts = {"nvlink": 8, "pcie": 4}
+    nvlink, pcie = doctor.check_topology(probes, hosts, 4)
+    assert nvlink.line() == "[pass] GPU topology nvlink: 8 GPUs, NVLink (12 active links each); TP4 groups on NVLink"
+    assert pcie.line().startswith("[warn] GPU topology pcie: 4 GPUs, PCIe only (common ancestor: host bridge); TP4 "
+                                  "all-reduces every layer over PCIe -> fix:"), pcie.line()
+    pairs = doctor.check_topology(probes, hosts, 2)[1]  # TP2 groups stay behind one PCIe switch
+    assert pairs.warn and "PCIe only (common ancestor: one PCIe switch)" in pairs.detail, pairs.line()
+    assert [c.line() for c in doctor.check_topology(probes, hosts, 1)] == [
+        "[pass] GPU topology nvlink: 8 GPUs, NVLink (12 active links each)",
+        "[pass] GPU topology pcie: 4 GPUs, PCIe only (common ancestor: host bridge)"]
+    unreached = doctor.check_topology({"a": "no answer within 60 s"}, {"a": 8, "b": 8}, 2)
+    assert [c.line() for c in unreached] == ["[skip] GPU topology a: not checked (no answer within 60 s)",
+                                             "[skip] GPU topology b: not checked (no ssh)"]
+
+
+def test_doctor_gpu_topology_without_a_gpu_is_a_skip():
+    """This machine's real NVML (no NVIDIA driver): no GPUs and why, a [skip] that says so."""
+    from dstool.train import doctor
+
+    topology = doctor.gpu_topology()
+    assert topology["gpus"] == 0 and "NVML" in topology["why"], topology
+    check, = doctor.check_topology({"localhost": {"topology": topology}}, {"localhost": 2}, 2)
+    assert check.ok is None and check.detail.startswith("no NVIDIA GPU/NVML here"), check.line()
 
 
 def _free_port() -> int:

@@ -33,11 +33,13 @@ from dstool.train import (
     checkpoint,
     data,
     deepspeed_config,
+    expert_parallel,
     launch,
     lora,
     pipeline_parallel,
     preempt,
     sources,
+    tensor_parallel,
 )
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import read_metrics
@@ -63,12 +65,15 @@ def train(cfg: TrainConfig) -> TrainResult:
         archive.check(cfg.archive)
     if cfg.pipeline_stages > 1:
         pipeline_parallel.check_model(cfg.model)
+    tensor_partition = tensor_parallel.check_model(cfg.model, cfg.tensor_parallel, cfg.pipeline_stages)
+    experts = (expert_parallel.check_model(_meta_model(cfg.model, 256).config, cfg.expert_parallel, cfg.model)
+               if cfg.expert_parallel > 1 else None)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
     cfg, micro_search = autobatch.resolve(cfg, on_gpu, topo.world)
     _check_metrics_port(cfg, topo)
-    ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu)
+    ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu, experts, tensor_partition=tensor_partition)
     out = Path(cfg.output)
     srcs = sources.parse(cfg.data)
 
@@ -100,6 +105,11 @@ def train(cfg: TrainConfig) -> TrainResult:
         if cfg.lora:  # PEFT refuses targets the model lacks here, before any rank starts
             lora.wrap(_meta_model(cfg.model, len(tokenizer)), cfg, quiet=True)
         resume = _resume_point(cfg, out, topo.world, len(tokenizer), precision)
+        if resume and experts is None and checkpoint.manifest(resume).expert_parallel:
+            # an expert-parallel checkpoint on one rank per expert group: AutoEP's module layout, unsharded
+            experts = expert_parallel.check_model(_meta_model(cfg.model, 256).config, 1, cfg.model)
+            ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu, experts, expert_parallel=1,
+                                               tensor_partition=tensor_partition)
         TrainRun(data_fingerprint=fingerprint, data=DataSplit(
             folder="data", dtype=meta["dtype"], train_tokens=meta["train_tokens"], val_tokens=meta["val_tokens"],
             fingerprint=fingerprint, sha256=packed), archive=cfg.archive).write(out, hash_files=False)
@@ -120,9 +130,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     micro, accum = deepspeed_config.batch_plan(cfg, topo.world)
     log.info(f"dstool train: {cfg.model} on {topo.world} rank(s) ({topo.nodes} node(s) x {topo.procs_per_node}, "
              f"{topo.launcher}, {'GPU/nccl' if on_gpu else 'CPU/gloo'}), ZeRO-{cfg.zero}, {precision}")
-    if replicas != topo.world:
-        log.info(f"  model parallel: {cfg.pipeline_stages} pipeline stage(s) x {cfg.tensor_parallel} tensor-parallel "
-                 f"rank(s) per replica, {replicas} data-parallel replica(s)")
+    if replicas != topo.world or cfg.expert_parallel > 1:
+        log.info(f"  layout: {deepspeed_config.layout(cfg, topo.world).describe()}")
     log.info(f"  data: {_sources_line(meta)}; {meta['train_sequences']:,} train / {meta['val_sequences']:,} "
              f"held-out sequences, vocab {len(tokenizer)}; global batch {micro} x {accum} x {replicas} = "
              f"{micro * accum * replicas} sequences "
@@ -253,11 +262,15 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
                          f"engine cannot load: resume with --precision {saved.precision}, or write its weights (the "
                          f"same command with --precision {saved.precision} --max-steps {saved.step}) and start the "
                          f"{precision} phase from them: --model {out / 'model'} --output NEW")
+    if cfg.expert_parallel > 1 and not saved.expert_parallel:
+        raise UsageError(f"checkpoint {tag} holds the model's own MoE blocks (no --expert-parallel), which an "
+                         "expert-parallel engine cannot load: resume without --expert-parallel, or start the "
+                         f"expert-parallel run from its weights: --model {out / 'model'} --output NEW")
     saved_world = checkpoint.saved_world_size(tag)
     if saved_world != world and (cfg.pipeline_stages > 1 or cfg.tensor_parallel > 1):
         raise UsageError(f"checkpoint {tag} was saved on {saved_world} ranks; pipeline and tensor-parallel runs resume "
                          f"only on the same world size: use {saved_world} ranks or a new --output")
-    if checkpoint.needs_universal(tag, world):
+    if checkpoint.needs_universal(tag, world, cfg.expert_parallel if saved.expert_parallel else None):
         if cfg.lr_scaling == "linear":
             log.info(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "
                      "use --lr-scaling none to keep it")

@@ -57,7 +57,8 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: d
     final = root / tag
     if dist.get_rank() == 0:
         Checkpoint(step=step, world_size=dist.get_world_size(), zero_stage=engine.zero_optimization_stage(),
-                   model_shapes=shapes, lora=adapter, precision=precision(engine)).write(root / partial)
+                   model_shapes=shapes, lora=adapter, precision=precision(engine),
+                   expert_parallel=expert_parallel_size(engine)).write(root / partial)
         replace_folder(root / partial, final)
         write_text_atomic(root / "latest", tag)
         prune(root, keep, archive, wait=last)
@@ -187,6 +188,13 @@ def precision(engine) -> str:
     return "bf16" if engine.bfloat16_enabled() else "fp16" if engine.fp16_enabled() else "fp32"
 
 
+def expert_parallel_size(engine_or_config) -> int | None:
+    """AutoEP's expert-parallel size in an engine's DeepSpeed config (or the config); None without AutoEP."""
+    ds = engine_or_config if isinstance(engine_or_config, dict) else engine_or_config.config
+    section = ds.get("expert_parallel") or {}
+    return section.get("autoep_size", 1) if section.get("enabled") else None
+
+
 def model_shapes(module) -> dict[str, list[int]]:
     """Every parameter's full shape (ZeRO-3 keeps it in ds_shape), to refuse a checkpoint of another model."""
     return {name: list(getattr(p, "ds_shape", p.shape)) for name, p in module.named_parameters()}
@@ -263,10 +271,11 @@ def universal_dir(tag_dir: Path) -> Path:
     return tag_dir.parent / "universal" / tag_dir.name
 
 
-def needs_universal(tag_dir: Path, world: int) -> bool:
-    """ZeRO-1/2/3 optimizer shards are split by world size; a different world loads the universal form."""
+def needs_universal(tag_dir: Path, world: int, expert_parallel: int | None = None) -> bool:
+    """ZeRO-1/2/3 optimizer shards are split by world size, and experts by the expert-parallel size: another world or
+    expert sharding loads the universal form."""
     saved = manifest(tag_dir)
-    return saved.zero_stage > 0 and saved.world_size != world
+    return saved.zero_stage > 0 and (saved.world_size != world or (saved.expert_parallel or 1) != (expert_parallel or 1))
 
 
 def universal(tag_dir: Path) -> Path:
@@ -295,9 +304,10 @@ def universal(tag_dir: Path) -> Path:
     return target
 
 
-def load_source(tag_dir: Path, world: int) -> tuple[Path, bool]:
-    """(folder to load, whether it is universal) for resuming `tag_dir` on `world` ranks."""
-    if not needs_universal(tag_dir, world):
+def load_source(tag_dir: Path, world: int, expert_parallel: int | None = None) -> tuple[Path, bool]:
+    """(folder to load, whether it is universal) for resuming `tag_dir` on `world` ranks (experts sharded over
+    `expert_parallel`)."""
+    if not needs_universal(tag_dir, world, expert_parallel):
         return tag_dir, False
     target = universal_dir(tag_dir)
     UniversalCheckpoint.read(target, verify=True)  # written by `train()` before the ranks started

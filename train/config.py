@@ -125,6 +125,12 @@ class TrainConfig(CommandConfig):
                              "pipeline_stages and tensor_parallel to 1")
         if self.offload_params and self.zero != 3:
             raise ValueError("offload_params needs zero: 3")
+        if self.expert_parallel > 1 and self.pipeline_stages > 1:
+            raise ValueError("expert_parallel and pipeline_stages cannot be combined (DeepSpeed's AutoEP replaces MoE "
+                             "blocks of a whole model, not of pipeline stages): use one of them")
+        if self.expert_parallel > 1 and self.lora is not None:
+            raise ValueError("lora and expert_parallel cannot be combined (PEFT adapts the stacked experts AutoEP "
+                             "shards): fine-tune the MoE model's adapters data-parallel, without --expert-parallel")
         if self.micro_batch_size == "auto" and self.pipeline_stages > 1:
             raise ValueError("micro_batch_size auto needs pipeline_stages 1: give the pipeline's micro batch")
         if self.data_format != "text" and self.distill_from:
@@ -180,8 +186,14 @@ class DoctorConfig(CommandConfig):
                                     "127.0.0.1)")
     master_port: int = Field(29500, ge=1, le=65535, description="rendezvous port to check")
     output: str = Field("runs/train", description="the run folder to check")
-    nproc: int = Field(2, ge=1, description="local processes for the all-reduce test")
+    nproc: int = Field(2, ge=1, description="local processes for the all-reduce test, and the world size without "
+                       "a hostfile")
     env: dict[str, str] = Field(default_factory=dict, description="as for train, e.g. NCCL_SOCKET_IFNAME=eth0")
+    pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages to check the world size against (as "
+                                 "for train)")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica to check (as for "
+                                 "train): the world must factor, every node's slots be a multiple")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks to check (as for train)")
 
 
 _TOKEN_SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9, "t": 10**12}
@@ -191,10 +203,10 @@ class PlanConfig(CommandConfig):
     """`dstool plan`: memory per device, step time, total time and cost of a training run, for several cluster
     sizes side by side."""
 
-    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder "
-                       "(its config.json: no weights are read)")
-    vocab_size: int | None = Field(None, ge=256, le=1 << 20, description="vocabulary of a preset (default: 102400 for "
-                                   "deepseek-7b, as its own tokenizer, else 4096 as dstool train)")
+    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b, deepseek-v3, deepseek-v2-lite) or a "
+                       "local Hugging Face model folder (its config.json: no weights are read)")
+    vocab_size: int | None = Field(None, ge=256, le=1 << 20, description="vocabulary of a preset (default: the "
+                                   "DeepSeek presets' own tokenizers', else 4096 as dstool train)")
     tokens: str = Field(description="token budget: training tokens in all, e.g. 2e9, 500M, 1.5B",
                         json_schema_extra={"cli": {"metavar": "N"}})
     gpu: str = Field("A100", description=f"device type ({', '.join(GPU_PEAK_TFLOPS)}), cpu (this machine's cores, "
@@ -211,6 +223,12 @@ class PlanConfig(CommandConfig):
                                              "lowest stage that fits)")
     offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU (ZeRO 1-3)")
     offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU (with --offload-optimizer)")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (Megatron-style: each "
+                                 "layer's matmuls cut over them; routed experts are not cut)")
+    pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages (1F1B schedule; ZeRO 0 or 1)")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's routed "
+                                 "experts (MoE models); they fold over the ranks of a pipeline stage, as tensor "
+                                 "parallelism does")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
                                            "pass: activations shrink, the forward pass is done twice")
     seq_len: int = Field(128, ge=8, description="sequence length in tokens")
@@ -271,6 +289,9 @@ class PlanConfig(CommandConfig):
             raise ValueError("offload_params needs zero: 3")
         if self.offload_optimizer and self.zero == 0:
             raise ValueError("offload_optimizer needs zero 1, 2 or 3")
+        if self.pipeline_stages > 1 and ((self.zero or 0) > 1 or self.offload_params):
+            raise ValueError(f"pipeline_stages {self.pipeline_stages} plans zero 0 or 1 (DeepSpeed pipelines cannot "
+                             "partition gradients or weights): give --zero 0 or 1, without --offload-params")
         return self
 
     def token_budget(self) -> int:

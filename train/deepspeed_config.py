@@ -7,16 +7,18 @@ from pathlib import Path
 
 from dstool.errors import UsageError
 from dstool.train.config import TrainConfig
+from dstool.train.layout import Layout
+
+
+def layout(cfg: TrainConfig, world: int) -> Layout:
+    """How the world splits (train/layout.py), or a one-line UsageError."""
+    return Layout(world, cfg.pipeline_stages, cfg.tensor_parallel, cfg.expert_parallel).check()
 
 
 def data_parallel_size(cfg: TrainConfig, world: int) -> int:
-    """Model replicas: the world divided into pipeline stages or tensor-parallel groups."""
-    model_parallel = cfg.pipeline_stages * cfg.tensor_parallel
-    if world % model_parallel:
-        flag = "--pipeline-stages" if cfg.pipeline_stages > 1 else "--tensor-parallel"
-        raise UsageError(f"world size {world} is not divisible by {flag} {model_parallel}: use a world size that "
-                         "is a multiple of it")
-    return world // model_parallel
+    """Model replicas: the world divided into pipeline stages and tensor-parallel groups (expert parallelism folds
+    over the replicas: each still reads its own samples)."""
+    return layout(cfg, world).data
 
 
 def batch_plan(cfg: TrainConfig, world: int) -> tuple[int, int]:
@@ -45,7 +47,11 @@ def warmup_steps(cfg: TrainConfig) -> int:
     return max(1, round(cfg.max_steps * cfg.warmup_ratio))
 
 
-def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
+def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool, expert_preset: str | None = None,
+          expert_parallel: int | None = None, tensor_partition: dict | None = None) -> dict:
+    """`expert_preset`: the model's DeepSpeed AutoEP preset, to shard its experts over `expert_parallel` ranks
+    (default --expert-parallel; 1 keeps AutoEP's module layout, a run resumed from an expert-parallel checkpoint).
+    `tensor_partition`: AutoTP's partition_config for the model (train/tensor_parallel.py), when it needs one."""
     micro, accum = batch_plan(cfg, world)
     zero: dict = {"stage": cfg.zero}
     if cfg.zero == 3:
@@ -72,18 +78,26 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool) -> dict:
             "total_num_steps": cfg.max_steps, "warmup_num_steps": warmup_steps(cfg), "warmup_min_ratio": 0.0,
             "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
     }
-    if cfg.tensor_parallel > 1:
+    if cfg.tensor_parallel > 1 and cfg.pipeline_stages == 1:  # in pipeline stages dstool cuts the layers itself
         ds["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
+        if tensor_partition:
+            ds["tensor_parallel"]["partition_config"] = tensor_partition
+    if expert_preset:
+        ds["expert_parallel"] = expert_parallel_section(expert_preset, expert_parallel or cfg.expert_parallel)
     if cfg.deepspeed_config:
         ds = merge(ds, _read_user_json(cfg.deepspeed_config))
         _check_batch(ds, _batch_ranks(cfg, world))
     return ds
 
 
+def expert_parallel_section(preset: str, ep: int) -> dict:
+    return {"enabled": True, "autoep_size": ep, "preset_model": preset}
+
+
 def _batch_ranks(cfg: TrainConfig, world: int) -> int:
     """The rank count DeepSpeed's batch check multiplies by: a pipeline engine counts data-parallel ranks
     (its topology is known); AutoTP's config check (0.19.8) counts every rank, tensor-parallel peers too."""
-    return world if cfg.tensor_parallel > 1 else data_parallel_size(cfg, world)
+    return world if cfg.tensor_parallel > 1 and cfg.pipeline_stages == 1 else data_parallel_size(cfg, world)
 
 
 def merge(base: dict, override: dict) -> dict:

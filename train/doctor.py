@@ -3,15 +3,18 @@
 Versions equal on every node, passwordless ssh to remote hosts, the master port free, the network
 interfaces named in NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME present on every node, no node whose own name
 resolves to a loopback address (gloo would hand that address to the others), GPUs matching the hostfile
-slots, the output folder writable from every node, and a gloo all-reduce across local processes with
-its measured bandwidth. A check passes only on evidence (every node's answer): one it could not make is [skip] with
-the reason, or [FAIL].
+slots, the world size factoring into the requested PP x TP x DP and EP with tensor-parallel groups inside a node,
+each node's GPU interconnect (NVLink or PCIe, through NVML) for those groups, the output folder writable from every
+node, and a gloo all-reduce across local processes with its measured bandwidth. A check passes only on evidence (every
+node's answer): one it could not make is [skip] with the reason, or [FAIL]; [warn] passes with a caveat.
 """
 
 from __future__ import annotations
 
+import inspect
 import ipaddress
 import json
+import math
 import os
 import shlex
 import socket
@@ -25,10 +28,45 @@ from pathlib import Path
 import psutil
 
 from dstool.train import launch
+from dstool.train.layout import Layout
+
+
+def gpu_topology() -> dict:
+    """This node's NVIDIA GPUs through NVML: {"gpus": n, "links": active NVLinks per GPU, "ancestors": the NVML
+    common-ancestor level (NVML_TOPOLOGY_*) of each pair}, or {"gpus": 0, "why": ...}. Runs in the probe: imports
+    nothing of dstool."""
+    try:
+        import pynvml
+    except ImportError:
+        return {"gpus": 0, "why": "no NVML here: nvidia-ml-py (pynvml) is not installed"}
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError as e:
+        return {"gpus": 0, "why": f"no NVIDIA GPU/NVML here ({e})"}
+
+    def active(handle):
+        count = 0
+        for link in range(pynvml.NVML_NVLINK_MAX_LINKS):
+            try:
+                count += pynvml.nvmlDeviceGetNvLinkState(handle, link) == pynvml.NVML_FEATURE_ENABLED
+            except (pynvml.NVMLError_NotSupported, pynvml.NVMLError_InvalidArgument):  # no NVLink; past its links
+                pass
+        return count
+
+    try:
+        handles = [pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())]
+        return {"gpus": len(handles), "links": [active(h) for h in handles],
+                "ancestors": [[pynvml.nvmlDeviceGetTopologyCommonAncestor(a, b) if i != j else 0
+                               for j, b in enumerate(handles)] for i, a in enumerate(handles)]}
+    except pynvml.NVMLError as e:
+        return {"gpus": 0, "why": f"NVML could not read the GPU topology here ({e})"}
+    finally:
+        pynvml.nvmlShutdown()
+
 
 # Run on every node (here too): one marker line of JSON. Versions come from the installed packages' metadata, so
 # nothing is imported that could print into the output (DeepSpeed's accelerator warning goes to stdout).
-PROBE = r"""
+PROBE = inspect.getsource(gpu_topology) + r"""
 import json, socket, sys
 from importlib.metadata import version
 def v(name):
@@ -47,10 +85,14 @@ try:
 except ImportError:
     ifs = {n: [] for _, n in socket.if_nameindex()}
 print("DSTOOL-PROBE " + json.dumps({"versions": f"{sys.version.split()[0]} {v('torch')} {v('deepspeed')}",
-                                    "hostname": name, "address": address, "interfaces": ifs}))
+                                    "hostname": name, "address": address, "interfaces": ifs,
+                                    "topology": gpu_topology()}))
 """
 PROBE_MARKER = "DSTOOL-PROBE "
 ALLREDUCE_MB = 16
+# NVML_TOPOLOGY_* levels: how far apart two GPUs sit on the PCIe tree
+TOPOLOGY = {0: "same board", 10: "one PCIe switch", 20: "several PCIe switches", 30: "host bridge",
+            40: "NUMA node", 50: "system (across CPU sockets)"}
 
 
 @dataclass
@@ -59,10 +101,12 @@ class Check:
     ok: bool | None  # None: not checked (skip), the reason in `detail`
     detail: str
     fix: str = ""
+    warn: bool = False  # passes, with a caveat in `detail`
 
     def line(self) -> str:
         fix = f" -> fix: {self.fix}" if self.fix else ""
-        return f"[{'skip' if self.ok is None else 'pass' if self.ok else 'FAIL'}] {self.name}: {self.detail}{fix}"
+        mark = "skip" if self.ok is None else "FAIL" if not self.ok else "warn" if self.warn else "pass"
+        return f"[{mark}] {self.name}: {self.detail}{fix}"
 
 
 def is_local(host: str) -> bool:
@@ -244,6 +288,62 @@ def check_gpus(hosts: dict[str, int] | None) -> Check:
     return Check("GPUs", True, f"{count} visible on this node" + (f", hostfile slots={slots}" if slots else ""))
 
 
+def check_layout(hosts: dict[str, int], pipeline: int, tensor: int, expert: int, source: str) -> Check:
+    """The world (`hosts`' slots summed) split by Layout's rule; ranks fill nodes in order, TP fastest, so each node's
+    slots must be a multiple of TP (a TP group all-reduces every layer: NVLink, within a node); EP groups across nodes
+    are a warning (their all-to-all crosses the network)."""
+    world = sum(hosts.values())
+    layout = Layout(world, pipeline, tensor, expert)
+    if why := layout.problem():
+        return Check("layout", False, why, f"change {source} or the parallel degrees")
+    common = math.gcd(*hosts.values())
+    if split := [f"{h} slots={s}" for h, s in hosts.items() if s % tensor]:
+        return Check("layout", False, f"TP{tensor} groups would span nodes ({', '.join(split)}): tensor parallelism "
+                     "all-reduces every layer and needs the GPUs of one node",
+                     f"give every node a multiple of {tensor} slots, or a --tensor-parallel that divides {common}")
+    detail = f"{world} ranks = {layout.describe()}"
+    if split := [f"{h} slots={s}" for h, s in hosts.items() if s % expert]:
+        return Check("layout", True, f"{detail}; EP{expert} groups span nodes ({', '.join(split)}): their all-to-all "
+                     "crosses the network", f"an --expert-parallel that divides {common} keeps them in a node",
+                     warn=True)
+    return Check("layout", True, detail)
+
+
+def check_topology(probes: dict[str, dict | str], hosts: dict[str, int], tensor: int) -> list[Check]:
+    """Per node, the interconnect of the GPUs its TP groups use (local rank N on GPU N): NVLink when each GPU of a
+    group has active links, else PCIe (the farthest common ancestor of a pair); a warning for TP > 1 over PCIe."""
+    checks = []
+    for host, slots in hosts.items():
+        name = f"GPU topology {host}"
+        answer = probes.get(host)
+        if not isinstance(answer, dict):
+            checks.append(Check(name, None, f"not checked ({'no ssh' if answer is None else answer})"))
+            continue
+        topology = answer["topology"]
+        if not topology["gpus"]:
+            checks.append(Check(name, None, f"{topology['why']}: no GPU interconnect to check"))
+            continue
+        used = min(slots, topology["gpus"])
+        groups = [range(g, min(g + tensor, used)) for g in range(0, used, tensor)] if tensor > 1 else [range(used)]
+        links = topology["links"][:used]
+        far = max((topology["ancestors"][a][b] for g in groups for a in g for b in g if a < b), default=None)
+        pcie = f"PCIe only (common ancestor: {TOPOLOGY.get(far, far)})" if far is not None else "no peer GPU"
+        summary = f"{topology['gpus']} GPUs" + (f" ({used} in use: slots={slots})" if used < topology["gpus"] else "")
+        if all(links):
+            summary += (f", NVLink ({links[0]} active links each)" if len(set(links)) == 1
+                        else f", NVLink ({min(links)}-{max(links)} active links)")
+        else:
+            summary += (f", {pcie}" if not any(links)
+                        else f", NVLink on {sum(map(bool, links))} of them, the others {pcie}")
+        if tensor > 1 and not all(links):
+            checks.append(Check(name, True, f"{summary}; TP{tensor} all-reduces every layer over PCIe",
+                                "put tensor parallelism on NVLink GPUs, or use --pipeline-stages / ZeRO data "
+                                "parallelism on this node", warn=True))
+        else:
+            checks.append(Check(name, True, summary + (f"; TP{tensor} groups on NVLink" if tensor > 1 else "")))
+    return checks
+
+
 def check_output(output: str, hosts: list[str], reachable: set[str]) -> list[Check]:
     """Write, rename and remove a file in the output folder (and over ssh from every remote host)."""
     folder = Path(output).absolute()
@@ -321,7 +421,7 @@ def _allreduce_worker(rank: int) -> None:
 
 
 def run(hostfile: str | None, master_addr: str | None, master_port: int, output: str, nproc: int,
-        env: dict[str, str], echo=print) -> int:
+        env: dict[str, str], pipeline: int = 1, tensor: int = 1, expert: int = 1, echo=print) -> int:
     """Run every check, print one line each; 0 when none fails, 1 otherwise."""
     import torch
 
@@ -335,19 +435,22 @@ def run(hostfile: str | None, master_addr: str | None, master_port: int, output:
     checks += check_interfaces(environment, probes, list(hosts))
     checks.append(check_hostnames(probes, list(hosts), environment, torch.cuda.is_available()))
     checks.append(check_gpus(hosts if hostfile else None))
+    checks.append(check_layout(hosts, pipeline, tensor, expert, "the hostfile slots" if hostfile else "--nproc"))
+    checks += check_topology(probes, hosts, tensor)
     checks += check_output(output, list(hosts), reachable)
     checks.append(check_allreduce(max(2, min(nproc, os.cpu_count() or 2))))
     return summarize(checks, echo)
 
 
 def summarize(checks: list[Check], echo=print) -> int:
-    """Print each check's line and the counts; 1 when one failed, else 0 (a skip is no failure)."""
+    """Print each check's line and the counts; 1 when one failed, else 0 (a skip or a warning is no failure)."""
     for c in checks:
         echo(c.line())
-    passed, failed = sum(c.ok is True for c in checks), sum(c.ok is False for c in checks)
-    skipped = len(checks) - passed - failed
-    echo(f"doctor: {passed}/{len(checks)} checks pass" + (f", {skipped} skipped" if skipped else "")
-         + (f", {failed} fail" if failed else ""))
+    passed, failed = sum(c.ok is True and not c.warn for c in checks), sum(c.ok is False for c in checks)
+    warned = sum(c.ok is True and c.warn for c in checks)
+    skipped = len(checks) - passed - warned - failed
+    echo(f"doctor: {passed}/{len(checks)} checks pass" + (f", {warned} warn" if warned else "")
+         + (f", {skipped} skipped" if skipped else "") + (f", {failed} fail" if failed else ""))
     return 1 if failed else 0
 
 

@@ -37,14 +37,13 @@ class Layout:
         if self.world % self.pipeline:
             return (f"world size {self.world} is not divisible by --pipeline-stages {self.pipeline}: use a world size "
                     f"that is a multiple of {self.pipeline}")
-        if self.stage % self.tensor:
-            return (f"the {self.stage} rank(s) of each pipeline stage (world {self.world} / --pipeline-stages "
-                    f"{self.pipeline}) are not divisible by --tensor-parallel {self.tensor}: use a world size that is "
-                    f"a multiple of {self.pipeline * self.tensor}")
-        if self.stage % self.expert:
-            return (f"the {self.stage} rank(s) of each pipeline stage (world {self.world} / --pipeline-stages "
-                    f"{self.pipeline}) are not divisible by --expert-parallel {self.expert}: use a world size that is "
-                    f"a multiple of {self.pipeline * self.expert}")
+        for flag, n in (("--tensor-parallel", self.tensor), ("--expert-parallel", self.expert)):
+            if self.stage % n:
+                ranks = (f"world size {self.world}" if self.pipeline == 1 else
+                         f"the {self.stage} ranks of each pipeline stage (world {self.world} / --pipeline-stages "
+                         f"{self.pipeline})")
+                return (f"{ranks} {'is' if self.pipeline == 1 else 'are'} not divisible by {flag} {n}: use a world size that is a multiple of "
+                        f"{self.pipeline * n}")
         return None
 
     def check(self) -> Layout:
@@ -53,7 +52,7 @@ class Layout:
         return self
 
     def describe(self) -> str:
-        """E.g. 'PP2 x TP2 x DP1, EP2 (experts replicated 1x)'."""
+        """E.g. 'PP2 x TP2 x DP1, EP2 (each routed expert on 1 rank(s) per stage)'."""
         text = f"PP{self.pipeline} x TP{self.tensor} x DP{self.data}"
         return text + (f", EP{self.expert} (each routed expert on {self.expert_data} rank(s) per stage)"
                        if self.expert > 1 else "")

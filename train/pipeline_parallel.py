@@ -1,11 +1,13 @@
-"""A Hugging Face Llama causal LM as a DeepSpeed PipelineModule, and back.
+"""A Hugging Face Llama or DeepSeek-V3 causal LM as a DeepSpeed PipelineModule, and back.
 
 The model's own modules are cut into a flat list of layers — embedding, one layer per decoder layer
 (it computes its rotary position embeddings and causal mask from the sequence length, so only the
 hidden states travel between stages), final norm + lm_head — that DeepSpeed partitions over the
 stages by parameter count. The weights stay the model's tensors, so a run starts from exactly the
 weights a data-parallel run would, and `hf_state_dict` gathers the trained stages back into the
-LlamaForCausalLM names.
+model's own names. With tensor parallelism the grid is PP x DP x TP (DeepSpeed's PipeModelDataParallelTopology) and
+each stage's layers are cut over its tensor-parallel group (train/tensor_parallel.py); the shards are joined again
+in `hf_state_dict`.
 """
 
 from __future__ import annotations
@@ -18,6 +20,9 @@ from torch import nn
 
 from dstool import models
 from dstool.errors import UsageError
+from dstool.train import tensor_parallel
+
+PIPELINE_MODELS = ("llama", "deepseek_v3")
 
 
 def check_model(model_ref: str) -> None:
@@ -26,9 +31,9 @@ def check_model(model_ref: str) -> None:
 
     cfg = (models.preset_config(model_ref, 256, {}) if models.is_preset(model_ref)
            else AutoConfig.from_pretrained(model_ref))
-    if cfg.model_type != "llama":
-        raise UsageError(f"--pipeline-stages needs a Llama-architecture model; {model_ref} is {cfg.model_type}: "
-                         "use --model tiny or a Llama folder, or train it data-parallel")
+    if cfg.model_type not in PIPELINE_MODELS:
+        raise UsageError(f"--pipeline-stages needs a Llama-architecture or DeepSeek-V3 model; {model_ref} is "
+                         f"{cfg.model_type}: use --model tiny, tiny-moe or such a folder, or train it data-parallel")
     if cfg.tie_word_embeddings:
         raise UsageError(f"{model_ref} ties its input and output embeddings, which the pipeline cannot split: "
                          "train it without --pipeline-stages")
@@ -61,7 +66,8 @@ class _Decoder(nn.Module):
                           position_embeddings=self.rotary_emb(hidden, position_ids=position_ids))
 
     def hf_state_dict(self) -> dict[str, torch.Tensor]:
-        return {f"model.layers.{self.index}.{k}": v for k, v in self.layer.state_dict().items()}
+        # keep_vars: the parameters themselves, which say whether they are tensor-parallel shards
+        return {f"model.layers.{self.index}.{k}": v for k, v in self.layer.state_dict(keep_vars=True).items()}
 
 
 class _Head(nn.Module):
@@ -77,14 +83,16 @@ class _Head(nn.Module):
 
 
 def next_token_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy of each position's prediction of the next token (LlamaForCausalLM's loss)."""
+    """Mean cross-entropy of each position's prediction of the next token (the ForCausalLM models' loss)."""
     return nn.functional.cross_entropy(logits[:, :-1].flatten(0, 1).float(), labels[:, 1:].flatten())
 
 
-def build(hf_model, stages: int, activation_checkpointing: bool = False):
-    """`hf_model` (LlamaForCausalLM) as a PipelineModule over `stages` stages, balanced by parameters; with
-    `activation_checkpointing` DeepSpeed's mechanism recomputes every layer in the backward pass."""
+def build(hf_model, stages: int, activation_checkpointing: bool = False, tensor: int = 1):
+    """`hf_model` (LlamaForCausalLM, DeepseekV3ForCausalLM) as a PipelineModule over `stages` stages, balanced by
+    parameters, each stage cut over `tensor` tensor-parallel ranks; with `activation_checkpointing` DeepSpeed's
+    mechanism recomputes every layer in the backward pass."""
     from deepspeed.pipe import PipelineModule
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     inner = hf_model.model
     layers = [_Embedding(inner.embed_tokens),
@@ -93,19 +101,29 @@ def build(hf_model, stages: int, activation_checkpointing: bool = False):
     if stages > len(layers):
         raise UsageError(f"--pipeline-stages {stages} exceeds the model's {len(layers)} pipeline layers "
                          f"(embedding, {len(inner.layers)} decoder layers, head): use fewer stages")
+    # DeepSpeed's grid: ranks ordered pipe, data, model (tensor-parallel peers adjacent)
+    topology = PipeModelDataParallelTopology(num_pp=stages, num_mp=tensor,
+                                             num_dp=dist.get_world_size() // (stages * tensor)) if tensor > 1 else None
     # dynamic_shape: evaluation and the parity probe use other batch shapes than training
-    return PipelineModule(layers=layers, num_stages=stages, loss_fn=next_token_loss,
-                          partition_method="parameters", dynamic_shape=True,
-                          activation_checkpoint_interval=1 if activation_checkpointing else 0,
-                          checkpointable_layers=["_Decoder"])
+    module = PipelineModule(layers=layers, num_stages=None if topology else stages, topology=topology,
+                            loss_fn=next_token_loss, partition_method="parameters", dynamic_shape=True,
+                            activation_checkpoint_interval=1 if activation_checkpointing else 0,
+                            checkpointable_layers=["_Decoder"])
+    if tensor > 1:
+        tensor_parallel.shard_pipeline(module, hf_model.config.model_type)
+    return module
 
 
 def hf_state_dict(engine, hf_model) -> dict[str, torch.Tensor] | None:
-    """Collective: every stage's weights under their LlamaForCausalLM names, on rank 0 (None elsewhere)."""
+    """Collective: every stage's weights under their Hugging Face names (tensor-parallel shards joined), on rank 0
+    (None elsewhere)."""
     local = {}
     for layer in engine.module.children():
         if hasattr(layer, "hf_state_dict"):
-            local.update({k: v.detach().cpu() for k, v in layer.hf_state_dict().items()})
+            local.update(layer.hf_state_dict())
+    grid = engine.module._grid
+    local = tensor_parallel.gather_whole(local, grid.get_slice_parallel_group())
+    local = {k: v.cpu() for k, v in local.items()} if grid.get_slice_parallel_rank() == 0 else {}
     parts: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(local, parts, dst=0)
     if parts is None:

@@ -1,9 +1,11 @@
 """`plan(cfg)`: the capacity and cost plan of a training run, for several cluster sizes side by side.
 
-Memory per device for each ZeRO stage is DeepSpeed's own model-state estimate (its `estimate_zero2/3_...` functions,
-mixed-precision Adam) plus an activation estimate; step time and total time follow from the FLOPs per token
-(6N + 12LHS), the device's declared peak, an achievable MFU (published figures, or measured by a run) and an assumed
-scaling efficiency across nodes. The formulas and their sources are in docs/plan.md.
+Memory per device for each ZeRO stage is DeepSpeed's model-state estimate (the formulas of its `estimate_zero2/3_...`
+functions, mixed-precision Adam) for the parameters a rank holds under the layout (pipeline x tensor x data parallel,
+expert parallel: train/layout.py) plus an activation estimate; step time and total time follow from the FLOPs per token
+(6N + 12LHS), the device's declared peak, an achievable MFU (published figures, or measured by a run), the pipeline
+bubble and an assumed scaling efficiency across nodes; the bytes each device sends per step are counted by kind (data,
+tensor, pipeline, expert parallel). The formulas and their sources are in docs/plan.md.
 """
 
 from __future__ import annotations
@@ -15,13 +17,14 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationError
 
 from dstool import models
 from dstool.artifacts import kind_of
 from dstool.errors import UsageError
 from dstool.train import deepspeed_config
 from dstool.train.config import PlanConfig, TrainConfig
+from dstool.train.layout import Layout
 from dstool.train.metrics import GPU_MEMORY_GIB, GPU_PEAK_TFLOPS, declared_peak_tflops, flops_per_token, read_metrics
 
 GIB = float(1 << 30)
@@ -46,14 +49,38 @@ class StageMemory(BaseModel):
     cpu_gib_per_node: float = Field(description="host memory per node, DeepSpeed's estimate (offloaded states, "
                                     "loading buffers; ZeRO-1/2 with offload as its ZeRO-3 estimator counts a node)")
     fits: bool = Field(description=f"device_gib is at most {USABLE:.0%} of the device's memory")
+    data_parallel_bytes: float = Field(description="bytes each device sends per optimizer step for gradients (and "
+                                       "ZeRO-3's weights) over its data-parallel and expert-data-parallel groups")
+
+
+class Communication(BaseModel):
+    """Bytes each device sends per optimizer step, by kind (ring collectives; the formulas are in docs/plan.md)."""
+
+    data_parallel: float | None = Field(description="the planned stage's data_parallel_bytes; None: nothing fits")
+    tensor_parallel: float = Field(description="all-reduces of activations, 2 forward + 2 backward per layer")
+    pipeline: float = Field(description="activations forward and their gradients backward, to the next and previous "
+                            "stage")
+    expert_parallel: float = Field(description="all-to-all of routed tokens, dispatch + combine, forward and backward, "
+                                   "per MoE layer")
+
+
+class NotApplicable(BaseModel):
+    """A cluster size the layout does not divide."""
+
+    gpus: int
+    reason: str
 
 
 class ClusterPlan(BaseModel):
-    """One cluster size: memory per stage, throughput, time and cost."""
+    """One cluster size: memory per stage, throughput, time, cost and communication."""
 
     gpus: int
     nodes: int
-    memory: list[StageMemory]
+    layout: str = Field(description="e.g. PP2 x TP4 x DP16, EP8 (each routed expert on 8 rank(s) per stage)")
+    data_parallel: int = Field(description="replicas of the dense weights (ZeRO partitions them over these ranks)")
+    expert_data_parallel: int = Field(description="replicas of each routed expert (ZeRO partitions them over these)")
+    parameters_per_gpu: float = Field(description="dense / (TP x PP) + routed experts / (EP x PP), before ZeRO")
+    memory: list[StageMemory] = Field(description="ZeRO 0-3; 0-1 with pipeline stages")
     zero: int | None = Field(description="stage planned (the given one, or the lowest that fits); None: nothing fits")
     peak_tflops: float = Field(description="declared peak per device")
     scaling_efficiency: float
@@ -65,6 +92,9 @@ class ClusterPlan(BaseModel):
     hours: float
     gpu_hours: float
     cost: float | None
+    pipeline_bubble: float = Field(description="share of the step a 1F1B pipeline idles: (PP - 1) / (m + PP - 1), "
+                                   "m micro-batches per step")
+    communication: Communication
 
 
 class Plan(BaseModel):
@@ -73,6 +103,8 @@ class Plan(BaseModel):
     model: str
     parameters: int
     active_parameters: int = Field(description="per token (MoE: the routed experts' share)")
+    routed_expert_parameters: int = Field(description="the routed experts' (the rest is dense: attention, shared "
+                                          "experts, dense MLPs, embeddings)")
     largest_layer_parameters: int = Field(description="largest module's own parameters (ZeRO-3's gathered layer)")
     flops_per_token: float = Field(description="6N + 12LHS, N: active parameters that do matmuls")
     tokens: int
@@ -87,19 +119,32 @@ class Plan(BaseModel):
     gpus_per_node: int
     offload_optimizer: bool
     offload_params: bool
+    tensor_parallel: int
+    pipeline_stages: int
+    expert_parallel: int
     activation_checkpointing: bool
-    activations_gib: float = Field(description="per device, as planned (estimate)")
+    activations_gib: float = Field(description="per device, as planned (estimate; with pipeline stages the first "
+                                   "stage's, which holds PP micro-batches)")
     activations_other_gib: float = Field(description="per device with activation checkpointing switched the other way")
     price: float | None
     clusters: list[ClusterPlan]
+    not_applicable: list[NotApplicable] = Field(default_factory=list, description="cluster sizes the layout does not "
+                                                "divide")
 
 
 @dataclass
 class _Shape:
     total: int
     active: int
+    experts: int  # routed experts' parameters
     largest: int
+    largest_dense: int  # the largest module's own parameters, among the modules that are not routed experts
+    largest_expert: int  # among the routed experts' (a fused module holds a layer's experts)
     layers: int
+    moe_layers: int
+    routed: int  # routed experts per MoE layer
+    top_k: int
+    heads: int
     hidden: int
     vocab: int
     flops_per_token: float

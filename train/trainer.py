@@ -24,7 +24,7 @@ from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
 from dstool.files import replace_folder, write_json_atomic
-from dstool.train import autobatch, checkpoint, data, lora, pipeline_parallel, preempt
+from dstool.train import autobatch, checkpoint, data, expert_parallel, lora, pipeline_parallel, preempt, tensor_parallel
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 from dstool.train.observe import Observer
@@ -116,9 +116,13 @@ class Trainer:
         self.model = model
         self.shapes = checkpoint.model_shapes(model)  # whole shapes: AutoTP and pipeline stages hold parts
         self.adapter = lora.wrap(model, cfg) if cfg.lora else None
-        module = (pipeline_parallel.build(model, cfg.pipeline_stages, cfg.activation_checkpointing)
-                  if cfg.pipeline_stages > 1 else self.adapter or model)
-        self.total_params, self.active_params = models.count_parameters(model)
+        self.total_params, self.active_params = models.count_parameters(model)  # whole, before any is cut
+        module = (pipeline_parallel.build(model, cfg.pipeline_stages, cfg.activation_checkpointing,
+                                          cfg.tensor_parallel) if cfg.pipeline_stages > 1 else self.adapter or model)
+        if cfg.tensor_parallel > 1 and cfg.pipeline_stages == 1:  # MLA's shared rotary key under AutoTP
+            from deepspeed.utils import groups
+
+            tensor_parallel.sum_mla_rope_gradients(model, groups.get_tensor_model_parallel_group)
         if cfg.activation_checkpointing and cfg.pipeline_stages > 1:
             recomputed = sum(type(m).__name__ == "_Decoder" for m in module.modules())
             log.info(f"dstool: activation checkpointing (DeepSpeed's, per pipeline stage): {recomputed} decoder "
@@ -442,7 +446,10 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
         engine.eval()
         with torch.no_grad():
             engine_logits = engine(input_ids=probe.to(engine.device)).logits.float().cpu()
-        if engine.zero_optimization_stage() == 3 or engine.autotp_size() > 1:
+        preset = (engine.config.get("expert_parallel") or {}).get("preset_model")
+        if preset:
+            state = expert_parallel.hf_state_dict(engine, preset)  # collective; experts joined on rank 0
+        elif engine.zero_optimization_stage() == 3 or engine.autotp_size() > 1:
             state = engine._consolidated_16bit_state_dict()  # collective; ZeRO-3 and AutoTP shards joined on rank 0
         else:
             state = engine.module.state_dict() if rank == 0 else None

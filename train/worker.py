@@ -54,7 +54,7 @@ def main(run_file: str) -> None:
     if rank != 0 or not run.get("console", True):
         dlog.quiet_console()  # one rank speaks; inside `dstool pipeline` even it keeps to its log file
     torch.manual_seed(cfg.seed)
-    resume, universal = _resume_source(run, out, world, restarts)
+    resume, universal = _resume_source(run, out, world, restarts, checkpoint.expert_parallel_size(ds_config))
     if universal:  # saved on another world size: DeepSpeed re-partitions the universal form
         ds_config = {**ds_config, "checkpoint": {**ds_config.get("checkpoint", {}), "load_universal": True}}
     if run.get("micro_batch_search"):  # --micro-batch-size auto on GPUs: the largest that fits, same on every rank
@@ -105,7 +105,8 @@ def _init_process_group(backend: str, cfg: TrainConfig) -> int:
     return int(count.item())
 
 
-def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Path | None, bool]:
+def _resume_source(run: dict, out: Path, world: int, restarts: int,
+                   expert_parallel: int | None) -> tuple[Path | None, bool]:
     """(checkpoint folder to load, whether universal), the same on every rank: the run plan's choice, or after an
     elastic restart the newest checkpoint that passes its manifest check, which rank 0 picks and broadcasts (nodes
     that look at the shared folder moments apart, mid-save, would pick different ones)."""
@@ -114,7 +115,7 @@ def _resume_source(run: dict, out: Path, world: int, restarts: int) -> tuple[Pat
         chosen = [str(checkpoint.find_resume(out / "checkpoints") or tag or "") if dist.get_rank() == 0 else None]
         dist.broadcast_object_list(chosen, src=0)
         tag = Path(chosen[0]) if chosen[0] else None
-    return checkpoint.load_source(tag, world) if tag else (None, False)
+    return checkpoint.load_source(tag, world, expert_parallel) if tag else (None, False)
 
 
 OUT_OF_MEMORY_FIX = ("lower --micro-batch-size (the global batch is kept with --global-batch-size), add "
