@@ -267,6 +267,12 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
                          "expert-parallel engine cannot load: resume without --expert-parallel, or start the "
                          f"expert-parallel run from its weights: --model {out / 'model'} --output NEW")
     saved_world = checkpoint.saved_world_size(tag)
+    if saved.expert_parallel and saved.zero_stage == 0 and (saved_world, saved.expert_parallel) != (
+            world, cfg.expert_parallel):
+        raise UsageError(f"checkpoint {tag} is a ZeRO-0 expert-parallel one (EP{saved.expert_parallel} on "
+                         f"{saved_world} ranks), whose per-expert-rank optimizer state DeepSpeed cannot re-shard: "
+                         f"resume with --expert-parallel {saved.expert_parallel} on {saved_world} ranks (train with "
+                         "--zero 1-3 to change layouts later)")
     if saved_world != world and (cfg.pipeline_stages > 1 or cfg.tensor_parallel > 1):
         raise UsageError(f"checkpoint {tag} was saved on {saved_world} ranks; pipeline and tensor-parallel runs resume "
                          f"only on the same world size: use {saved_world} ranks or a new --output")

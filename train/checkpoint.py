@@ -275,7 +275,8 @@ def needs_universal(tag_dir: Path, world: int, expert_parallel: int | None = Non
     """ZeRO-1/2/3 optimizer shards are split by world size, and experts by the expert-parallel size: another world or
     expert sharding loads the universal form."""
     saved = manifest(tag_dir)
-    return saved.zero_stage > 0 and (saved.world_size != world or (saved.expert_parallel or 1) != (expert_parallel or 1))
+    resharded = (saved.expert_parallel or 1) != (expert_parallel or 1)
+    return saved.zero_stage > 0 and (saved.world_size != world or resharded)
 
 
 def universal(tag_dir: Path) -> Path:

@@ -79,9 +79,10 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool, expert_pre
             "cos_min_ratio": cfg.min_lr_ratio, "warmup_type": "linear"}},
     }
     if cfg.tensor_parallel > 1 and cfg.pipeline_stages == 1:  # in pipeline stages dstool cuts the layers itself
-        ds["tensor_parallel"] = {"autotp_size": cfg.tensor_parallel}
+        tp: dict = {"autotp_size": cfg.tensor_parallel}
         if tensor_partition:
-            ds["tensor_parallel"]["partition_config"] = tensor_partition
+            tp["partition_config"] = tensor_partition
+        ds["tensor_parallel"] = tp
     if expert_preset:
         ds["expert_parallel"] = expert_parallel_section(expert_preset, expert_parallel or cfg.expert_parallel)
     if cfg.deepspeed_config:

@@ -17,7 +17,6 @@ import torch.distributed as dist
 
 from dstool.errors import UsageError
 
-
 # the AutoEP presets whose Hugging Face names `hf_state_dict` maps back (trained and compared in tests)
 PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
 
@@ -47,7 +46,7 @@ def _layers(module) -> list[tuple[str, Any]]:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A parameter whole on this rank (ZeRO-3 gathers it over its own partition group: experts over theirs)."""
     if hasattr(t, "ds_id"):
-        from deepspeed.zero import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
 
         with GatheredParameters([t]):
             return t.detach().cpu().clone()

@@ -42,7 +42,8 @@ class Layout:
                 ranks = (f"world size {self.world}" if self.pipeline == 1 else
                          f"the {self.stage} ranks of each pipeline stage (world {self.world} / --pipeline-stages "
                          f"{self.pipeline})")
-                return (f"{ranks} {'is' if self.pipeline == 1 else 'are'} not divisible by {flag} {n}: use a world size that is a multiple of "
+                verb = "is" if self.pipeline == 1 else "are"
+                return (f"{ranks} {verb} not divisible by {flag} {n}: use a world size that is a multiple of "
                         f"{self.pipeline * n}")
         return None
 
