@@ -51,12 +51,14 @@ class TrainConfig(CommandConfig):
     offload_optimizer: bool = Field(False, description="ZeRO-Offload of optimizer state to CPU")
     offload_params: bool = Field(False, description="ZeRO-3 parameter offload to CPU")
     pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages (DeepSpeed PipelineModule; Llama "
-                                 "models, zero 0 or 1); data-parallel size = world / stages")
-    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP); "
-                                 "data-parallel size = world / tensor_parallel")
-    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's routed "
-                                 "experts, tokens exchanged by all-to-all (DeepSpeed AutoEP; MoE models, zero 0-3); "
-                                 "shared experts and dense layers stay data-parallel")
+                                 "and DeepSeek-V3 models, zero 0 or 1); data-parallel size = world / stages / "
+                                 "tensor_parallel")
+    tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (DeepSpeed AutoTP; "
+                                 "with pipeline_stages each stage's layers are cut over them); data-parallel size = "
+                                 "world / stages / tensor_parallel")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's "
+                                 "routed experts, tokens exchanged by all-to-all (DeepSpeed AutoEP; MoE models, "
+                                 "zero 0-3); shared experts and dense layers stay data-parallel")
     precision: Literal["auto", "fp32", "bf16", "fp16"] = Field("auto", description="auto: fp32 on CPU, bf16 on GPU")
     micro_batch_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
         8, description="sequences per rank per micro-step; auto: the largest that fits the GPU's memory, found with "
@@ -118,8 +120,6 @@ class TrainConfig(CommandConfig):
         if self.pipeline_stages > 1 and self.zero > 1:
             raise ValueError(f"pipeline_stages {self.pipeline_stages} needs zero 0 or 1 (DeepSpeed pipelines cannot "
                              "partition gradients or weights): add --zero 1")
-        if self.pipeline_stages > 1 and self.tensor_parallel > 1:
-            raise ValueError("pipeline_stages and tensor_parallel cannot be combined: choose one of them")
         if (self.pipeline_stages > 1 or self.tensor_parallel > 1) and (self.distill_from or self.keep_zero_weights):
             raise ValueError("distill_from and keep_zero_weights need data parallelism only: drop them or set "
                              "pipeline_stages and tensor_parallel to 1")
@@ -226,9 +226,9 @@ class PlanConfig(CommandConfig):
     tensor_parallel: int = Field(1, ge=1, description="tensor-parallel ranks per model replica (Megatron-style: each "
                                  "layer's matmuls cut over them; routed experts are not cut)")
     pipeline_stages: int = Field(1, ge=1, description="pipeline-parallel stages (1F1B schedule; ZeRO 0 or 1)")
-    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's routed "
-                                 "experts (MoE models); they fold over the ranks of a pipeline stage, as tensor "
-                                 "parallelism does")
+    expert_parallel: int = Field(1, ge=1, description="expert-parallel ranks: each holds 1/K of every MoE layer's "
+                                 "routed experts (MoE models); they fold over the ranks of a pipeline stage, as "
+                                 "tensor parallelism does")
     activation_checkpointing: bool = Field(False, description="recompute each layer's activations in the backward "
                                            "pass: activations shrink, the forward pass is done twice")
     seq_len: int = Field(128, ge=8, description="sequence length in tokens")

@@ -79,18 +79,21 @@ def hf_state_dict(engine, preset: str) -> dict[str, torch.Tensor] | None:
         if rank == 0:
             state[hf_name] = value
     for prefix, layer in layers.items():
-        local = {w: _full(getattr(layer.experts, w)) for w in ("w1", "w2", "w3")}
         group_ranks = dist.get_process_group_ranks(layer.ep_group)
-        if 0 not in group_ranks:  # another expert-data-parallel replica: rank 0's group holds every expert
-            continue
-        parts: list[Any] = [None] * len(group_ranks)
-        dist.all_gather_object(parts, (layer.ep_rank, local), group=layer.ep_group)
+        gathered = {}
+        for w in ("w1", "w2", "w3"):  # every expert rank holds as many experts: shards of one shape
+            local = _full(getattr(layer.experts, w))
+            if 0 not in group_ranks:  # another expert-data-parallel replica: rank 0's group holds every expert
+                continue
+            parts = [torch.empty_like(local) for _ in group_ranks] if rank == 0 else None
+            dist.gather(local, parts, dst=0, group=layer.ep_group)
+            gathered[w] = parts
         if rank != 0:
             continue
         by_expert: dict[int, dict[str, torch.Tensor]] = {}
-        for ep_rank, weights in parts:
+        for ep_rank in range(len(group_ranks)):
             for i, e in enumerate(autoep_experts_for_rank(layer.expert_placement_descriptor, ep_rank)):
-                by_expert[int(e)] = {w: weights[w][i] for w in weights}
+                by_expert[int(e)] = {w: gathered[w][ep_rank][i] for w in gathered}
         experts = [by_expert[e] for e in range(layer.num_experts)]
         # Hugging Face computes gate, up = x @ gate_up_proj[e].T chunked in two: the gate rows first
         state[f"{prefix}.{p.experts_pattern}.{p.expert_w1}"] = torch.stack(

@@ -138,7 +138,9 @@ def hf_state_dict(engine, hf_model) -> dict[str, torch.Tensor] | None:
 @torch.no_grad()
 def logits(engine, input_ids: torch.Tensor) -> torch.Tensor | None:
     """Collective: the pipeline's logits for `input_ids` (one micro-batch), on rank 0 (None elsewhere)."""
+    engine.reset_activation_shape()  # another shape than training's: tensor-parallel stages cache the old one
     _, out = engine.eval_batch(iter([(input_ids, input_ids)]), return_logits=True, num_micro_batches=1)
+    engine.reset_activation_shape()
     parts = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
     dist.gather_object(None if out is None else out.float().cpu(), parts, dst=0)
     return None if parts is None else next(p for p in parts if p is not None)

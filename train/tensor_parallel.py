@@ -37,7 +37,8 @@ _SPLITS: dict[str, list[tuple[str, str]]] = {
     "llama": [(r"self_attn\.[qkv]_proj", "column"), (r"self_attn\.o_proj", "row"),
               (r"mlp\.(gate|up)_proj", "column"), (r"mlp\.down_proj", "row")],
     "deepseek_v3": [(r"self_attn\.(q_proj|q_b_proj|kv_b_proj)", "column"), (r"self_attn\.o_proj", "row"),
-                    (r"mlp\.(shared_experts\.)?(gate|up)_proj", "column"), (r"mlp\.(shared_experts\.)?down_proj", "row")],
+                    (r"mlp\.(shared_experts\.)?(gate|up)_proj", "column"),
+                    (r"mlp\.(shared_experts\.)?down_proj", "row")],
 }
 _HEAD = (r"lm_head", "column")  # logits gathered: the loss sees the whole vocabulary
 SUPPORTED = tuple(_SPLITS)
@@ -65,10 +66,11 @@ def check_model(model_ref: str, tensor: int, pipeline_stages: int) -> dict | Non
     if c.model_type not in _SPLITS:
         raise UsageError(f"--tensor-parallel with --pipeline-stages needs a Llama or DeepSeek-V3 model; {model_ref} "
                          f"is {c.model_type}: drop one of the two")
-    sizes = {"attention heads": c.num_attention_heads, "intermediate_size": c.intermediate_size}
+    sizes = {"attention heads": c.num_attention_heads}
     if c.model_type == "llama":
         sizes["key-value heads"] = c.num_key_value_heads
-    else:
+    sizes["intermediate_size"] = c.intermediate_size
+    if c.model_type == "deepseek_v3":
         sizes["moe_intermediate_size x n_shared_experts"] = c.moe_intermediate_size * (c.n_shared_experts or 0)
     if pipeline_stages > 1:
         sizes["vocabulary (output head)"] = c.vocab_size
@@ -83,7 +85,7 @@ def autotp_partition_config(model_type: str) -> dict | None:
     """DeepSpeed's `tensor_parallel.partition_config` for AutoTP training (None: AutoTP's own route)."""
     if model_type != "deepseek_v3":
         return None
-    specs = [{"patterns": [rf".*\.{pattern}\.weight$"], "partition_type": kind}
+    specs: list[dict[str, Any]] = [{"patterns": [rf".*\.{pattern}\.weight$"], "partition_type": kind}
              for pattern, kind in _SPLITS[model_type]]
     specs.append({"patterns": [rf"(^|.*\.){_HEAD[0]}\.weight$"], "partition_type": "column", "gather_output": True})
     return {"use_default_specs": False, "layer_specs": specs}

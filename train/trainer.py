@@ -24,7 +24,16 @@ from dstool import log as dlog
 from dstool import models
 from dstool.artifacts import HFModel, Parity, TrainRun
 from dstool.files import replace_folder, write_json_atomic
-from dstool.train import autobatch, checkpoint, data, expert_parallel, lora, pipeline_parallel, preempt, tensor_parallel
+from dstool.train import (
+    autobatch,
+    checkpoint,
+    data,
+    expert_parallel,
+    lora,
+    pipeline_parallel,
+    preempt,
+    tensor_parallel,
+)
 from dstool.train.config import TrainConfig
 from dstool.train.metrics import MetricsLog, declared_peak_tflops, flops_per_token
 from dstool.train.observe import Observer
