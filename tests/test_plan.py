@@ -174,6 +174,13 @@ def test_a_model_that_fits_nowhere_is_one_line_naming_what_would_fit():
     (["--gpu", "cpu", "--mfu", "0.1", "--gpus", "1,4096"], "plan at most"),
     (["--mfu", "0.3", "--from-run", "."], "give one of them"),
     (["--offload-params"], "add --offload-optimizer"),
+    (["--pipeline-stages", "2", "--zero", "2"], "plans zero 0 or 1"),
+    (["--expert-parallel", "2"], "needs an MoE model: tiny has no routed experts"),
+    (["--model", "tiny-moe", "--expert-parallel", "3"], "does not divide the 4 routed experts"),
+    (["--tensor-parallel", "4"], "does not divide the 6 attention heads of tiny"),
+    (["--pipeline-stages", "5"], "more than the 4 layers of tiny"),
+    (["--model", "tiny-moe", "--expert-parallel", "4", "--gpus", "1,2"], "--expert-parallel 4 divides none of the "
+     "device counts planned (1,2): each must be a multiple of 4"),
 ])
 def test_bad_input(args, needle):
     one_line_usage_error(cli("plan", "--tokens", "1M", *args), needle)
@@ -186,3 +193,112 @@ def test_from_run_on_a_folder_that_is_not_a_run_or_has_no_step_rows(tmp_path, tr
     shutil.copy(trained.parent / "dstool.json", run / "dstool.json")
     (run / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 8.0, "mfu": 0.1, "tokens_per_s": 9.0}) + "\n")
     one_line_usage_error(cli("plan", "--tokens", "1M", "--from-run", str(run)), "no step rows after the first")
+
+
+# ---- layouts: tensor, pipeline and expert parallelism ------------------------------------------------------------
+
+
+def _states(p, c, zero):
+    """Model-state bytes per device of cluster `c` at `zero` (the activation estimate taken off)."""
+    return (c.memory[zero].device_gib - p.activations_gib) * GIB
+
+
+def test_memory_per_rank_falls_with_ep_for_experts_and_with_tp_pp_for_dense_weights():
+    """tiny-moe (4 routed experts, 4 heads, 3 layers) on 8 devices: a rank holds dense / (TP x PP) + experts / (EP x
+    PP) parameters; ZeRO partitions the dense ones over DP = 8 / PP / TP ranks, the experts over EDP = 8 / PP / EP."""
+    base = _plan(model="tiny-moe", gpus="8")
+    experts, dense = base.routed_expert_parameters, base.parameters - base.routed_expert_parameters
+    assert 0 < experts < base.parameters
+    for tp, pp, ep in ((1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (1, 2, 1), (2, 1, 4), (1, 2, 2)):
+        p = _plan(model="tiny-moe", gpus="8", tensor_parallel=tp, pipeline_stages=pp, expert_parallel=ep)
+        (c,) = p.clusters
+        held = dense / (tp * pp) + experts / (ep * pp)
+        share = dense / (tp * pp) / (8 // pp // tp) + experts / (ep * pp) / (8 // pp // ep)
+        assert (c.data_parallel, c.expert_data_parallel) == (8 // pp // tp, 8 // pp // ep)
+        assert c.parameters_per_gpu == pytest.approx(held) and f"PP{pp} x TP{tp} x DP{8 // pp // tp}" in c.layout
+        assert _states(p, c, 0) == pytest.approx(20 * held)  # nothing partitioned
+        assert _states(p, c, 1) == pytest.approx(4 * held + 16 * share)  # 16-bit weights and gradients whole
+        assert [m.zero for m in c.memory] == ([0, 1] if pp > 1 else [0, 1, 2, 3])  # pipelines: ZeRO 0 or 1
+        if pp == 1:
+            assert _states(p, c, 2) == pytest.approx(2 * held + 18 * share)
+    by = {(tp, pp, ep): _states(p, p.clusters[0], 1) for tp, pp, ep, p in (
+        (tp, pp, ep, _plan(model="tiny-moe", gpus="8", tensor_parallel=tp, pipeline_stages=pp, expert_parallel=ep))
+        for tp, pp, ep in ((1, 1, 1), (1, 1, 2), (1, 1, 4), (2, 1, 1), (1, 2, 1)))}
+    assert by[1, 1, 1] > by[1, 1, 2] > by[1, 1, 4] and by[1, 1, 1] > by[2, 1, 1] and by[1, 1, 1] > by[1, 2, 1]
+
+
+def test_activations_divide_by_tp_and_the_first_pipeline_stage_holds_pp_micro_batches():
+    one = _plan(model="tiny", gpus="8", seq_len=256, micro_batch_size=2)
+    tp = _plan(model="tiny", gpus="8", seq_len=256, micro_batch_size=2, tensor_parallel=2)
+    pp = _plan(model="tiny", gpus="8", seq_len=256, micro_batch_size=2, pipeline_stages=2)
+    assert tp.activations_gib == pytest.approx(one.activations_gib / 2)  # sequence parallelism: all of it
+    logits = 4 * 256 * 2 * 4096 / GIB
+    layers = one.activations_gib - logits
+    # the first stage: 2 micro-batches of half the layers; the last: one of them and the logits (larger for tiny)
+    assert pp.activations_gib == pytest.approx(max(layers, layers / 2 + logits)) == pytest.approx(layers / 2 + logits)
+
+
+def test_a_cluster_size_the_layout_does_not_divide_is_not_applicable():
+    from dstool.train.plan import format_table
+
+    p = _plan(model="tiny-moe", gpus="2,3,4,6,8", expert_parallel=4, pipeline_stages=1)
+    assert [c.gpus for c in p.clusters] == [4, 8]
+    assert [(s.gpus, "--expert-parallel 4" in s.reason) for s in p.not_applicable] == [(2, True), (3, True), (6, True)]
+    table = format_table(p).splitlines()
+    header = next(i for i, line in enumerate(table) if line.split()[:3] == ["GPUs", "nodes", "DP/EDP"])
+    assert [line.split()[:3] for line in table[header + 1:header + 6]] == [
+        ["2", "1", "n/a"], ["3", "1", "n/a"], ["4", "1", "4/1"], ["6", "1", "n/a"], ["8", "1", "8/2"]]
+    assert "n/a: 6 GPUs: world size 6 is not divisible by --expert-parallel 4" in "\n".join(table)
+
+
+def test_communication_per_step_by_kind():
+    """Bytes each device sends per step: EP all-to-all 0 without EP and growing with it, TP and PP 0 without them;
+    the data-parallel figure per ZeRO stage (ZeRO-2 every micro-step, ZeRO-3 weights twice more)."""
+    kw = dict(model="tiny-moe", gpus="8", seq_len=64, micro_batch_size=2, gradient_accumulation_steps=4)
+    plans = {ep: _plan(expert_parallel=ep, **kw) for ep in (1, 2, 4)}
+    comm = {ep: p.clusters[0].communication for ep, p in plans.items()}
+    assert comm[1].expert_parallel == 0 < comm[2].expert_parallel < comm[4].expert_parallel
+    # 2 MoE layers (first_k_dense_replace 1), 2 passes, dispatch + combine, top-2 copies of a 64 x 2 x 192 activation
+    assert comm[4].expert_parallel == pytest.approx(4 * 2 * 2 * 2 * 2 * (2 * 64 * 2 * 192) * 3 / 4)
+    assert {(c.tensor_parallel, c.pipeline) for c in comm.values()} == {(0, 0)}
+    tp = _plan(tensor_parallel=2, **kw).clusters[0].communication
+    assert tp.tensor_parallel == pytest.approx(4 * 3 * 2 * 2 * 2 * (2 * 64 * 2 * 192) / 2)  # 4 steps, 3 layers
+    three = _plan(pipeline_stages=3, **{**kw, "gpus": "6"}).clusters[0].communication  # a middle stage: both ways
+    assert three.pipeline == pytest.approx(4 * 2 * (2 * 64 * 2 * 192))
+    assert _plan(pipeline_stages=2, **kw).clusters[0].communication.pipeline == pytest.approx(three.pipeline / 2)
+    dp = {m.zero: m.data_parallel_bytes for m in plans[1].clusters[0].memory}
+    assert dp[0] == pytest.approx(2 * 2 * plans[1].parameters * 7 / 8) == dp[1]
+    assert (dp[2], dp[3]) == (pytest.approx(dp[0] * 5 / 2), pytest.approx(dp[0] * 12 / 2))
+    assert comm[1].data_parallel == dp[plans[1].clusters[0].zero]
+
+
+def test_the_json_carries_the_layout():
+    from dstool.train.plan import Plan
+
+    result = cli("plan", "--model", "tiny-moe", "--tokens", "1M", "--gpus", "4,8", "--tensor-parallel", "2",
+                 "--expert-parallel", "2", "--format", "json")
+    assert result.returncode == 0, result.stderr
+    p = Plan.model_validate_json(result.stdout)
+    assert (p.tensor_parallel, p.pipeline_stages, p.expert_parallel) == (2, 1, 2)
+    assert [(c.layout, c.data_parallel, c.expert_data_parallel) for c in p.clusters] == [
+        ("PP1 x TP2 x DP2, EP2 (each routed expert on 2 rank(s) per stage)", 2, 2),
+        ("PP1 x TP2 x DP4, EP2 (each routed expert on 4 rank(s) per stage)", 4, 4)]
+    assert all(c.communication.tensor_parallel > 0 and c.communication.expert_parallel > 0 for c in p.clusters)
+
+
+def test_deepseek_v3_on_16_nodes_of_a100_as_docs_plan_says():
+    """The presets count as published (meta device: no weights); 671 B does not fit 128 A100-80GB in the layout the
+    guides suggest, and fits with the layout and optimizer offload docs/plan.md shows."""
+    v3 = ["--model", "deepseek-v3", "--tokens", "100B", "--seq-len", "4096", "--micro-batch-size", "1",
+          "--global-batch-size", "1024", "--gpu", "A100", "--gpus", "128", "--activation-checkpointing"]
+    one_line_usage_error(cli("plan", *v3, "--tensor-parallel", "4", "--pipeline-stages", "2", "--expert-parallel", "8"),
+                         "would fit: --expert-parallel 32 --offload-optimizer")
+    p = _plan(**{k.removeprefix("--").replace("-", "_"): v for k, v in zip(v3[::2], v3[1::2])},
+              activation_checkpointing=True, expert_parallel=128, offload_optimizer=True)
+    assert p.parameters == pytest.approx(671e9, rel=0.02) and p.active_parameters == pytest.approx(37e9, rel=0.03)
+    assert p.routed_expert_parameters == (61 - 3) * 256 * 3 * 7168 * 2048
+    (c,) = p.clusters
+    assert c.zero == 2 and c.memory[2].fits and not c.memory[1].fits and c.expert_data_parallel == 1
+    lite = _plan(model="deepseek-v2-lite", gpu="H100", gpus="8", expert_parallel=8)
+    assert lite.parameters == pytest.approx(15.7e9, rel=0.02)
+    assert lite.routed_expert_parameters == (27 - 1) * 64 * 3 * 2048 * 1408

@@ -104,6 +104,8 @@ def test_deepseek_v2_folder_expert_parallel_equals_data_parallel(runs, tmp_path)
                                                                          "--expert-parallel 2"),
     (["--model", "tiny-moe", "--nproc", "4", "--expert-parallel", "2", "--pipeline-stages", "2", "--zero", "1"],
      "expert_parallel and pipeline_stages cannot be combined"),
+    (["--model", "tiny-moe", "--nproc", "4", "--expert-parallel", "2", "--tensor-parallel", "2"],
+     "expert_parallel and tensor_parallel cannot be combined"),
     (["--model", "tiny-moe", "--nproc", "2", "--expert-parallel", "2", "--lora", "8"],
      "lora and expert_parallel cannot be combined"),
 ])

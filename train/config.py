@@ -128,6 +128,11 @@ class TrainConfig(CommandConfig):
         if self.expert_parallel > 1 and self.pipeline_stages > 1:
             raise ValueError("expert_parallel and pipeline_stages cannot be combined (DeepSpeed's AutoEP replaces MoE "
                              "blocks of a whole model, not of pipeline stages): use one of them")
+        if self.expert_parallel > 1 and self.tensor_parallel > 1:
+            raise ValueError("expert_parallel and tensor_parallel cannot be combined yet (AutoEP folded over AutoTP "
+                             "ranks trains, but its gradient norm and the gathered model are not verified): use "
+                             "--expert-parallel with data parallelism, or --tensor-parallel with the experts "
+                             "replicated")
         if self.expert_parallel > 1 and self.lora is not None:
             raise ValueError("lora and expert_parallel cannot be combined (PEFT adapts the stacked experts AutoEP "
                              "shards): fine-tune the MoE model's adapters data-parallel, without --expert-parallel")

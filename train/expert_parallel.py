@@ -80,13 +80,13 @@ def hf_state_dict(engine, preset: str) -> dict[str, torch.Tensor] | None:
             state[hf_name] = value
     for prefix, layer in layers.items():
         group_ranks = dist.get_process_group_ranks(layer.ep_group)
-        gathered = {}
+        gathered: dict[str, list[torch.Tensor]] = {}
         for w in ("w1", "w2", "w3"):  # every expert rank holds as many experts: shards of one shape
             local = _full(getattr(layer.experts, w))
             if 0 not in group_ranks:  # another expert-data-parallel replica: rank 0's group holds every expert
                 continue
-            parts = [torch.empty_like(local) for _ in group_ranks] if rank == 0 else None
-            dist.gather(local, parts, dst=0, group=layer.ep_group)
+            parts = [torch.empty_like(local) for _ in group_ranks]
+            dist.gather(local, parts if rank == 0 else None, dst=0, group=layer.ep_group)
             gathered[w] = parts
         if rank != 0:
             continue

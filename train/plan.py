@@ -57,9 +57,10 @@ class Communication(BaseModel):
     """Bytes each device sends per optimizer step, by kind (ring collectives; the formulas are in docs/plan.md)."""
 
     data_parallel: float | None = Field(description="the planned stage's data_parallel_bytes; None: nothing fits")
-    tensor_parallel: float = Field(description="all-reduces of activations, 2 forward + 2 backward per layer")
+    tensor_parallel: float = Field(description="all-gathers and reduce-scatters of activations (sequence parallelism), "
+                                   "as much as 2 all-reduces forward + 2 backward per layer")
     pipeline: float = Field(description="activations forward and their gradients backward, to the next and previous "
-                            "stage")
+                            "stage (a middle stage's)")
     expert_parallel: float = Field(description="all-to-all of routed tokens, dispatch + combine, forward and backward, "
                                    "per MoE layer")
 
@@ -169,46 +170,127 @@ class _Device:
 
 
 def plan(cfg: PlanConfig) -> Plan:
-    """Memory per device for each ZeRO stage, throughput, time and cost at each cluster size `cfg` names."""
+    """Memory per device for each ZeRO stage, throughput, time, cost and communication at each cluster size `cfg`
+    names, under its layout."""
     device = _device(cfg)
     shape = _model_shape(cfg.model, cfg.vocab_size, cfg.seq_len)
+    _check_layout(cfg, shape)
     counts = cfg.device_counts() or _ladder(device)
     if device.cpu and counts[-1] > device.cores:
         raise UsageError(f"this machine has {device.cores} cores: plan at most {device.cores} ranks on it "
                          f"(--gpus 1,...,{device.cores})")
+    layouts = [_layout(cfg, n) for n in counts]
+    if all(lay.problem() for lay in layouts):
+        multiple = cfg.pipeline_stages * math.lcm(cfg.tensor_parallel, cfg.expert_parallel)
+        raise UsageError(f"the layout {_flags(cfg)} divides none of the device counts planned "
+                         f"({','.join(map(str, counts))}): each must be a multiple of {multiple} (e.g. --gpus "
+                         f"{multiple},{2 * multiple},{4 * multiple})")
     mfu, source, notes = _mfu(cfg, device)
-    acts = _activations(shape, cfg.seq_len, cfg.micro_batch_size, cfg.activation_checkpointing)
-    clusters = []
-    for n in counts:
-        memory = [_stage(shape, device, n, z, cfg) for z in range(4)]
-        fitting = [m.zero for m in memory if m.fits and (cfg.zero is None or m.zero == cfg.zero)]
+    notes += _train_refuses(cfg)
+    clusters, skipped = [], []
+    for layout in layouts:
+        n = layout.world
+        if why := layout.problem():
+            skipped.append(NotApplicable(gpus=n, reason=why))
+            continue
         micro, accum = deepspeed_config.batch_plan(TrainConfig(
             micro_batch_size=cfg.micro_batch_size, gradient_accumulation_steps=cfg.gradient_accumulation_steps,
-            global_batch_size=cfg.global_batch_size), n)
+            global_batch_size=cfg.global_batch_size), layout.data)
+        memory = [_stage(shape, device, layout, z, cfg, accum) for z in _stages(cfg)]
+        fitting = [m.zero for m in memory if m.fits and (cfg.zero is None or m.zero == cfg.zero)]
+        zero = min(fitting) if fitting else None
+        bubble = (layout.pipeline - 1) / (accum + layout.pipeline - 1)
         efficiency = _scaling(n, cfg.gpus_per_node, cfg.node_scaling, device.cpu)
-        tok_s = n * mfu * device.peak(n) * 1e12 * efficiency / shape.flops_per_token
-        step_tokens = micro * accum * n * cfg.seq_len
+        tok_s = n * mfu * device.peak(n) * 1e12 * efficiency * (1 - bubble) / shape.flops_per_token
+        step_tokens = micro * accum * layout.data * cfg.seq_len
         steps = math.ceil(cfg.token_budget() / step_tokens)
         hours = steps * step_tokens / tok_s / 3600
+        tp, pp, ep = _model_parallel_bytes(shape, layout, cfg, accum)
         clusters.append(ClusterPlan(
-            gpus=n, nodes=1 if device.cpu else math.ceil(n / cfg.gpus_per_node), memory=memory,
-            zero=min(fitting) if fitting else None, peak_tflops=device.peak(n), scaling_efficiency=efficiency,
+            gpus=n, nodes=_nodes(cfg, device, n), layout=layout.describe(), data_parallel=layout.data,
+            expert_data_parallel=layout.expert_data, parameters_per_gpu=sum(psi for psi, _ in _parts(shape, layout)),
+            memory=memory, zero=zero, peak_tflops=device.peak(n), scaling_efficiency=efficiency,
             tokens_per_s=tok_s, micro_batch_size=micro, gradient_accumulation_steps=accum,
             step_time_s=step_tokens / tok_s, steps=steps, hours=hours, gpu_hours=hours * n,
-            cost=hours * n * cfg.price if cfg.price is not None else None))
+            cost=hours * n * cfg.price if cfg.price is not None else None, pipeline_bubble=bubble,
+            communication=Communication(data_parallel=None if zero is None else memory[zero].data_parallel_bytes,
+                                        tensor_parallel=tp, pipeline=pp, expert_parallel=ep)))
     if all(c.zero is None for c in clusters):
-        raise UsageError(_fits_nowhere(cfg, shape, device, counts, clusters))
+        raise UsageError(_fits_nowhere(cfg, shape, device, clusters))
     return Plan(
         model=cfg.model, parameters=shape.total, active_parameters=shape.active,
-        largest_layer_parameters=shape.largest, flops_per_token=shape.flops_per_token, tokens=cfg.token_budget(),
+        routed_expert_parameters=shape.experts, largest_layer_parameters=shape.largest,
+        flops_per_token=shape.flops_per_token, tokens=cfg.token_budget(),
         seq_len=cfg.seq_len, device=_label(device), device_memory_gib=device.memory_gib, mfu=mfu, mfu_source=source,
         notes=notes,
         node_scaling=cfg.node_scaling, gpus_per_node=cfg.gpus_per_node, offload_optimizer=cfg.offload_optimizer,
-        offload_params=cfg.offload_params, activation_checkpointing=cfg.activation_checkpointing,
-        activations_gib=acts / GIB,
-        activations_other_gib=_activations(shape, cfg.seq_len, cfg.micro_batch_size,
-                                           not cfg.activation_checkpointing) / GIB,
-        price=cfg.price, clusters=clusters)
+        offload_params=cfg.offload_params, tensor_parallel=cfg.tensor_parallel, pipeline_stages=cfg.pipeline_stages,
+        expert_parallel=cfg.expert_parallel, activation_checkpointing=cfg.activation_checkpointing,
+        activations_gib=_activations(shape, cfg, cfg.activation_checkpointing) / GIB,
+        activations_other_gib=_activations(shape, cfg, not cfg.activation_checkpointing) / GIB,
+        price=cfg.price, clusters=clusters, not_applicable=skipped)
+
+
+# ---- layout ------------------------------------------------------------------------------------------------------
+
+
+def _layout(cfg: PlanConfig, gpus: int) -> Layout:
+    return Layout(gpus, pipeline=cfg.pipeline_stages, tensor=cfg.tensor_parallel, expert=cfg.expert_parallel)
+
+
+def _flags(cfg: PlanConfig) -> str:
+    return " ".join(f"--{flag} {k}" for flag, k in (("pipeline-stages", cfg.pipeline_stages),
+                                                     ("tensor-parallel", cfg.tensor_parallel),
+                                                     ("expert-parallel", cfg.expert_parallel)) if k > 1)
+
+
+def _nodes(cfg: PlanConfig, device: _Device, gpus: int) -> int:
+    return 1 if device.cpu else math.ceil(gpus / cfg.gpus_per_node)
+
+
+def _check_layout(cfg: PlanConfig, shape: _Shape) -> None:
+    """The layout's degrees against the model: experts, attention heads and layers to split."""
+    if cfg.expert_parallel > 1 and not shape.routed:
+        raise UsageError(f"--expert-parallel {cfg.expert_parallel} needs an MoE model: {cfg.model} has no routed "
+                         "experts")
+    if shape.routed % cfg.expert_parallel:
+        raise UsageError(f"--expert-parallel {cfg.expert_parallel} does not divide the {shape.routed} routed experts "
+                         f"of each MoE layer of {cfg.model}: use a divisor of {shape.routed}")
+    if shape.heads % cfg.tensor_parallel:
+        raise UsageError(f"--tensor-parallel {cfg.tensor_parallel} does not divide the {shape.heads} attention heads "
+                         f"of {cfg.model}: use a divisor of {shape.heads}")
+    if cfg.pipeline_stages > shape.layers:
+        raise UsageError(f"--pipeline-stages {cfg.pipeline_stages} is more than the {shape.layers} layers of "
+                         f"{cfg.model}")
+
+
+def _train_refuses(cfg: PlanConfig) -> list[str]:
+    """A note when `dstool train` does not run this layout (its own check says why)."""
+    try:
+        TrainConfig(pipeline_stages=cfg.pipeline_stages, tensor_parallel=cfg.tensor_parallel,
+                    expert_parallel=cfg.expert_parallel, zero=0)
+    except ValidationError as e:
+        why = str(e.errors()[0]["msg"]).removeprefix("Value error, ")
+        return [f"dstool train does not run this layout: {why}; the plan is of a Megatron-style run of it"]
+    return []
+
+
+def _stages(cfg: PlanConfig) -> list[int]:
+    """The ZeRO stages the layout allows: DeepSpeed's pipeline engine partitions neither gradients nor weights."""
+    return [0, 1] if cfg.pipeline_stages > 1 else [0, 1, 2, 3]
+
+
+def _parts(shape: _Shape, layout: Layout) -> list[tuple[float, int]]:
+    """(parameters a rank holds, the ranks ZeRO partitions them over), for the dense weights (cut by TP x PP, over the
+    data-parallel group) and for the routed experts (cut by EP x PP, over the expert-data-parallel group)."""
+    dense = shape.total - shape.experts
+    return [(dense / (layout.tensor * layout.pipeline), layout.data),
+            (shape.experts / (layout.expert * layout.pipeline), layout.expert_data)]
+
+
+def _largest(shape: _Shape, layout: Layout) -> float:
+    """The largest module a rank gathers under ZeRO-3: a dense one's TP shard, or its share of a layer's experts."""
+    return max(shape.largest_dense / layout.tensor, shape.largest_expert / layout.expert)
 
 
 # ---- inputs ----------------------------------------------------------------------------------------------------
@@ -262,11 +344,19 @@ def _model_shape(ref: str, vocab_size: int | None, seq_len: int) -> _Shape:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     total, active = models.count_parameters(model)
-    largest = max(sum(p.numel() for p in m.parameters(recurse=False)) for m in model.modules())
-    layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    own = {name: sum(p.numel() for p in m.parameters(recurse=False)) for name, m in model.named_modules()}
+    expert = {name for name in own if models.is_routed_expert(name + ".")}
+    c = model.config
+    layers, hidden = c.num_hidden_layers, c.hidden_size
     matmul = active - model.get_input_embeddings().weight.numel()  # as the training loop counts it
-    return _Shape(total, active, largest, layers, hidden, model.config.vocab_size,
-                  flops_per_token(matmul, layers, hidden, seq_len))
+    return _Shape(
+        total, active, experts=sum(own[name] for name in expert), largest=max(own.values()),
+        largest_dense=max(n for name, n in own.items() if name not in expert),
+        largest_expert=max((own[name] for name in expert), default=0), layers=layers,
+        moe_layers=sum(not models.is_routed_expert(name.rpartition(".")[0] + ".") for name in expert),
+        routed=getattr(c, "n_routed_experts", None) or getattr(c, "num_local_experts", None) or 0,
+        top_k=getattr(c, "num_experts_per_tok", None) or 0, heads=c.num_attention_heads, hidden=hidden,
+        vocab=c.vocab_size, flops_per_token=flops_per_token(matmul, layers, hidden, seq_len))
 
 
 def _mfu(cfg: PlanConfig, device: _Device) -> tuple[float, str, list[str]]:
@@ -334,77 +424,77 @@ def measured_mfu(run: Path, device: _Device) -> tuple[float, str, bool, list[str
 # ---- memory ------------------------------------------------------------------------------------------------------
 
 
-def model_states(shape: _Shape, zero: int, gpus: int, gpus_per_node: int, offload_optimizer: bool,
-                 offload_params: bool) -> tuple[float, float]:
-    """(bytes per device, host bytes per node) of parameters, gradients and Adam states: DeepSpeed's estimators.
-    ZeRO-3 and ZeRO-2 are theirs (ZeRO-2's host figure with offload made per node); ZeRO-1 is ZeRO-2 with the 16-bit
-    gradients whole on every device; ZeRO-0 is ZeRO-2 on one device (nothing partitioned: 20 bytes per parameter,
-    DeepSpeed counting 4-byte fp32 gradients on top of the ZeRO paper's 16)."""
-    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
-    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
-
-    per_node, nodes = min(gpus, gpus_per_node), math.ceil(gpus / gpus_per_node)
-    if zero == 3:
-        cpu, device, _ = estimate_zero3_model_states_mem_needs(
-            shape.total, shape.largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=offload_optimizer,
-            cpu_offload_params=offload_params, zero_init=True)
-        return float(device), float(cpu)
+def model_states(parts: list[tuple[float, int]], largest: float, zero: int, ranks_per_node: int,
+                 offload_optimizer: bool, offload_params: bool) -> tuple[float, float]:
+    """(bytes per device, host bytes per node) of parameters, gradients and Adam states: the formulas of DeepSpeed's
+    estimators (`estimate_zero2/3_model_states_mem_needs`, mixed-precision Adam) over the `parts` a rank holds, each
+    (its parameters, the ranks ZeRO partitions them over); `largest` is the largest module a rank gathers (ZeRO-3).
+    ZeRO-1 is ZeRO-2 with the 16-bit gradients whole on every device; ZeRO-0 is ZeRO-2 on one device (nothing
+    partitioned: 20 bytes per parameter, DeepSpeed counting 4-byte fp32 gradients on top of the ZeRO paper's 16). On
+    the host, per rank x1.5 (buffers): its fp32 loading copy (ZeRO-3: of its largest module) or, with offload, its
+    share of the offloaded states (ZeRO-1/2 the larger of the two, as the ZeRO-3 estimator counts a node without
+    zero_init)."""
+    held = sum(psi for psi, _ in parts)
+    share = sum(psi / group for psi, group in parts)
     if zero == 0:
-        _, device = estimate_zero2_model_states_mem_needs(shape.total, 1, 1, cpu_offload=False)
-        cpu, _ = estimate_zero2_model_states_mem_needs(shape.total, per_node, nodes, cpu_offload=False)
-        return float(device), float(cpu)
-    cpu, device = estimate_zero2_model_states_mem_needs(shape.total, per_node, nodes, cpu_offload=offload_optimizer)
-    if offload_optimizer:
-        # DeepSpeed's ZeRO-2 host figure, Ψ·max(4·all GPUs, 16)·1.5, is all nodes' together; one node holds its ranks'
-        # fp32 loading copies or its share of the offloaded states, as the ZeRO-3 estimator counts a node without
-        # zero_init: Ψ·max(4·GPUs per node, 16 / nodes)·1.5
-        cpu, _, _ = estimate_zero3_model_states_mem_needs(
-            shape.total, shape.largest, num_gpus_per_node=per_node, num_nodes=nodes, cpu_offload=True,
-            cpu_offload_params=False, zero_init=False)
-    if zero == 1:
-        device += 2 * shape.total * (1 if offload_optimizer else 1 - 1 / gpus)
-    return float(device), float(cpu)
+        device, host = 20 * held, 4 * held
+    elif zero == 3:
+        device = 4 * largest + (0 if offload_params else 2 * share if offload_optimizer else 18 * share)
+        host = (18 if offload_params else 16) * share if offload_optimizer else 4 * largest
+    else:  # 16-bit weights whole; gradients whole (ZeRO-1), partitioned (ZeRO-2) or offloaded with the optimizer
+        grads = held if zero == 1 else 0 if offload_optimizer else share
+        device = 2 * held + 2 * grads + (0 if offload_optimizer else 16 * share)
+        host = max(4 * held, 16 * share) if offload_optimizer else 4 * held
+    return float(device), float(host * 1.5 * ranks_per_node)
 
 
-def _activations(shape: _Shape, seq_len: int, micro: int, checkpointing: bool) -> float:
-    """Activation bytes per device (an estimate): Korthikanti et al. 2022, eq. 2, s*b*h*34 per layer in 16 bit
-    without the 5*a*s/h attention-score term (SDPA/flash attention keeps no s x s scores), plus 4*s*b*V for the fp32
-    logits of the loss; with checkpointing each layer keeps only its 16-bit input (2*s*b*h) and one layer is
-    rebuilt at a time."""
-    sbh = seq_len * micro * shape.hidden
-    logits = 4 * seq_len * micro * shape.vocab
-    if checkpointing:
-        return float(shape.layers * 2 * sbh + 34 * sbh + logits)
-    return float(shape.layers * 34 * sbh + logits)
+def _activations(shape: _Shape, cfg: PlanConfig, checkpointing: bool) -> float:
+    """Activation bytes per device (an estimate): Korthikanti et al. 2022, eq. 4 (eq. 2 for t = 1), t tensor-parallel
+    ranks with sequence parallelism: s*b*h*34/t per layer in 16 bit, without the 5*a*s/h attention-score term
+    (SDPA/flash attention keeps no s x s scores), plus 4*s*b*V/t for the fp32 logits of the loss (vocabulary-parallel);
+    with checkpointing each layer keeps only its 16-bit input (2*s*b*h/t) and one layer is rebuilt at a time. With p
+    pipeline stages (1F1B) the first stage holds p micro-batches of its L/p layers, the last one and the logits."""
+    t, p = cfg.tensor_parallel, cfg.pipeline_stages
+    sb = cfg.seq_len * cfg.micro_batch_size
+    layer = 34 * sb * shape.hidden / t
+    kept, rebuilt = (2 * sb * shape.hidden / t, layer) if checkpointing else (layer, 0.0)
+    return max(shape.layers * kept, shape.layers / p * kept + 4 * sb * shape.vocab / t) + rebuilt
 
 
-def _stage(shape: _Shape, device: _Device, gpus: int, zero: int, cfg: PlanConfig) -> StageMemory:
+def _stage(shape: _Shape, device: _Device, layout: Layout, zero: int, cfg: PlanConfig, accum: int) -> StageMemory:
     offload_optimizer = cfg.offload_optimizer and zero > 0
     offload_params = cfg.offload_params and zero == 3
-    per_device, host = model_states(shape, zero, gpus, gpus if device.cpu else cfg.gpus_per_node, offload_optimizer,
-                                    offload_params)
-    per_device += _activations(shape, cfg.seq_len, cfg.micro_batch_size, cfg.activation_checkpointing)
+    per_device, host = model_states(_parts(shape, layout), _largest(shape, layout), zero,
+                                    min(layout.world, layout.world if device.cpu else cfg.gpus_per_node),
+                                    offload_optimizer, offload_params)
+    per_device += _activations(shape, cfg, cfg.activation_checkpointing)
     if device.cpu:  # the ranks' device memory is the host's: each rank takes its share of the host estimate too
-        per_device += host / gpus
+        per_device += host / layout.world
     return StageMemory(zero=zero, device_gib=per_device / GIB, cpu_gib_per_node=host / GIB,
-                       fits=per_device <= USABLE * device.memory(gpus) * GIB)
+                       fits=per_device <= USABLE * device.memory(layout.world) * GIB,
+                       data_parallel_bytes=_data_parallel_bytes(shape, layout, zero, accum))
 
 
 def _first_fit(cfg: PlanConfig, shape: _Shape, device: _Device, stages: list[int], gpus: int) -> int | None:
-    return next((z for z in stages if _stage(shape, device, gpus, z, cfg).fits), None)
+    layout = _layout(cfg, gpus)
+    if layout.problem():
+        return None
+    return next((z for z in stages if _stage(shape, device, layout, z, cfg, 1).fits), None)
 
 
-def _fits_nowhere(cfg: PlanConfig, shape: _Shape, device: _Device, counts: list[int],
-                  clusters: list[ClusterPlan]) -> str:
+def _fits_nowhere(cfg: PlanConfig, shape: _Shape, device: _Device, clusters: list[ClusterPlan]) -> str:
     """One line: what does not fit, by how much, and what would."""
-    stages: list[int] = [cfg.zero] if cfg.zero is not None else [0, 1, 2, 3]
-    n = counts[-1]
+    allowed = _stages(cfg)
+    stages: list[int] = [cfg.zero] if cfg.zero is not None else allowed
+    n = clusters[-1].gpus
     best = min((m for m in clusters[-1].memory if m.zero in stages), key=lambda m: m.device_gib)
     head = (f"{cfg.model} ({_params(shape.total)} parameters) fits no {_label(device)} at "
-            f"{f'ZeRO-{cfg.zero}' if cfg.zero is not None else 'any ZeRO stage'} on {','.join(map(str, counts))} "
-            f"device(s): it needs {best.device_gib:.3g} GiB per device at best (ZeRO-{best.zero} on {n}), "
+            f"{f'ZeRO-{cfg.zero}' if cfg.zero is not None else 'any ZeRO stage'} on "
+            f"{','.join(str(c.gpus) for c in clusters)} device(s){f' with {_flags(cfg)}' if _flags(cfg) else ''}: it "
+            f"needs {best.device_gib:.3g} GiB per device at best (ZeRO-{best.zero} on {n}), "
             f"{USABLE * device.memory(n):.3g} GiB usable")
     ideas = []
+    offload = None  # optimizer (and parameter) offload, when that alone fits
     if device.cpu:
         ideas.append(f"a machine with {best.device_gib * n / USABLE:.0f} GiB of memory or more")
     else:
@@ -412,16 +502,33 @@ def _fits_nowhere(cfg: PlanConfig, shape: _Shape, device: _Device, counts: list[
                      is not None), None)
         if more:
             ideas.append(f"{more} GPUs (--gpus {more}: ZeRO-{_first_fit(cfg, shape, device, stages, more)})")
-        offloaded = cfg.model_copy(update={"offload_optimizer": True, "offload_params": 3 in stages})
-        z = None if cfg.offload_params else _first_fit(offloaded, shape, device, [s for s in stages if s], n)
-        if z is not None:
-            ideas.append("--offload-optimizer" + (" --offload-params" if z == 3 else "") + f" (ZeRO-{z})")
+        offloaded = cfg.model_copy(update={"offload_optimizer": True})
+        if not cfg.offload_params:
+            if (z := _first_fit(offloaded, shape, device, [s for s in stages if s], n)) is not None:
+                offload = f"--offload-optimizer (ZeRO-{z})"
+            elif 3 in stages and _first_fit(offloaded.model_copy(update={"offload_params": True}), shape, device, [3],
+                                            n) is not None:
+                offload = "--offload-optimizer --offload-params (ZeRO-3)"
+        ideas += [offload] if offload else []
         bigger = next((name for name, gib in sorted(GPU_MEMORY_GIB.items(), key=lambda kv: kv[1])
                        if gib > device.memory_gib and _first_fit(cfg, shape, replace(device, memory_gib=gib), stages, n)
                        is not None), None)
         if bigger:
             ideas.append(f"a GPU with more memory (--gpu {bigger}: {GPU_MEMORY_GIB[bigger]:g} GiB)")
-    if cfg.zero is not None and (z := _first_fit(cfg, shape, device, [0, 1, 2, 3], n)) is not None:
+    # a wider expert or tensor split; with optimizer offload when offload alone does not fit
+    variants: list[tuple[dict, str]] = [({}, "")]
+    if not (device.cpu or offload or cfg.offload_optimizer):
+        variants.append(({"offload_optimizer": True}, " --offload-optimizer"))
+    for flag, field, splits in (("--expert-parallel", "expert_parallel", shape.routed),
+                                ("--tensor-parallel", "tensor_parallel", shape.heads)):
+        degrees = [k for k in (getattr(cfg, field) << i for i in range(1, 11)) if splits and splits % k == 0]
+        for extra, also in variants:
+            wider = next((k for k in degrees if _first_fit(cfg.model_copy(update={field: k, **extra}), shape, device,
+                                                           [s for s in stages if s or not extra], n) is not None), None)
+            if wider:
+                ideas.append(f"{flag} {wider}{also}")
+                break
+    if cfg.zero is not None and (z := _first_fit(cfg, shape, device, allowed, n)) is not None:
         ideas.append(f"ZeRO-{z} (--zero {z})")
     if not cfg.activation_checkpointing and _first_fit(cfg.model_copy(update={"activation_checkpointing": True}),
                                                        shape, device, stages, n) is not None:
@@ -431,6 +538,34 @@ def _fits_nowhere(cfg: PlanConfig, shape: _Shape, device: _Device, counts: list[
         ideas.append("--micro-batch-size 1")
     return head + "; would fit: " + ("; ".join(ideas) if ideas else "none of the options planned here (a smaller "
                                      "model, or a shorter --seq-len)")
+
+
+# ---- communication -------------------------------------------------------------------------------------------------
+
+
+def _data_parallel_bytes(shape: _Shape, layout: Layout, zero: int, accum: int) -> float:
+    """Bytes a device sends per optimizer step for its parts' 16-bit gradients and weights: a ring reduce-scatter or
+    all-gather of Ψ parameters over N ranks sends 2·Ψ·(N-1)/N bytes. ZeRO-0 all-reduces (both) and ZeRO-1
+    reduce-scatters and all-gathers the updated weights once per step; ZeRO-2 reduce-scatters every micro-step;
+    ZeRO-3 also all-gathers the weights for each forward and backward pass, every micro-step."""
+    ring = sum(2 * psi * (group - 1) / group for psi, group in _parts(shape, layout))
+    return ring * (2 if zero < 2 else accum + 1 if zero == 2 else 3 * accum)
+
+
+def _model_parallel_bytes(shape: _Shape, layout: Layout, cfg: PlanConfig, accum: int) -> tuple[float, float, float]:
+    """(tensor, pipeline, expert parallel) bytes a device sends per optimizer step of `accum` micro-batches, for its
+    stage's L/PP layers; a micro-batch's 16-bit activation is A = 2·b·s·h bytes, A/t on each of t tensor-parallel ranks
+    (sequence parallelism). Tensor: per layer and pass (forward, backward, and the recomputed forward with
+    checkpointing) 2 all-gathers + 2 reduce-scatters of A, as much as 2 all-reduces, 2·A·(t-1)/t sent each. Pipeline:
+    a middle stage sends A/t forward and its gradient backward per micro-batch. Expert: dispatch and combine
+    all-to-alls per MoE layer and pass, each sending top_k copies of A/t, (EP-1)/EP of them to other ranks."""
+    t, p, e = layout.tensor, layout.pipeline, layout.expert
+    act = 2 * cfg.seq_len * cfg.micro_batch_size * shape.hidden
+    passes = 3 if cfg.activation_checkpointing else 2
+    tensor = accum * shape.layers / p * 2 * passes * 2 * act * (t - 1) / t
+    pipeline = accum * act / t * min(p - 1, 2)
+    expert = accum * shape.moe_layers / p * 2 * passes * shape.top_k * act / t * (e - 1) / e
+    return tensor, pipeline, expert
 
 
 # ---- throughput ----------------------------------------------------------------------------------------------------
@@ -466,11 +601,16 @@ def _count(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.3g}"
 
 
+def _gb(x: float | None) -> str:
+    return "-" if x is None else _count(x / 1e9)
+
+
 def format_table(p: Plan) -> str:
     """The plan as a header and one row per cluster size (what `dstool plan` prints)."""
     unit = "rank" if p.device.startswith("cpu") else "GPU"
     c0 = p.clusters[0]
     offload = ", ".join(k for k, on in (("optimizer", p.offload_optimizer), ("parameters", p.offload_params)) if on)
+    split = p.tensor_parallel * p.pipeline_stages * p.expert_parallel > 1
     lines = [
         f"dstool plan: {p.model}, {_params(p.parameters)} parameters ({_params(p.active_parameters)} active), "
         f"{p.tokens:,} tokens of {p.seq_len}-token sequences, micro-batch {c0.micro_batch_size} per {unit}",
@@ -481,27 +621,46 @@ def format_table(p: Plan) -> str:
         *(f"  note: {n}" for n in p.notes),
         f"  scaling efficiency: 1.0 within a node of {p.gpus_per_node}, x{p.node_scaling:g} per doubling of nodes"
         if unit == "GPU" else "  scaling efficiency: 1.0 (the ranks share this machine's cores)",
+        *([f"  layout: PP{p.pipeline_stages} x TP{p.tensor_parallel} x DP, EP{p.expert_parallel}: parameters per "
+           f"{unit} = dense {_params(p.parameters - p.routed_expert_parameters)} / (TP x PP) + routed experts "
+           f"{_params(p.routed_expert_parameters)} / (EP x PP), ZeRO partitioning them over DP and EDP (expert data "
+           "parallel)" if p.routed_expert_parameters else f"  layout: PP{p.pipeline_stages} x TP{p.tensor_parallel} "
+           f"x DP: parameters per {unit} = {_params(p.parameters)} / (TP x PP), ZeRO partitioning them over DP"]
+          if split else []),
         f"  memory per {unit}: DeepSpeed's model-state estimators + activations (an estimate: "
         f"{p.activations_gib:.3g} GiB; {p.activations_other_gib:.3g} GiB "
         f"{'without' if p.activation_checkpointing else 'with'} activation checkpointing); offload: "
         f"{offload or 'none'}",
+        f"  GB sent per {unit} per step: DP gradients (and ZeRO-3 weights) at the planned stage / TP activation "
+        "collectives / PP activations / EP all-to-all",
         "",
     ]
-    head = [f"{unit}s", "nodes", *(f"ZeRO-{z}" for z in range(4)), "planned", "scaling", "tokens/s", "step",
-            "time", f"{unit}-hours"] + (["cost"] if p.price is not None else [])
-    rows = [head]
+    head = [f"{unit}s", "nodes", *(["DP/EDP" if p.expert_parallel > 1 else "DP"] if split else []),
+            *(f"ZeRO-{m.zero}" for m in c0.memory), "planned", "scaling",
+            *(["bubble"] if p.pipeline_stages > 1 else []), "tokens/s", "step", "time", f"{unit}-hours",
+            *(["cost"] if p.price is not None else []), "GB DP/TP/PP/EP"]
+    rows = []
     for c in p.clusters:
         row = [str(c.gpus), str(c.nodes)]
+        if split:
+            row.append(f"{c.data_parallel}/{c.expert_data_parallel}" if p.expert_parallel > 1 else str(c.data_parallel))
         row += [f"{m.device_gib:.3g} GiB {'ok' if m.fits else 'no'}" for m in c.memory]
-        if c.zero is None:
-            row += ["does not fit", f"{c.scaling_efficiency:.2f}"] + ["-"] * (len(head) - len(row) - 2)
-        else:
-            row += [f"ZeRO-{c.zero}", f"{c.scaling_efficiency:.2f}", _count(c.tokens_per_s),
-                    _duration(c.step_time_s), _duration(c.hours * 3600), _count(c.gpu_hours)]
-            row += [_count(c.cost)] if c.cost is not None else []
-        rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in rows]
+        row += [f"ZeRO-{c.zero}" if c.zero is not None else "does not fit", f"{c.scaling_efficiency:.2f}"]
+        row += [f"{c.pipeline_bubble:.0%}"] if p.pipeline_stages > 1 else []
+        run = [_count(c.tokens_per_s), _duration(c.step_time_s), _duration(c.hours * 3600), _count(c.gpu_hours)]
+        run += [_count(c.cost)] if c.cost is not None else []
+        row += run if c.zero is not None else ["-"] * len(run)
+        comm = c.communication
+        row.append("/".join(map(_gb, (comm.data_parallel, comm.tensor_parallel, comm.pipeline, comm.expert_parallel))))
+        rows.append((c.gpus, row))
+    for s in p.not_applicable:
+        nodes = 1 if unit == "rank" else math.ceil(s.gpus / p.gpus_per_node)
+        rows.append((s.gpus, [str(s.gpus), str(nodes), "n/a"] + ["-"] * (len(head) - 3)))
+    table = [head] + [row for _, row in sorted(rows, key=lambda r: r[0])]
+    widths = [max(len(r[i]) for r in table) for i in range(len(head))]
+    lines += ["  ".join(cell.rjust(w) for cell, w in zip(r, widths)) for r in table]
+    if p.not_applicable:
+        lines += [""] + [f"n/a: {s.gpus} {unit}{'s' if s.gpus > 1 else ''}: {s.reason}" for s in p.not_applicable]
     if p.offload_optimizer:
         host = [f"{c.gpus} {unit}{'s' if c.gpus > 1 else ''}{f' ({c.nodes} nodes)' if c.nodes > 1 else ''}: "
                 f"{_count(c.memory[c.zero].cpu_gib_per_node)} GiB" for c in p.clusters if c.zero is not None]
