@@ -286,8 +286,9 @@ COMMANDS: dict[str, Command] = {
                       "when none fails, 1 when one fails, 2 for bad usage."),
     "plan": Command(_plan_config, _plan, "capacity and cost plan of a training run: memory per device for each ZeRO "
                     "stage, step time, total time, GPU-hours and cost for several cluster sizes", "Plan a training "
-                    "run before renting it: memory per device for each ZeRO stage (DeepSpeed's estimators plus an "
-                    "activation estimate), tokens/s, step time, total time, GPU-hours and cost from an achievable MFU "
+                    "run before renting it: memory per device for each ZeRO stage under a pipeline x tensor x "
+                    "data-parallel and expert-parallel layout (DeepSpeed's estimators plus an activation estimate), "
+                    "communication per step, tokens/s, step time, total time, GPU-hours and cost from an achievable MFU "
                     "(published figures, or --from-run a dstool train run) and an assumed scaling efficiency, one row "
                     "per cluster size. Exits 2 when the model fits no device planned, naming what would fit."),
     "compress": Command(_compress_config, _compress, "int8/4-bit quantization, structured pruning, N:M sparsity, "

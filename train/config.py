@@ -16,7 +16,8 @@ class TrainConfig(CommandConfig):
     """Everything `dstool train` needs. Field names are the YAML keys; CLI flags use dashes."""
 
     # What to train on
-    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b) or a local Hugging Face model folder")
+    model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b; deepseek-v3, deepseek-v2-lite at "
+                       "full size, for clusters) or a local Hugging Face model folder")
     data: str | None = Field(None, description="the data: a file, a folder or glob of shards (.jsonl, .parquet, .csv, "
                              ".txt, .arrow) or a `datasets` save_to_disk folder; several as PATH:WEIGHT,PATH:WEIGHT "
                              "for a weighted mixture; none for the embedded corpus")
