@@ -288,9 +288,9 @@ COMMANDS: dict[str, Command] = {
                     "stage, step time, total time, GPU-hours and cost for several cluster sizes", "Plan a training "
                     "run before renting it: memory per device for each ZeRO stage under a pipeline x tensor x "
                     "data-parallel and expert-parallel layout (DeepSpeed's estimators plus an activation estimate), "
-                    "communication per step, tokens/s, step time, total time, GPU-hours and cost from an achievable MFU "
-                    "(published figures, or --from-run a dstool train run) and an assumed scaling efficiency, one row "
-                    "per cluster size. Exits 2 when the model fits no device planned, naming what would fit."),
+                    "communication per step, tokens/s, step time, total time, GPU-hours and cost from an achievable "
+                    "MFU (published figures, or --from-run a dstool train run) and an assumed scaling efficiency, one "
+                    "row per cluster size. Exits 2 when the model fits no device planned, naming what would fit."),
     "compress": Command(_compress_config, _compress, "int8/4-bit quantization, structured pruning, N:M sparsity, "
                         "measured report", "Compress a Hugging Face causal LM; writes model/, both ONNX graphs (logits "
                         "and key/value-cache decoder) in onnx/, a manifest (dstool.json) and a measured report "

@@ -79,6 +79,28 @@ def losses(output: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
+def model_folder_matches(out: Path, reference: Path | None = None) -> None:
+    """OUT/model passed the run's reload gate, transformers reloads it with no missing or unexpected weights and
+    the engine's probe logits (1e-4), and with `reference` (another layout's run of the same model) it holds that
+    run's weights (its logits to 1e-3)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from dstool.artifacts import HFModel
+
+    assert HFModel.read(out / "model", verify=True).parity.max_abs_logit_diff <= 1e-4
+    model, info = AutoModelForCausalLM.from_pretrained(out / "model", output_loading_info=True)
+    assert not info["missing_keys"] and not info["unexpected_keys"], info
+    probe = torch.load(out / "probe_logits.pt")
+    with torch.no_grad():
+        logits = model.eval()(input_ids=probe["input_ids"]).logits
+    assert (logits - probe["logits"]).abs().max().item() <= 1e-4
+    if reference is not None:
+        ref = torch.load(reference / "probe_logits.pt")
+        assert torch.equal(probe["input_ids"], ref["input_ids"])
+        assert (logits - ref["logits"]).abs().max().item() < 1e-3
+
+
 # One Triton each: the tests that use one run on the same xdist worker (see pytest_collection_modifyitems).
 SERVERS = ("server", "gateway_server")
 

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from dstool.artifacts import Checkpoint, HFModel
+from dstool.artifacts import Checkpoint
 
-from conftest import cli, crash_after_first_checkpoint, dstool, losses, one_line_usage_error
+from conftest import cli, crash_after_first_checkpoint, dstool, losses, model_folder_matches, one_line_usage_error
 
 # One global batch (8 sequences) on every layout and no lr scaling: the runs compute the same steps.
 RUN = ["--zero", "1", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "5",
@@ -80,19 +80,7 @@ def test_moe_tensor_parallel_matches_data_parallel(runs):
 def test_tensor_parallel_model_folder_is_the_whole_model(runs, run):
     """The shards joined into model/ reload in transformers with the engine's logits, and they are the weights the
     data-parallel run trained."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    (out, _), (ref, _) = runs[run], runs[run[0], "ref"]
-    assert HFModel.read(out / "model", verify=True).parity.max_abs_logit_diff <= 1e-4
-    probe = torch.load(out / "probe_logits.pt")
-    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits
-    assert (logits - probe["logits"]).abs().max().item() <= 1e-4
-    reference = torch.load(ref / "probe_logits.pt")
-    assert torch.equal(probe["input_ids"], reference["input_ids"])
-    assert (logits - reference["logits"]).abs().max().item() < 1e-3
+    model_folder_matches(runs[run][0], reference=runs[run[0], "ref"][0])
 
 
 @pytest.mark.slow

@@ -12,10 +12,10 @@ from pathlib import Path
 import psutil
 import pytest
 
-from dstool.artifacts import Checkpoint, HFModel, UniversalCheckpoint
+from dstool.artifacts import Checkpoint, UniversalCheckpoint
 from dstool.train import checkpoint
 
-from conftest import DSTOOL, FAST, cli, dstool, losses, one_line_usage_error
+from conftest import DSTOOL, FAST, cli, dstool, losses, model_folder_matches, one_line_usage_error
 
 # Same global batch (8) on any world size and no lr scaling: a resumed run can match an uninterrupted one.
 SCALE = ["--zero", "2", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "8",
@@ -411,20 +411,9 @@ def test_model_parallel_training_matches_data_parallel(model_parallel, kind):
 
 @pytest.mark.parametrize("kind", ["pipeline", "tensor"])
 def test_model_parallel_model_folder_reloads(model_parallel, kind):
-    """The stages / tensor shards gathered into model/ are the whole trained LlamaForCausalLM."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    ref, (out, _) = model_parallel[0], model_parallel[1][kind]
-    assert HFModel.read(out / "model", verify=True).parity.max_abs_logit_diff <= 1e-4
-    probe = torch.load(out / "probe_logits.pt")
-    model = AutoModelForCausalLM.from_pretrained(out / "model").eval()
-    with torch.no_grad():
-        logits = model(input_ids=probe["input_ids"]).logits
-    assert (logits - probe["logits"]).abs().max().item() <= 1e-4
-    ref_logits = torch.load(ref / "probe_logits.pt")["logits"]  # and they are the data-parallel run's weights
-    assert torch.equal(probe["input_ids"], torch.load(ref / "probe_logits.pt")["input_ids"])
-    assert (logits - ref_logits).abs().max().item() < 1e-3
+    """The stages / tensor shards gathered into model/ are the whole trained LlamaForCausalLM, the data-parallel
+    run's weights."""
+    model_folder_matches(model_parallel[1][kind][0], reference=model_parallel[0])
 
 
 @pytest.mark.parametrize("args,needle", [
