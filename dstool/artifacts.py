@@ -225,6 +225,9 @@ class Checkpoint(Manifest):
                                   "optimizer state files differ by it)")
     expert_parallel: int | None = Field(None, description="ranks each MoE layer's routed experts were sharded over "
                                         "(DeepSpeed AutoEP's module layout); None: the model's own MoE blocks")
+    pipeline_stages: int | None = Field(None, description="pipeline stages it was saved with (its files are per "
+                                        "stage layer; None: written before this was recorded)")
+    tensor_parallel: int | None = Field(None, description="tensor-parallel ranks it was saved with (files per shard)")
 
 
 class UniversalCheckpoint(Checkpoint):

@@ -15,6 +15,9 @@
 # 3. GPU hardware metrics (issue 28, train/hardware.py) during a run with --metrics-port: dstool_train_gpus >= 1 and
 #    each GPU's temperature, power, memory used/total and utilisation above 0 in the scrapes; PCIe TX/RX printed (a
 #    tiny model may move next to nothing); the same figures in TensorBoard as gpu/KEY/INDEX.
+# 4. Issue 29: DeepSpeed AutoEP's MoE layer (grouped GEMM on CUDA) in bf16 on one GPU (autoep_size 1: NCCL takes no
+#    two ranks on one GPU, so the all-to-all itself needs a second GPU), its losses beside the model's own MoE blocks
+#    and its gathered model/ through the reload gate; `dstool doctor`'s GPU topology line.
 set -uo pipefail
 out=${1:-${OUT:-./gpu-check}}
 mkdir -p "$out"
@@ -153,4 +156,17 @@ EOF
 else
   echo "deepspeed, pynvml (nvidia-ml-py) or prometheus_client is not installed there (carry their wheels): not checked"
 fi
+echo "== 4. AutoEP's MoE layer on the GPU (bf16) and doctor's GPU topology"
+if "$python" -c "import deepspeed" 2>/dev/null; then
+  echo '{"expert_parallel": {"enabled": true, "autoep_size": 1, "preset_model": "deepseek_v3"}}' > "$out/autoep.json"
+  for mode in plain autoep; do
+    extra=(); [ "$mode" = autoep ] && extra=(--deepspeed-config "$out/autoep.json")
+    "$python" -m dstool.cli train --output "$out/moe-$mode" --model tiny-moe --nproc 1 --zero 2 --precision bf16 \
+      --max-steps 20 --save-every 20 --log-every 5 --seq-len 256 "${extra[@]}" 2>&1 | grep -E "^step|wrote|error"
+    echo "$mode: exit ${PIPESTATUS[0]}"
+  done
+else
+  echo "deepspeed is not installed there: AutoEP not checked"
+fi
+"$python" -m dstool.cli doctor --nproc 1 --output "$out/doctor-run" 2>&1 | grep -E "GPU|layout"
 echo "== done"

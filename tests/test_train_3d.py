@@ -94,6 +94,15 @@ def test_tensor_x_pipeline_resumes_on_the_same_layout(runs, tmp_path):
     _same_curve(out, runs["tiny-moe", "ref"][0], steps=range(3, 6))
 
 
+def test_tensor_x_pipeline_checkpoint_refuses_another_layout(runs, tmp_path):
+    """Per-stage and per-shard files load on their own layout only: another one is refused in one line, before any
+    rank starts, naming the saved layout."""
+    tag = runs["tiny-moe", "3d"][0] / "checkpoints" / "step-00000005"
+    result = cli("train", "--output", str(tmp_path / "run"), "--model", "tiny-moe", *RUN, "--nproc", "4",
+                 "--pipeline-stages", "4", "--resume", str(tag))
+    one_line_usage_error(result, "was saved with --pipeline-stages 2 --tensor-parallel 2")
+
+
 def _qwen2_folder(tmp_path: Path) -> str:
     from transformers import Qwen2Config
 

@@ -89,6 +89,9 @@ def test_deepseek_v2_folder_expert_parallel_equals_data_parallel(runs, tmp_path)
     dp, ep = losses(tmp_path / "dp"), losses(tmp_path / "ep")
     assert sorted(ep) == [1, 2, 3] and all(ep[s] == pytest.approx(dp[s], rel=1e-4, abs=1e-4) for s in dp), (dp, ep)
     assert HFModel.read(tmp_path / "ep" / "model", verify=True).parity.max_abs_logit_diff < 1e-4
+    # AutoTP's route stops on DeepSeek-V2's attention on the ranks: refused here instead
+    one_line_usage_error(cli("train", "--output", str(tmp_path / "tp"), *args, "--tensor-parallel", "2"),
+                         "--tensor-parallel supports DeepSeek-V3's attention, not DeepSeek-V2's")
 
 
 @pytest.mark.parametrize("args, needle", [
@@ -108,8 +111,22 @@ def test_expert_parallel_refusals_are_one_line(args, needle, tmp_path):
     assert not (tmp_path / "run" / "run.json").exists()  # refused before any rank was planned
 
 
-def test_plain_moe_checkpoint_refused_by_an_expert_parallel_run(runs, tmp_path):
-    out = tmp_path / "run"
-    result = cli("train", "--output", str(out), *RUN, "--nproc", "2", "--micro-batch-size", "4",
-                 "--expert-parallel", "2", "--resume", str(runs["single"] / "checkpoints" / "step-00000002"))
-    one_line_usage_error(result, "holds the model's own MoE blocks")
+@pytest.mark.parametrize("saved, args, needle", [
+    ("single", ["--expert-parallel", "2"], "holds the model's own MoE blocks"),
+    ("ep2", ["--tensor-parallel", "2"], "holds expert-parallel MoE layers (DeepSpeed AutoEP), which pipeline stages"),
+])
+def test_checkpoint_of_another_moe_layout_refused(runs, saved, args, needle, tmp_path):
+    tag = runs[saved] / "checkpoints" / "step-00000002"
+    result = cli("train", "--output", str(tmp_path / "run"), *RUN, "--nproc", "2", "--micro-batch-size", "4", *args,
+                 "--resume", str(tag))
+    one_line_usage_error(result, needle)
+
+
+def test_deepspeed_json_may_not_set_the_layout(tmp_path):
+    """The layout's checks, checkpoints and model/ follow --expert-parallel: a JSON that would change it is refused
+    rather than silently winning."""
+    user = tmp_path / "ds.json"
+    user.write_text(json.dumps({"expert_parallel": {"enabled": True, "autoep_size": 1}}))
+    result = cli("train", "--output", str(tmp_path / "run"), *RUN, "--nproc", "2", "--micro-batch-size", "4",
+                 "--expert-parallel", "2", "--deepspeed-config", str(user))
+    one_line_usage_error(result, "sets 'expert_parallel', which dstool derives from --expert-parallel")

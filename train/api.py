@@ -266,6 +266,16 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
         raise UsageError(f"checkpoint {tag} holds the model's own MoE blocks (no --expert-parallel), which an "
                          "expert-parallel engine cannot load: resume without --expert-parallel, or start the "
                          f"expert-parallel run from its weights: --model {out / 'model'} --output NEW")
+    if saved.expert_parallel and (cfg.pipeline_stages > 1 or cfg.tensor_parallel > 1):
+        raise UsageError(f"checkpoint {tag} holds expert-parallel MoE layers (DeepSpeed AutoEP), which pipeline stages "
+                         "and tensor parallelism cannot load: resume with --expert-parallel and data parallelism, or "
+                         f"start the new layout from its weights: --model {out / 'model'} --output NEW")
+    asked_mp = (cfg.pipeline_stages, cfg.tensor_parallel)
+    if saved.pipeline_stages is not None and (saved.pipeline_stages, saved.tensor_parallel or 1) != asked_mp:
+        raise UsageError(f"checkpoint {tag} was saved with --pipeline-stages {saved.pipeline_stages} "
+                         f"--tensor-parallel {saved.tensor_parallel}, whose per-stage and per-shard files load on "
+                         "that layout only: resume with those, or start the new layout from its weights: --model "
+                         f"{out / 'model'} --output NEW")
     saved_world = checkpoint.saved_world_size(tag)
     if saved.expert_parallel and saved.zero_stage == 0 and (saved_world, saved.expert_parallel) != (
             world, cfg.expert_parallel):
@@ -277,7 +287,7 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
         raise UsageError(f"checkpoint {tag} was saved on {saved_world} ranks; pipeline and tensor-parallel runs resume "
                          f"only on the same world size: use {saved_world} ranks or a new --output")
     if checkpoint.needs_universal(tag, world, cfg.expert_parallel if saved.expert_parallel else None):
-        if cfg.lr_scaling == "linear":
+        if cfg.lr_scaling == "linear" and saved_world != world:
             log.info(f"  note: world size {saved_world} -> {world} changes the peak lr (--lr-scaling linear); "
                      "use --lr-scaling none to keep it")
         checkpoint.universal(tag)

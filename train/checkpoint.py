@@ -41,11 +41,13 @@ def tag_for(step: int) -> str:
 
 
 def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: dict[str, list[int]],
-         adapter: dict | None = None, archive: str | None = None, last: bool = False) -> Path:
+         adapter: dict | None = None, archive: str | None = None, last: bool = False,
+         model_parallel: tuple[int, int] = (1, 1)) -> Path:
     """Every rank writes its shard under a partial tag; rank 0 hashes, renames, moves `latest`, prunes (to
     `archive` when given; the `last` save waits for that copy). `shapes`: the whole model's `model_shapes`, recorded
     to refuse resuming another model; `adapter`: the LoRA adapter's shape when only it trains (the frozen weights
-    are then left out)."""
+    are then left out); `model_parallel`: (pipeline stages, tensor-parallel ranks), whose files load on that layout
+    only."""
     tag = tag_for(step)
     partial = PARTIAL + tag
     if dist.get_rank() == 0:  # a partial folder left by a killed attempt may hold other ranks' stale shards
@@ -58,7 +60,8 @@ def save(engine, root: Path, step: int, client_state: dict, keep: int, shapes: d
     if dist.get_rank() == 0:
         Checkpoint(step=step, world_size=dist.get_world_size(), zero_stage=engine.zero_optimization_stage(),
                    model_shapes=shapes, lora=adapter, precision=precision(engine),
-                   expert_parallel=expert_parallel_size(engine)).write(root / partial)
+                   expert_parallel=expert_parallel_size(engine), pipeline_stages=model_parallel[0],
+                   tensor_parallel=model_parallel[1]).write(root / partial)
         replace_folder(root / partial, final)
         write_text_atomic(root / "latest", tag)
         prune(root, keep, archive, wait=last)

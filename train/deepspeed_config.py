@@ -86,7 +86,13 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool, expert_pre
     if expert_preset:
         ds["expert_parallel"] = expert_parallel_section(expert_preset, expert_parallel or cfg.expert_parallel)
     if cfg.deepspeed_config:
-        ds = merge(ds, _read_user_json(cfg.deepspeed_config))
+        user = _read_user_json(cfg.deepspeed_config)
+        for key, flag in (("expert_parallel", "--expert-parallel"), ("tensor_parallel", "--tensor-parallel"),
+                          ("pipeline", "--pipeline-stages")):
+            if key in user:  # the layout's checks, checkpoints and model/ follow the flag: the JSON may not differ
+                raise UsageError(f"DeepSpeed config {cfg.deepspeed_config} sets '{key}', which dstool derives from "
+                                 f"{flag}: drop the key and use {flag}")
+        ds = merge(ds, user)
         _check_batch(ds, _batch_ranks(cfg, world))
     return ds
 

@@ -82,12 +82,12 @@ def hf_state_dict(engine, preset: str) -> dict[str, torch.Tensor] | None:
         group_ranks = dist.get_process_group_ranks(layer.ep_group)
         gathered: dict[str, list[torch.Tensor]] = {}
         for w in ("w1", "w2", "w3"):  # every expert rank holds as many experts: shards of one shape
-            local = _full(getattr(layer.experts, w))
+            local = _full(getattr(layer.experts, w)).to(engine.device)  # NCCL gathers device tensors only
             if 0 not in group_ranks:  # another expert-data-parallel replica: rank 0's group holds every expert
                 continue
-            parts = [torch.empty_like(local) for _ in group_ranks]
-            dist.gather(local, parts if rank == 0 else None, dst=0, group=layer.ep_group)
-            gathered[w] = parts
+            parts = [torch.empty_like(local) for _ in group_ranks] if rank == 0 else []
+            dist.gather(local, parts or None, dst=0, group=layer.ep_group)
+            gathered[w] = [part.cpu() for part in parts]
         if rank != 0:
             continue
         by_expert: dict[int, dict[str, torch.Tensor]] = {}

@@ -51,21 +51,20 @@ def _hf_config(model_ref: str):
             else AutoConfig.from_pretrained(model_ref))
 
 
-def needs_own_split(model_ref: str, pipeline_stages: int) -> bool:
-    """Whether dstool says how the model is cut (DeepSeek-V3, or any model inside pipeline stages), rather than
-    AutoTP's Hugging Face tp_plan route."""
-    return pipeline_stages > 1 or _hf_config(model_ref).model_type == "deepseek_v3"
-
-
 def check_model(model_ref: str, tensor: int, pipeline_stages: int) -> dict | None:
     """Refuse, before any rank starts, a model that --tensor-parallel `tensor` cannot cut evenly (one line); returns
     the AutoTP partition_config the run's DeepSpeed JSON needs (None: none, or no AutoTP)."""
-    if tensor == 1 or not needs_own_split(model_ref, pipeline_stages):
+    if tensor == 1:
         return None
     c = _hf_config(model_ref)
+    if c.model_type == "deepseek_v2":  # AutoTP's tp_plan route stops on its 'mla_kv_a_proj' style
+        raise UsageError(f"--tensor-parallel supports DeepSeek-V3's attention, not DeepSeek-V2's ({model_ref}): train "
+                         "it data-parallel, with --expert-parallel for its experts")
     if c.model_type not in _SPLITS:
-        raise UsageError(f"--tensor-parallel with --pipeline-stages needs a Llama or DeepSeek-V3 model; {model_ref} "
-                         f"is {c.model_type}: drop one of the two")
+        if pipeline_stages > 1:
+            raise UsageError(f"--tensor-parallel with --pipeline-stages needs a Llama or DeepSeek-V3 model; "
+                             f"{model_ref} is {c.model_type}: drop one of the two")
+        return None  # AutoTP's own Hugging Face tp_plan route
     sizes = {"attention heads": c.num_attention_heads}
     if c.model_type == "llama":
         sizes["key-value heads"] = c.num_key_value_heads

@@ -280,7 +280,8 @@ class Checkpointer:
         self.tag = checkpoint.save(self.engine, self.out / "checkpoints", step,
                                    {"step": step, "samples_consumed": self.data_offset + step * self.samples_per_step},
                                    self.cfg.keep_checkpoints, self.shapes, lora.spec(self.cfg), self.cfg.archive,
-                                   last=step == self.cfg.max_steps)
+                                   last=step == self.cfg.max_steps,
+                                   model_parallel=(self.cfg.pipeline_stages, self.cfg.tensor_parallel))
         self.gate.saved()
         self.observer.checkpointed(step)
         self.last_saved = step
@@ -460,6 +461,9 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
             state = expert_parallel.hf_state_dict(engine, preset)  # collective; experts joined on rank 0
         elif engine.zero_optimization_stage() == 3 or engine.autotp_size() > 1:
             state = engine._consolidated_16bit_state_dict()  # collective; ZeRO-3 and AutoTP shards joined on rank 0
+            if state is not None:  # AutoTP's leaves out persistent buffers (DeepSeek-V3's e_score_correction_bias)
+                have = {name for name, _ in engine.module.named_parameters()} | set(state)
+                state.update({k: v for k, v in engine.module.state_dict().items() if k not in have})
         else:
             state = engine.module.state_dict() if rank == 0 else None
     if rank != 0 or state is None:
