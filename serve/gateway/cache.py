@@ -21,6 +21,7 @@ import orjson
 
 from dstool.serve.cache_url import CacheURL
 from dstool.serve.gateway.tensors import InferResult, Tensor
+from dstool.serve.gateway.upstream import within
 
 log = logging.getLogger("dstool.gateway")
 MAGIC = b"DSG1"
@@ -172,7 +173,7 @@ class RedisStore:
         if not self.available:
             return None
         try:
-            reply = await getattr(self.client, method)(*args)
+            reply = await within(getattr(self.client, method)(*args), None)  # cancellable, whatever redis-py does
         except Exception as e:  # redis.RedisError, socket errors and timeouts alike
             self._failed(e)
             return None

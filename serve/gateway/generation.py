@@ -25,7 +25,7 @@ import hashlib
 import math
 import struct
 import time
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 
 import orjson
@@ -52,6 +52,7 @@ class Generation:
     headers: list[tuple[str, str]]
     events: AsyncGenerator[bytes, None]
     hit: bool = False  # answered from the cache
+    close: Callable[[], None] = lambda: None  # gives the answer up (Triton's request cancelled unless it ended)
 
 
 def data(event: bytes) -> dict | None:
@@ -188,7 +189,7 @@ class GenerationCache:
             if key is not None and r.status == 200:
                 self._store(key, served, model, passed, [whole], answer)
             return Generation(r.status, passed, _one(whole))
-        return Generation(r.status, passed, self._relay(r, key, served, model, passed, answer))
+        return Generation(r.status, passed, self._relay(r, key, served, model, passed, answer), close=r.close)
 
     async def _relay(self, r, key: str | None, served: str, model: str, headers,
                      answer: Answer) -> AsyncGenerator[bytes, None]:

@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from dstool.serve.gateway import auth
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.tensors import ITEM_SIZE
+from dstool.serve.gateway.upstream import within
 
 log = logging.getLogger("dstool.gateway")
 FLUSH_SECONDS = 0.05
@@ -101,7 +102,7 @@ class Guard:
             call.close()
             raise RedisDown()
         try:
-            reply = await call
+            reply = await within(call, None)  # cancellable, whatever redis-py does with a cancellation
         except ResponseError as e:
             self.metrics.error("redis")
             raise Refused(503, f"Redis refused the key check: {e}", "unavailable", "server_error",

@@ -185,7 +185,7 @@ class HttpFrontend:
             if g.status >= 400 and not body:
                 return error_response(g.status, error_message(g.status, body))
             return HttpResponse(g.status, [body], g.headers)
-        return StreamingResponse(g.status, g.headers, _sse(events))
+        return StreamingResponse(g.status, g.headers, _sse(events), g.close)
 
     def infer(self, req: HttpRequest, model: str, version: str):
         started = time.perf_counter()
@@ -295,7 +295,7 @@ class HttpFrontend:
             self.metrics.error("upstream")
         passed = [(k, v) for k, v in r.headers.items() if k not in HOP_BY_HOP]
         if r.streaming:
-            return StreamingResponse(r.status, passed, r.chunks())
+            return StreamingResponse(r.status, passed, r.chunks(), r.close)
         body = await r.read()
         if r.status >= 400 and not body:
             return error_response(r.status, error_message(r.status, body))

@@ -373,18 +373,16 @@ class HttpConnection(asyncio.Protocol):
         self._after_response(keep_alive)
 
     async def _stream(self, response: StreamingResponse, keep_alive: bool) -> None:
-        if self.transport is None:
-            if response.close is not None:
-                response.close()
-            return
         keep_alive = keep_alive and not self.frontend.draining
-        head = [f"HTTP/1.1 {response.status} {_phrase(response.status)}\r\nTransfer-Encoding: chunked\r\n"]
-        head += [f"{k}: {v}\r\n" for k, v in response.headers]
-        if not keep_alive:
-            head.append("Connection: close\r\n")
-        self.transport.write("".join(head + ["\r\n"]).encode("latin-1"))
         body = response.body
         try:
+            if self.transport is None:  # the client went as its answer began: nobody will read it
+                return
+            head = [f"HTTP/1.1 {response.status} {_phrase(response.status)}\r\nTransfer-Encoding: chunked\r\n"]
+            head += [f"{k}: {v}\r\n" for k, v in response.headers]
+            if not keep_alive:
+                head.append("Connection: close\r\n")
+            self.transport.write("".join(head + ["\r\n"]).encode("latin-1"))
             async for chunk in body:
                 if self.transport is None:
                     break

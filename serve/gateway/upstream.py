@@ -42,10 +42,12 @@ class UnsafeRequest(ValueError):
     """A path or header that would change the framing of the request sent to Triton (400)."""
 
 
-async def within(awaitable, seconds: float, discard=None):
-    """`await awaitable`, asyncio.TimeoutError after `seconds`. Unlike asyncio.wait_for on Python 3.11, a
-    cancellation that arrives as the awaitable completes is never swallowed (CPython gh-86296), so a client that
-    hangs up always stops the work it asked for; a result that came too late is handed to `discard`."""
+async def within(awaitable, seconds: float | None, discard=None):
+    """`await awaitable`, asyncio.TimeoutError after `seconds` (None: no bound). Unlike asyncio.wait_for on Python
+    3.10-3.11, a cancellation that arrives as the awaitable completes is never swallowed (CPython gh-86296), so a
+    client that hangs up always stops the work it asked for; a result that came too late is handed to `discard`.
+    Also for a library that swallows it inside (redis-py bounds each command with asyncio.wait_for): the awaitable
+    runs in a task of its own, and the caller's cancellation is raised here whatever that task does with it."""
     task = asyncio.ensure_future(awaitable)
     try:
         done, _ = await asyncio.wait({task}, timeout=seconds)
@@ -199,6 +201,7 @@ class UpstreamResponse:
     def __init__(self, server: HttpUpstream, conn: _Connection, status: int, headers: dict[str, str],
                  timeout: float):
         self.server, self.conn, self.status, self.headers, self.timeout = server, conn, status, headers, timeout
+        self.finished = False  # read to its end (its connection back in the pool) or given up
         self.streaming = headers.get("transfer-encoding", "").lower() == "chunked" \
             and headers.get("content-type", "").startswith("text/event-stream")
 
@@ -210,9 +213,17 @@ class UpstreamResponse:
             while (part := await self.conn.next_part(self.timeout)) is not None:
                 yield part
         except BaseException:
-            self.conn.transport.close()
+            self.close()
             raise
+        self.finished = True
         self.server.release(self.conn)
+
+    def close(self) -> None:
+        """Give the answer up: unless it was read to its end, its connection closes, which cancels the request on
+        Triton. For an answer nobody will read, whether or not its chunks() was ever started."""
+        if not self.finished:
+            self.finished = True
+            self.conn.transport.close()
 
 
 class HttpUpstream:
