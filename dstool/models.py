@@ -99,6 +99,11 @@ def check_model_folder(folder: Path) -> None:
         raise UsageError(f"model folder {folder} has no weights (*.safetensors or *.bin)")
 
 
+def model_config(ref: str, vocab_size: int) -> PretrainedConfig:
+    """The Hugging Face config of a preset (with `vocab_size`) or of a model folder (its own): shapes, no weights."""
+    return preset_config(ref, vocab_size, {}) if is_preset(ref) else AutoConfig.from_pretrained(ref)
+
+
 def preset_config(name: str, vocab_size: int, special_ids: dict[str, int]) -> PretrainedConfig:
     """The config of preset `name` with the tokenizer's vocabulary and special-token ids."""
     cfg = PRESETS[name](vocab_size)

@@ -66,7 +66,7 @@ def train(cfg: TrainConfig) -> TrainResult:
     if cfg.pipeline_stages > 1:
         pipeline_parallel.check_model(cfg.model)
     tensor_partition = tensor_parallel.check_model(cfg.model, cfg.tensor_parallel, cfg.pipeline_stages)
-    experts = (expert_parallel.check_model(_hf_config(cfg.model, 256), cfg.expert_parallel, cfg.model)
+    experts = (expert_parallel.check_model(models.model_config(cfg.model, 256), cfg.expert_parallel, cfg.model)
                if cfg.expert_parallel > 1 else None)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
@@ -107,7 +107,7 @@ def train(cfg: TrainConfig) -> TrainResult:
         resume = _resume_point(cfg, out, topo.world, len(tokenizer), precision)
         if resume and experts is None and checkpoint.manifest(resume).expert_parallel:
             # an expert-parallel checkpoint on one rank per expert group: AutoEP's module layout, unsharded
-            experts = expert_parallel.check_model(_hf_config(cfg.model, 256), 1, cfg.model)
+            experts = expert_parallel.check_model(models.model_config(cfg.model, 256), 1, cfg.model)
             ds_config = deepspeed_config.build(cfg, topo.world, precision, on_gpu, experts, expert_parallel=1,
                                                tensor_partition=tensor_partition)
         TrainRun(data_fingerprint=fingerprint, data=DataSplit(
@@ -294,19 +294,12 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
     return tag
 
 
-def _hf_config(model_ref: str, vocab_size: int):
-    from transformers import AutoConfig
-
-    return (models.preset_config(model_ref, vocab_size, {}) if models.is_preset(model_ref)
-            else AutoConfig.from_pretrained(model_ref))
-
-
 def _meta_model(model_ref: str, vocab_size: int):
     """The model's modules with no weights (the meta device): shapes and names only."""
     from transformers import AutoModelForCausalLM
 
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(_hf_config(model_ref, vocab_size))
+        return AutoModelForCausalLM.from_config(models.model_config(model_ref, vocab_size))
 
 
 def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:

@@ -84,7 +84,8 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool, expert_pre
             tp["partition_config"] = tensor_partition
         ds["tensor_parallel"] = tp
     if expert_preset:
-        ds["expert_parallel"] = expert_parallel_section(expert_preset, expert_parallel or cfg.expert_parallel)
+        ds["expert_parallel"] = {"enabled": True, "autoep_size": expert_parallel or cfg.expert_parallel,
+                                 "preset_model": expert_preset}
     if cfg.deepspeed_config:
         user = _read_user_json(cfg.deepspeed_config)
         for key, flag in (("expert_parallel", "--expert-parallel"), ("tensor_parallel", "--tensor-parallel"),
@@ -95,10 +96,6 @@ def build(cfg: TrainConfig, world: int, precision: str, on_gpu: bool, expert_pre
         ds = merge(ds, user)
         _check_batch(ds, _batch_ranks(cfg, world))
     return ds
-
-
-def expert_parallel_section(preset: str, ep: int) -> dict:
-    return {"enabled": True, "autoep_size": ep, "preset_model": preset}
 
 
 def _batch_ranks(cfg: TrainConfig, world: int) -> int:

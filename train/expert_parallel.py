@@ -17,8 +17,8 @@ import torch.distributed as dist
 
 from dstool.errors import UsageError
 
-# the AutoEP presets whose Hugging Face names `hf_state_dict` maps back (trained and compared in tests)
-PRESETS = {"deepseek_v2": "deepseek_v2", "deepseek_v3": "deepseek_v3"}
+# the model types whose AutoEP presets (same names) `hf_state_dict` maps back (trained and compared in tests)
+PRESETS = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
 def check_model(hf_config, ep: int, model_ref: str) -> str:
@@ -27,14 +27,13 @@ def check_model(hf_config, ep: int, model_ref: str) -> str:
     if not experts:
         raise UsageError(f"--expert-parallel {ep} needs a mixture-of-experts model; {model_ref} "
                          f"({hf_config.model_type}) has no routed experts: drop --expert-parallel")
-    name = PRESETS.get(hf_config.model_type)
-    if name is None:
+    if hf_config.model_type not in PRESETS:
         raise UsageError(f"--expert-parallel supports DeepSeek-V2/V3 models (deepseek_v2, deepseek_v3); {model_ref} is "
                          f"{hf_config.model_type}: drop --expert-parallel")
     if experts % ep:
         raise UsageError(f"--expert-parallel {ep} does not divide the {experts} routed experts of {model_ref}: use "
                          "a divisor of the expert count")
-    return name
+    return hf_config.model_type
 
 
 def _layers(module) -> list[tuple[str, Any]]:

@@ -27,10 +27,7 @@ PIPELINE_MODELS = ("llama", "deepseek_v3")
 
 def check_model(model_ref: str) -> None:
     """Refuse, before any rank starts, a model the pipeline cannot cut (one-line UsageError)."""
-    from transformers import AutoConfig
-
-    cfg = (models.preset_config(model_ref, 256, {}) if models.is_preset(model_ref)
-           else AutoConfig.from_pretrained(model_ref))
+    cfg = models.model_config(model_ref, 256)
     if cfg.model_type not in PIPELINE_MODELS:
         raise UsageError(f"--pipeline-stages needs a Llama-architecture or DeepSeek-V3 model; {model_ref} is "
                          f"{cfg.model_type}: use --model tiny, tiny-moe or such a folder, or train it data-parallel")

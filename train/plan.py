@@ -334,13 +334,10 @@ def _ladder(device: _Device) -> list[int]:
 def _model_shape(ref: str, vocab_size: int | None, seq_len: int) -> _Shape:
     """Parameter counts of `ref` from its config alone (the model is built on torch's meta device: no weights)."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM
 
     models.check_model_ref(ref)
-    if models.is_preset(ref):
-        hf_config = models.preset_config(ref, vocab_size or models.PRESET_VOCAB.get(ref, 4096), {})
-    else:
-        hf_config = AutoConfig.from_pretrained(ref)
+    hf_config = models.model_config(ref, vocab_size or models.PRESET_VOCAB.get(ref, 4096))
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(hf_config)
     total, active = models.count_parameters(model)

@@ -44,19 +44,12 @@ _HEAD = (r"lm_head", "column")  # logits gathered: the loss sees the whole vocab
 SUPPORTED = tuple(_SPLITS)
 
 
-def _hf_config(model_ref: str):
-    from transformers import AutoConfig
-
-    return (models.preset_config(model_ref, 256, {}) if models.is_preset(model_ref)
-            else AutoConfig.from_pretrained(model_ref))
-
-
 def check_model(model_ref: str, tensor: int, pipeline_stages: int) -> dict | None:
     """Refuse, before any rank starts, a model that --tensor-parallel `tensor` cannot cut evenly (one line); returns
     the AutoTP partition_config the run's DeepSpeed JSON needs (None: none, or no AutoTP)."""
     if tensor == 1:
         return None
-    c = _hf_config(model_ref)
+    c = models.model_config(model_ref, 256)
     if c.model_type == "deepseek_v2":  # AutoTP's tp_plan route stops on its 'mla_kv_a_proj' style
         raise UsageError(f"--tensor-parallel supports DeepSeek-V3's attention, not DeepSeek-V2's ({model_ref}): train "
                          "it data-parallel, with --expert-parallel for its experts")
