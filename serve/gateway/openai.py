@@ -210,7 +210,8 @@ class OpenAIFrontend:
                     return await self._respond(req)
                 request = parse(req.body, ChatCompletionRequest if req.path == "/v1/chat/completions" else
                                 CompletionRequest)
-                await asyncio.to_thread(request.check_grammars)
+                _given(request.model, req.principal)  # before any work on what the request asks
+                await request.check_grammars()
                 return await self._complete(request, opts_out(req), req.principal)
             if req.path == "/v1/embeddings":
                 raise OpenAIError(404, "no route /v1/embeddings: dstool serves causal language models, whose hidden "
@@ -239,7 +240,8 @@ class OpenAIFrontend:
         body = asked.chat()
         try:
             request = parse(orjson.dumps(body), ChatCompletionRequest)
-            await asyncio.to_thread(request.check_grammars)
+            _given(request.model, req.principal)
+            await request.check_grammars()
             answer = await self._complete(request, opts_out(req), req.principal)
         except OpenAIError as e:
             raise renamed(e) from None
@@ -253,9 +255,6 @@ class OpenAIFrontend:
         """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a
         tenant's key), from its tenant's cache scope, its tokens charged as they come."""
         chat = isinstance(request, ChatCompletionRequest)
-        if principal is not None and not principal.allows(request.model):
-            raise OpenAIError(404, f"The model '{request.model}' does not exist or you do not have access to it.",
-                              "model", code="model_not_found")
         meter = Meter(self.guard, principal) if self.guard is not None and principal is not None else None
         scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
         max_tokens = request.max_new_tokens or self.default_max_tokens
@@ -384,6 +383,13 @@ class OpenAIFrontend:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+def _given(model: str, principal: Principal | None) -> None:
+    """OpenAIError (404, as OpenAI words it) unless the key (when there is one) is given `model`."""
+    if principal is not None and not principal.allows(model):
+        raise OpenAIError(404, f"The model '{model}' does not exist or you do not have access to it.", "model",
+                          code="model_not_found")
 
 
 class Meter:

@@ -6,6 +6,8 @@ upstream. Fields that do not change the answer (`user`, `metadata`, `store`, ...
 
 from __future__ import annotations
 
+import asyncio
+import re
 from typing import Any, ClassVar, TypeVar
 
 import orjson
@@ -13,10 +15,13 @@ from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_
 
 from dstool.serve.gateway import tools as tooling
 from dstool.serve.gateway.core import addressable
-from dstool.serve.triton_models.grammar import GrammarError, grammar_of
+from dstool.serve.triton_models import grammar
+from dstool.serve.triton_models.grammar import GrammarError
 from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
 
 MAX_N = 16  # choices per request
+MAX_GRAMMAR_BYTES = 2 * grammar.MAX_SPEC_BYTES  # one request's schemas and grammars (tools' included), in all
+GRAMMAR_SUBJECT = re.compile(r"^structured_outputs(\.\w+)?")  # how the grammar engine names what it was given
 MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
             "seed")
@@ -160,15 +165,25 @@ class _Request(BaseModel):
             self._structured, self._structured_param = self._structured_spec(*asked[0])
         return self
 
-    def check_grammars(self) -> None:
-        """Every grammar of the request compiled (the answer's, each tool's schema): OpenAIError (400) naming the
-        field of one the engine cannot use. Up to tens of milliseconds for a large schema: run it off the event
-        loop."""
+    async def check_grammars(self) -> None:
+        """Every grammar of the request bounded and compiled (the answer's, each tool's schema) on the grammar
+        engine's own threads (grammar.COMPILER), each once (kept by content): OpenAIError (400) naming the field of
+        one the engine cannot use or that is over its bounds."""
+        pending, total = [], 0
         for spec, param in self._grammars():
             try:
-                grammar_of(spec)
+                pending.append((grammar.check(spec), param))
+                total += len(orjson.dumps(spec))
             except GrammarError as e:
-                raise OpenAIError(400, f"'{param}': {str(e).split(': ', 1)[-1]}", param) from None
+                raise _grammar_error(e, param) from None
+            if total > MAX_GRAMMAR_BYTES:
+                raise OpenAIError(400, f"the request's schemas and grammars are over {MAX_GRAMMAR_BYTES} bytes in "
+                                       "all: send fewer or smaller ones", param)
+        for future, param in pending:
+            try:
+                await asyncio.wrap_future(future)
+            except GrammarError as e:
+                raise _grammar_error(e, param) from None
 
     def _grammars(self) -> list[tuple[dict, str]]:
         return [(self._structured, self._structured_param)] if self._structured is not None else []
@@ -500,6 +515,12 @@ def parse(body: bytes, kind: type[Body]) -> Body:
         return kind.model_validate(value)
     except ValidationError as e:
         raise _error(e) from None
+
+
+def _grammar_error(e: GrammarError, param: str) -> OpenAIError:
+    """A grammar the engine cannot use, named as the field the client sent it in."""
+    rest = GRAMMAR_SUBJECT.sub("", str(e), count=1)
+    return OpenAIError(400, f"'{param}'" + (rest if rest.startswith((" ", ":")) else ": " + rest), param)
 
 
 def _error(e: ValidationError) -> OpenAIError:

@@ -10,19 +10,43 @@ vLLM's default, and what OpenAI's `strict` requires), so a model cannot wander o
 the sequence's matcher says which tokens may come next; the others are ruled out before sampling, and the
 end-of-sequence token is allowed only where the grammar may end, so every answer that ends (not cut by
 max_new_tokens) is in the grammar.
+
+A client's grammar is untrusted input to a native compiler that recurses on it (a chain of 2,500 `$ref`s or 3,000
+Lark rules overflows an 8 MiB thread stack and the process dies), and some grammars cost seconds and hundreds of MB
+to build. So every spec is bounded before llguidance sees it (`bounded`: bytes, JSON depth, `$ref`s, Lark rules,
+choices), compiled on threads with a COMPILE_STACK stack (`COMPILER`: ten times the deepest chain the bounds let
+through, measured in docs/structured-outputs.md), under llguidance's fuel and state limits (LIMITS), with its first
+mask computed there too (what builds the lexer), and kept by content: a sequence joins the batch only with a grammar
+known to begin, and the same grammar is compiled once.
 """
 
 from __future__ import annotations
 
 import json
+import queue
 import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import numpy as np
 
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
-MAX_SPEC_BYTES = 64 * 1024  # a grammar's text, at most
+MAX_SPEC_BYTES = 64 * 1024  # a spec's JSON text (or a grammar's text), at most
+MAX_DEPTH = 64  # JSON nesting of a schema (the 455 schemastore schemas within 64 KiB: 23 at most)
+MAX_REFS = 1000  # `$ref`s in a schema (those schemas: 288 at most)
+MAX_RULES = 1000  # rules and terminals of a Lark grammar
+MAX_CHOICES = 1000  # strings of a choice (llguidance's parser takes 2,000 alternatives in a row)
+COMPILE_STACK = 256 << 20  # bytes of stack of a compiling thread (virtual: only what recursion touches is used)
+COMPILE_THREADS = 2
+KEPT_GRAMMARS, KEPT_BYTES, KEPT_MATCHERS = 1024, 16 << 20, 32  # compiled grammars (and their bytes) and matchers kept
+# llguidance's own bounds on building and running a grammar (its defaults: 1M, 200k, 50k, 250k, 500k): a lexer of at
+# most ~20 MB built with ~2 ms of fuel, a few ms per token; errors without the parser's internal state.
+LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+          "max_lexer_states": 10_000, "max_grammar_size": 200_000, "verbose_errors": False}
+_LARK_RULE = None  # the compiled pattern of a Lark definition's start (made on first use)
 
 
 class GrammarError(ValueError):
@@ -35,38 +59,207 @@ def _llguidance():
     return llguidance
 
 
-def grammar_of(spec) -> str:
-    """llguidance's grammar for a `structured_outputs` value (a dict, or its JSON text), checked without a tokenizer:
-    GrammarError naming what is wrong."""
-    try:
-        return _grammar_of(spec)
-    except RecursionError:
-        raise GrammarError("structured_outputs is nested too deep") from None
+def _limits():
+    return _llguidance().LLParserLimits(**LIMITS)
 
 
-def _grammar_of(spec) -> str:
+class Compiler:
+    """Threads with a COMPILE_STACK stack that run compilations (started on first use); `run` waits for one,
+    `submit` hands back its Future."""
+
+    def __init__(self, threads: int = COMPILE_THREADS):
+        self.size = threads
+        self.threads: list[threading.Thread] = []
+        self.jobs: queue.SimpleQueue = queue.SimpleQueue()
+        self.lock = threading.Lock()
+
+    def submit(self, fn: Callable, *args) -> Future:
+        if len(self.threads) < self.size:
+            self._start()
+        future: Future = Future()
+        self.jobs.put((future, fn, args))
+        return future
+
+    def run(self, fn: Callable, *args):
+        if threading.current_thread() in self.threads:
+            return fn(*args)
+        return self.submit(fn, *args).result()
+
+    def _start(self) -> None:
+        with self.lock:
+            while len(self.threads) < self.size:
+                previous = threading.stack_size(COMPILE_STACK)
+                try:
+                    thread = threading.Thread(target=self._work, name="dstool-grammar", daemon=True)
+                    thread.start()
+                finally:
+                    threading.stack_size(previous)
+                self.threads.append(thread)
+
+    def _work(self) -> None:
+        while True:
+            future, fn, args = self.jobs.get()
+            if not future.set_running_or_notify_cancel():
+                continue
+            try:
+                future.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 (the caller gets it)
+                future.set_exception(e)
+
+
+COMPILER = Compiler()
+
+
+class _Kept:
+    """Compiled grammars by spec text (the grammar or the GrammarError), least recently used out first, bounded in
+    entries and bytes."""
+
+    def __init__(self):
+        self.items: OrderedDict[str, str | GrammarError] = OrderedDict()
+        self.bytes = 0
+        self.lock = threading.Lock()
+
+    def get(self, key: str) -> str | GrammarError | None:
+        with self.lock:
+            value = self.items.get(key)
+            if value is not None:
+                self.items.move_to_end(key)
+            return value
+
+    def put(self, key: str, value: str | GrammarError) -> None:
+        with self.lock:
+            if key in self.items:
+                return
+            self.items[key] = value
+            self.bytes += len(key) + (len(value) if isinstance(value, str) else 0)
+            while len(self.items) > KEPT_GRAMMARS or self.bytes > KEPT_BYTES:
+                old_key, old = self.items.popitem(last=False)
+                self.bytes -= len(old_key) + (len(old) if isinstance(old, str) else 0)
+
+
+_KEPT = _Kept()
+
+
+def bounded(spec) -> tuple[str, str, Any]:
+    """A `structured_outputs` value (a dict, or its JSON text) checked against the bounds, without compiling it:
+    (its JSON text, the kind, the value). GrammarError naming what is wrong or too large."""
     if isinstance(spec, str):
-        if len(spec) > MAX_SPEC_BYTES:
-            raise GrammarError(f"structured_outputs is {len(spec)} bytes: at most {MAX_SPEC_BYTES}")
+        text = spec
+        if len(text.encode()) > MAX_SPEC_BYTES:
+            raise GrammarError(f"structured_outputs is {len(text.encode())} bytes: at most {MAX_SPEC_BYTES}")
         try:
-            spec = json.loads(spec)
-        except (ValueError, RecursionError):
+            spec = json.loads(text)
+        except RecursionError:
+            raise GrammarError(f"structured_outputs is nested too deep: at most {MAX_DEPTH} levels") from None
+        except ValueError:
             raise GrammarError("structured_outputs must be a JSON object of one of " + ", ".join(KINDS)) from None
+    else:
+        try:
+            text = json.dumps(spec, separators=(",", ":"), ensure_ascii=False)
+        except RecursionError:
+            raise GrammarError(f"structured_outputs is nested too deep: at most {MAX_DEPTH} levels") from None
+        except (TypeError, ValueError):
+            raise GrammarError("structured_outputs must be JSON") from None
+        if len(text.encode()) > MAX_SPEC_BYTES:
+            raise GrammarError(f"structured_outputs is {len(text.encode())} bytes: at most {MAX_SPEC_BYTES}")
     if not isinstance(spec, dict) or len(spec) != 1 or next(iter(spec)) not in KINDS:
         raise GrammarError("structured_outputs must be an object with one of " + ", ".join(KINDS) +
                            f", got {_short(spec)}")
     kind, value = next(iter(spec.items()))
+    if kind == "json" and isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except RecursionError:
+            raise GrammarError(f"structured_outputs.json is nested too deep: at most {MAX_DEPTH} levels") from None
+        except ValueError:
+            raise GrammarError("structured_outputs.json: the schema is not JSON") from None
+    if kind == "json":
+        depth, refs = _shape(value)
+        if depth > MAX_DEPTH:
+            raise GrammarError(f"structured_outputs.json is nested {depth} levels deep: at most {MAX_DEPTH}")
+        if refs > MAX_REFS:
+            raise GrammarError(f"structured_outputs.json has {refs} $refs: at most {MAX_REFS}")
+    elif kind == "choice" and isinstance(value, list) and len(value) > MAX_CHOICES:
+        raise GrammarError(f"structured_outputs.choice has {len(value)} strings: at most {MAX_CHOICES}")
+    elif kind == "grammar" and isinstance(value, str):
+        rules = _lark_rules(value)
+        if rules > MAX_RULES:
+            raise GrammarError(f"structured_outputs.grammar has {rules} rules and terminals: at most {MAX_RULES}")
+    return text, kind, value
+
+
+def _shape(value) -> tuple[int, int]:
+    """(JSON nesting depth, `$ref` keys) of a value, walked without recursion."""
+    deepest, refs, todo = 0, 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict):
+            deepest = max(deepest, depth)
+            refs += "$ref" in item
+            todo.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            deepest = max(deepest, depth)
+            todo.extend((v, depth + 1) for v in item)
+    return deepest, refs
+
+
+def _lark_rules(text: str) -> int:
+    """Definitions (rules and terminals) of a Lark grammar: lines that begin with a name and a colon."""
+    global _LARK_RULE
+    if _LARK_RULE is None:
+        import re
+
+        _LARK_RULE = re.compile(r"^\s*[?!]?@?[A-Za-z_][A-Za-z_0-9]*(\.-?\d+)?\s*:", re.MULTILINE)
+    return len(_LARK_RULE.findall(text))
+
+
+def grammar_of(spec) -> str:
+    """llguidance's grammar for a `structured_outputs` value (a dict, or its JSON text), bounded and checked
+    without a tokenizer (on COMPILER's threads, kept by content): GrammarError naming what is wrong."""
+    text, kind, value = bounded(spec)
+    return COMPILER.run(_compiled, text, kind, value)
+
+
+def check(spec) -> Future:
+    """`grammar_of` without waiting: a Future of the grammar (done at once for a grammar compiled before). The
+    bounds are checked here, before anything is queued: GrammarError."""
+    text, kind, value = bounded(spec)
+    kept = _KEPT.get(text)
+    if kept is not None:
+        future: Future = Future()
+        if isinstance(kept, GrammarError):
+            future.set_exception(kept)
+        else:
+            future.set_result(kept)
+        return future
+    return COMPILER.submit(_compiled, text, kind, value)
+
+
+def _compiled(text: str, kind: str, value) -> str:
+    """The grammar of a bounded spec, compiled once (an error is kept as well)."""
+    kept = _KEPT.get(text)
+    if kept is None:
+        try:
+            kept = _compile(kind, value)
+        except GrammarError as e:
+            kept = e
+        except RecursionError:
+            kept = GrammarError(f"structured_outputs.{kind} is nested too deep")
+        except Exception as e:  # noqa: BLE001 (llguidance raises what it likes: it is the client's grammar)
+            kept = GrammarError(f"structured_outputs.{kind}: {_reason(str(e))}")
+        _KEPT.put(text, kept)
+    if isinstance(kept, GrammarError):
+        raise GrammarError(str(kept))
+    return kept
+
+
+def _compile(kind: str, value) -> str:
     matcher = _llguidance().LLMatcher
     if kind == "json" or kind == "json_object":
         if kind == "json_object":
             if value is not True:
                 raise GrammarError("structured_outputs.json_object must be true")
             value = {"type": "object"}
-        if isinstance(value, str):
-            try:
-                value = json.loads(value)
-            except (ValueError, RecursionError):
-                raise GrammarError("structured_outputs.json: the schema is not JSON") from None
         if not isinstance(value, dict):
             raise GrammarError(f"structured_outputs.json must be a JSON schema (an object), got {_short(value)}")
         grammar = matcher.grammar_from_json_schema(closed(value), overrides=COMPACT)
@@ -82,7 +275,7 @@ def _grammar_of(spec) -> str:
         if not isinstance(value, str) or not value.strip():
             raise GrammarError("structured_outputs.grammar must be a Lark grammar (text)")
         grammar = matcher.grammar_from_lark(value)
-    error = matcher.validate_grammar(grammar)
+    error = matcher.validate_grammar(grammar, limits=_limits())
     if error:
         raise GrammarError(f"structured_outputs.{kind}: {_reason(error)}")
     return grammar
@@ -118,8 +311,10 @@ def _reason(error: str) -> str:
 
 
 def _short(value) -> str:
-    text = json.dumps(value)[:60] if not isinstance(value, str) else repr(value[:60])
-    return text
+    try:
+        return json.dumps(value)[:60] if not isinstance(value, str) else repr(value[:60])
+    except (TypeError, ValueError, RecursionError):
+        return f"a {type(value).__name__}"
 
 
 class Grammars:
@@ -131,6 +326,7 @@ class Grammars:
         self.tokenizer, self.eos = tokenizer, sorted(eos)
         self.built: Any = None
         self.lock = threading.Lock()
+        self.fresh: OrderedDict[str, Any] = OrderedDict()  # spec text -> a matcher at its start, first mask made
 
     def _ll_tokenizer(self):
         with self.lock:
@@ -146,13 +342,31 @@ class Grammars:
             return self.built
 
     def constraint(self, spec) -> Constraint:
-        """A new sequence's constraint for a `structured_outputs` value; GrammarError when it cannot be used."""
-        grammar = grammar_of(spec)
-        tokenizer = self._ll_tokenizer()
-        matcher = _llguidance().LLMatcher(tokenizer, grammar, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"structured_outputs: {_reason(matcher.get_error())}")
-        return Constraint(matcher, tokenizer.vocab_size)
+        """A new sequence's constraint for a `structured_outputs` value, its first mask made (so it is known to
+        begin); GrammarError when it cannot be used."""
+        text, kind, value = bounded(spec)
+        return COMPILER.run(self._constraint, text, kind, value)
+
+    def _constraint(self, text: str, kind: str, value) -> Constraint:
+        with self.lock:
+            fresh = self.fresh.get(text)
+            if fresh is not None:
+                self.fresh.move_to_end(text)
+        if fresh is None:
+            grammar = _compiled(text, kind, value)
+            tokenizer = self._ll_tokenizer()
+            try:
+                fresh = _llguidance().LLMatcher(tokenizer, grammar, log_level=0, limits=_limits())
+            except Exception as e:  # noqa: BLE001 (the client's grammar: whatever llguidance raises)
+                raise GrammarError(f"structured_outputs.{kind}: {_reason(str(e))}") from None
+            if fresh.is_error():
+                raise GrammarError(f"structured_outputs.{kind}: {_reason(fresh.get_error())}")
+            Constraint(fresh, tokenizer.vocab_size).allowed(0)  # the first mask: builds the lexer, or fails here
+            with self.lock:
+                self.fresh[text] = fresh
+                while len(self.fresh) > KEPT_MATCHERS:
+                    self.fresh.popitem(last=False)
+        return Constraint(fresh.deep_copy(), self._ll_tokenizer().vocab_size)
 
 
 class Constraint:
@@ -167,7 +381,10 @@ class Constraint:
         vocabulary never). GrammarError when the matcher cannot go on."""
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         if self.matcher.is_error():
-            raise GrammarError(f"the grammar cannot go on: {_reason(self.matcher.get_error())}")
+            raise GrammarError(f"structured_outputs: the grammar cannot go on: {_reason(self.matcher.get_error())}")
+        if not self.bits.any():
+            raise GrammarError("structured_outputs: the grammar allows no token here (it is too large for the "
+                               "grammar engine's limits, or allows nothing): simplify it")
         flags = np.unpackbits(self.bits.view(np.uint8), bitorder="little").view(np.bool_)
         if flags.size >= size:
             return flags[:size]
@@ -175,4 +392,5 @@ class Constraint:
 
     def accept(self, token: int) -> None:
         if not self.matcher.consume_token(token):
-            raise GrammarError(f"token {token} is not in the grammar: {_reason(self.matcher.get_error())}")
+            raise GrammarError(f"structured_outputs: token {token} is not in the grammar: "
+                               f"{_reason(self.matcher.get_error())}")
