@@ -171,6 +171,12 @@ ROUTES = [  # (what, path, body, the field the refusal must name)
         {"type": "function", "name": "f", "parameters": ref_chain(10000)}]}, "tools[0].parameters"),
     ("responses text.format", "/v1/responses", {"model": "dstool_lm", "input": "hi", "text": {"format": {
         "type": "json_schema", "name": "x", "schema": ref_chain(1600, wrap=True)}}}, "text.format"),
+    ("chat guided_regex over the lexer's fuel", CHAT, _chat(guided_regex="(a{1000}){1000}"), "guided_regex"),
+    ("128 tools of 30 KB", CHAT, _chat(tools=[{"type": "function", "function": {
+        "name": f"f{i}", "description": "x" * 30000, "parameters": {"type": "object"}}} for i in range(128)]),
+     "tools"),
+    ("a forced call over the lexer's fuel", CHAT, _chat(tools=[_tool({"type": "object", "properties": {"a": {
+        "type": "string", "pattern": "^(a{1000}){1000}$"}}, "required": ["a"]})], tool_choice="required"), "tools"),
 ]
 # as Triton's generate extension takes it: structured_outputs as JSON text, up to the engine's own size cap; the
 # deepest chain the bounds let through is served, the others refused

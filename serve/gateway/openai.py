@@ -32,7 +32,14 @@ import orjson
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.guard import Guard
-from dstool.serve.gateway.protocol import SAMPLING, ChatCompletionRequest, CompletionRequest, OpenAIError, parse
+from dstool.serve.gateway.protocol import (
+    GRAMMAR_SUBJECT,
+    SAMPLING,
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIError,
+    parse,
+)
 from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.tools import Calls
@@ -266,7 +273,7 @@ class OpenAIFrontend:
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
                                                                  "max_new_tokens": max_tokens}, c, events, opt_out,
-                                                 scope, meter))
+                                                 scope, meter, request.structured_param))
                  for c in choices]
         for t in tasks:
             self.choices.add(t)
@@ -339,8 +346,9 @@ class OpenAIFrontend:
         yield b"data: [DONE]\n\n"
 
     async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool,
-                   scope: str = "", meter: Meter | None = None) -> None:
-        """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None)."""
+                   scope: str = "", meter: Meter | None = None, grammar_param: str | None = None) -> None:
+        """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None); the engine's
+        errors about the grammar name `grammar_param`, the field the client sent it in."""
         try:
             g = await self.generation.open(f"{model}_llm", "", "generate_stream", fields, opt_out=opt_out,
                                            protocol="openai", scope=scope)
@@ -348,13 +356,14 @@ class OpenAIFrontend:
                 meter.hit()
             async with contextlib.aclosing(g.events) as stream:
                 if g.status != 200:
-                    raise _upstream_error(g.status, b"".join([e async for e in stream]), model, "messages" in fields)
+                    raise _upstream_error(g.status, b"".join([e async for e in stream]), model, "messages" in fields,
+                                          grammar_param)
                 async for event in stream:
                     d = data(event)
                     if d is None:
                         continue
                     if "error" in d:
-                        raise _upstream_error(400, orjson.dumps(d), model, "messages" in fields)
+                        raise _upstream_error(400, orjson.dumps(d), model, "messages" in fields, grammar_param)
                     new = len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
                     choice.tokens += new
                     prompt_known = choice.prompt_tokens
@@ -376,7 +385,7 @@ class OpenAIFrontend:
             await events.put(e)
         except GatewayError as e:
             await events.put(_upstream_error(e.status, orjson.dumps({"error": e.message}), model,
-                                                  "messages" in fields))
+                                             "messages" in fields, grammar_param))
         except UnsafeRequest as e:
             await events.put(OpenAIError(400, str(e)))
         except (UpstreamUnavailable, UpstreamTimeout) as e:
@@ -432,10 +441,11 @@ def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -
     return parts
 
 
-def _upstream_error(status: int, body: bytes, model: str, chat: bool) -> OpenAIError:
+def _upstream_error(status: int, body: bytes, model: str, chat: bool, grammar_param: str | None = None
+                    ) -> OpenAIError:
     """An error from Triton or the model (a KServe error body, or an error event of a stream) in OpenAI's shape,
-    the engine's names for fields as the client named them; a request longer than the model's positions as OpenAI
-    words it (code context_length_exceeded)."""
+    the engine's names for fields as the client named them (its grammar as `grammar_param`); a request longer than
+    the model's positions as OpenAI words it (code context_length_exceeded)."""
     text = body.decode("utf-8", "replace")
     d = data(body) if body.startswith(b"data: ") else None
     if d is None:
@@ -456,8 +466,12 @@ def _upstream_error(status: int, body: bytes, model: str, chat: bool) -> OpenAIE
                                 f"reduce the length of the {where} or completion.", where,
                            code="context_length_exceeded")
     message = message.replace("max_new_tokens", "max_tokens")
+    at = message.find("structured_outputs")
+    if grammar_param and at >= 0 and status < 500:
+        return OpenAIError(400, message[:at] + GRAMMAR_SUBJECT.sub(f"'{grammar_param}'", message[at:], count=1),
+                           grammar_param)
     head = message.split(" ", 1)[0]
-    param = head if head in ("max_tokens", "prompt", "messages", "logprobs") or head in SAMPLING else None
+    param = head if head in ("max_tokens", "prompt", "messages", "logprobs", "tools") or head in SAMPLING else None
     if status >= 500:
         return OpenAIError(502, message, kind="server_error")
     return OpenAIError(400, message, param)

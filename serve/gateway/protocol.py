@@ -259,6 +259,11 @@ class _Request(BaseModel):
         """The grammar the answer must follow (NAME_llm's structured_outputs), or None."""
         return self._structured
 
+    @property
+    def structured_param(self) -> str | None:
+        """The field the answer's grammar came from (`tools` for a forced call), or None."""
+        return self._structured_param if self._structured is not None else None
+
     def prompt_fields(self) -> dict:
         raise NotImplementedError
 

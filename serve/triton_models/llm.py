@@ -354,6 +354,10 @@ class TritonPythonModel:
             return None
         if value is None:
             return None
+        if isinstance(value, str) and len(value.encode()) > self.max_prompt_bytes:
+            raise RequestError(f"tools is {len(value.encode())} bytes: more than the model's {self.max_positions} "
+                               f"positions can hold (at most {self.max_prompt_bytes} bytes); send fewer or shorter "
+                               "tools")
         try:
             tools = json.loads(value) if isinstance(value, str) else None
         except (ValueError, RecursionError):
@@ -371,6 +375,10 @@ class TritonPythonModel:
             prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools)
         except RecursionError:
             raise RequestError("messages or tools nest too deep to lay out: send flatter JSON") from None
+        if len(prompt.encode()) > self.max_prompt_bytes:  # refused untokenized: it cannot fit
+            raise RequestError(f"messages are {len(prompt.encode())} bytes as the chat template lays them out: more "
+                               f"than the model's {self.max_positions} positions can hold (at most "
+                               f"{self.max_prompt_bytes} bytes); shorten the messages or tools")
         ids = self.tokenizer(prompt)["input_ids"]
         if not ids:
             raise RequestError("text_input is empty: send at least one token of text")
