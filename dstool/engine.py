@@ -62,6 +62,7 @@ class Sequence:
     cached: int = 0  # prompt tokens taken from the prefix cache, not computed
     partial: dict[str, np.ndarray] | None = None  # its cache while prefilling (every position its own)
     error: str | None = None  # why it ended early, when it failed
+    salt: str = ""  # its prefix-cache scope: prefixes are shared only between sequences of the same salt
 
     @property
     def reserved(self) -> int:
@@ -167,7 +168,7 @@ class Engine:
             s = self.waiting.popleft()
             held += s.reserved
             if self.prefix_cache is not None and not s.prefilled:
-                s.cached, s.partial = self.prefix_cache.match(s.prompt)
+                s.cached, s.partial = self.prefix_cache.match(s.prompt, s.salt)
                 s.prefilled = s.cached
             admitted.append(s)
         self._fit_prefix_cache(held)
@@ -241,7 +242,7 @@ class Engine:
                 continue
             s.partial = None
             if self.prefix_cache is not None:
-                self.prefix_cache.add(s.prompt, row)
+                self.prefix_cache.add(s.prompt, row, s.salt)
                 self._fit_prefix_cache()
             last = take - 1 - (width - logits.shape[1])  # the graph may give the last position's logits only
             if last < 0:
@@ -424,7 +425,7 @@ class FusedEngine(Engine):
                     continue
                 row, s.partial = s.partial or {}, None
                 if self.prefix_cache is not None:
-                    self.prefix_cache.add(s.prompt, row)
+                    self.prefix_cache.add(s.prompt, row, s.salt)
                     self._fit_prefix_cache()
                 produced.append(self._choose(s, logits[b, take - 1]))
                 joining.append((s, row))
@@ -477,8 +478,10 @@ def engine_for(session, *args, **kwargs) -> Engine:
 
 class PrefixCache:
     """Prompt prefixes already computed, kept by block of `block` tokens (as vLLM's automatic prefix caching): a
-    block's keys and values are kept under a digest of every token up to the block's end, so a block is reused only
-    after the very same prefix, and the least recently used blocks are dropped past `max_tokens` positions. A
+    block's keys and values are kept under a digest of a sequence's salt and every token up to the block's end, so a
+    block is reused only after the very same prefix of the same salt (vLLM's cache_salt: tenants do not see each
+    other's prefixes, in cached tokens or in time), and the least recently used blocks are dropped past `max_tokens`
+    positions. A
     prompt's longest run of kept blocks from its start is its cached prefix; its last token is always computed (its
     logits choose the first new token). In an engine with a cache budget, the kept blocks take only what the
     admitted sequences leave of it."""
@@ -495,19 +498,20 @@ class PrefixCache:
         """Positions held."""
         return len(self.blocks) * self.block
 
-    def _digests(self, ids: list[int], blocks: int) -> list[bytes]:
-        digests, digest = [], b""
+    def _digests(self, ids: list[int], blocks: int, salt: str) -> list[bytes]:
+        digests, digest = [], hashlib.blake2b(salt.encode(), digest_size=16).digest() if salt else b""
         for b in range(blocks):
             chunk = np.asarray(ids[b * self.block:(b + 1) * self.block], np.int64).tobytes()
             digest = hashlib.blake2b(digest + chunk, digest_size=16).digest()
             digests.append(digest)
         return digests
 
-    def match(self, prompt: list[int]) -> tuple[int, dict[str, np.ndarray] | None]:
-        """(tokens, their cache [1, heads, tokens, dim] by input name) of the longest kept prefix of `prompt`."""
+    def match(self, prompt: list[int], salt: str = "") -> tuple[int, dict[str, np.ndarray] | None]:
+        """(tokens, their cache [1, heads, tokens, dim] by input name) of the longest prefix of `prompt` kept under
+        `salt`."""
         self.looked_up += len(prompt)
         found = []
-        for digest in self._digests(prompt, (len(prompt) - 1) // self.block):
+        for digest in self._digests(prompt, (len(prompt) - 1) // self.block, salt):
             kept = self.blocks.get(digest)
             if kept is None:
                 break
@@ -518,9 +522,10 @@ class PrefixCache:
         self.hit += len(found) * self.block
         return len(found) * self.block, {name: np.concatenate([b[name] for b in found], axis=2) for name in found[0]}
 
-    def add(self, prompt: list[int], cache: dict[str, np.ndarray]) -> None:
-        """Keep the whole blocks of `prompt`, whose cache [1, heads, >= len(prompt), dim] holds every position."""
-        for b, digest in enumerate(self._digests(prompt, len(prompt) // self.block)):
+    def add(self, prompt: list[int], cache: dict[str, np.ndarray], salt: str = "") -> None:
+        """Keep the whole blocks of `prompt` under `salt`, its cache [1, heads, >= len(prompt), dim] holding every
+        position."""
+        for b, digest in enumerate(self._digests(prompt, len(prompt) // self.block, salt)):
             if digest in self.blocks:
                 self.blocks.move_to_end(digest)
                 continue

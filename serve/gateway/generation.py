@@ -77,6 +77,22 @@ def read_request(body: bytes) -> dict:
     return request
 
 
+def salted(request: dict, scope: str) -> dict:
+    """The request with its prefix-cache salt (`cache_salt`, a field or a parameter) made a digest of the tenant's
+    `scope` and the client's own salt: a tenant's prompts never meet another's computed prefixes. GatewayError (400)
+    for a salt that is not a string."""
+    parameters = request.get("parameters")
+    own = [request.get("cache_salt"), parameters.get("cache_salt") if isinstance(parameters, dict) else None]
+    for value in own:
+        if value is not None and not isinstance(value, str):
+            raise GatewayError(400, f"'cache_salt' must be a string, got {shown(value)}")
+    digest = hashlib.blake2b(orjson.dumps([scope, *own]), digest_size=16).hexdigest()
+    out = {**request, "cache_salt": digest}
+    if isinstance(parameters, dict) and "cache_salt" in parameters:
+        out["parameters"] = {k: v for k, v in parameters.items() if k != "cache_salt"}
+    return out
+
+
 def check_inputs(request: dict, config: dict) -> None:
     """Each field of `request` that names an input of the model (its Triton `config`) holds a value of the input's
     type — one, or a flat list of them — in the type's range. GatewayError (400) naming the first that does not."""
@@ -159,6 +175,8 @@ class GenerationCache:
             d = None  # Triton does not serve it: its own answer says so
         if d is not None:
             check_inputs(request, d.config)
+            if scope and "prefix_cache_tokens" in (d.config.get("parameters") or {}):
+                request = salted(request, scope)
             served = served_version(d, version) or ""
             fingerprint = d.fingerprint(served) if served else None
             inputs = frozenset(i.get("name") for i in d.config.get("input") or [])

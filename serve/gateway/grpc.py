@@ -19,6 +19,7 @@ from tritonclient.grpc import service_pb2
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
+from dstool.serve.gateway.generation import salted
 from dstool.serve.gateway.guard import Guard, Refused, tensor_tokens
 from dstool.serve.gateway.kserve import CREDENTIALS
 from dstool.serve.gateway.metrics import Metrics
@@ -371,7 +372,25 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 why = SHARED_MEMORY_REFUSED
             if why is not None:
                 await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-            yield raw
+            yield await self._salted(raw, msg, principal, context)
+
+    async def _salted(self, raw: bytes, msg, principal: Principal, context) -> bytes:
+        """A stream's request with its prefix-cache salt made its tenant's (generation.salted), when its model keeps
+        computed prefixes."""
+        scope = principal.scope(msg.model_name, self.shared_models)
+        try:
+            d = await self.core.deployments.get(msg.model_name)
+        except (GatewayError, UpstreamUnavailable, UpstreamTimeout):
+            return raw  # Triton answers it
+        if not scope or "prefix_cache_tokens" not in (d.config.get("parameters") or {}):
+            return raw
+        given = _parameters(msg.parameters).get("cache_salt")
+        try:
+            salt = salted({} if given is None else {"cache_salt": given}, scope)["cache_salt"]
+        except GatewayError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
+        msg.parameters["cache_salt"].string_param = salt
+        return msg.SerializeToString()
 
     async def model_infer(self, raw: bytes, context) -> bytes:
         started = time.perf_counter()

@@ -21,6 +21,7 @@ from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingErr
 
 MAX_N = 16  # choices per request
 MAX_GRAMMAR_BYTES = 2 * grammar.MAX_SPEC_BYTES  # one request's schemas and grammars (tools' included), in all
+MAX_SALT_BYTES = 1024  # a cache_salt (NAME_llm's bound)
 GRAMMAR_SUBJECT = re.compile(r"^structured_outputs(\.\w+)?")  # how the grammar engine names what it was given
 MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -91,6 +92,7 @@ class _Request(BaseModel):
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
+    cache_salt: Any = None  # vLLM's: prefixes computed for requests of another salt are not reused
     _structured: dict | None = PrivateAttr(default=None)  # the grammar asked for, as NAME_llm takes it
     _structured_param: str = PrivateAttr(default="")  # the field it came from
     # taken, not used: they do not change the answer
@@ -128,6 +130,13 @@ class _Request(BaseModel):
         if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
             raise ValueError("'stop' must be a string or a list of up to 4 non-empty strings")
         return stops
+
+    @field_validator("cache_salt", mode="before")
+    @classmethod
+    def _cache_salt(cls, v: Any) -> str | None:
+        if v is not None and (not isinstance(v, str) or not 0 < len(v.encode()) <= MAX_SALT_BYTES):
+            raise ValueError(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_BYTES} bytes")
+        return v
 
     @field_validator("stream", "ignore_eos", mode="before")
     @classmethod
@@ -248,6 +257,8 @@ class _Request(BaseModel):
             fields["seed"] = (self.seed + choice) % SEEDS
         if self.ignore_eos:
             fields["ignore_eos"] = True
+        if self.cache_salt is not None:
+            fields["cache_salt"] = self.cache_salt
         if self.top_logprobs_asked is not None:
             fields["logprobs"] = self.top_logprobs_asked
         if self.structured is not None:

@@ -7,7 +7,8 @@ speeches: "NAME-OR-ROLE:\nCONTENT\n\n" ending in "ASSISTANT:\n"; the `tools` par
 objects, goes to the template or starts the layout) (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1],
 stream BOOL [1]; sampling as request parameters, and `structured_outputs`: a grammar the answer follows, grammar.py)
 -> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1], prompt_cached_tokens INT32 [1] (the
-prompt's tokens the engine's prefix cache held, not computed again). With `stream` true, one response per token (the
+prompt's tokens the engine's prefix cache held, not computed again: only prefixes of requests with the same
+`cache_salt` parameter count). With `stream` true, one response per token (the
 text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
@@ -40,6 +41,7 @@ from transformers import AutoTokenizer
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05  # how often the outbox asks Triton which requests were cancelled (a round trip each)
 AHEAD_STEPS = 2  # engine steps whose calls may wait in the outbox; beyond that the engine waits for it
+MAX_SALT_BYTES = 1024
 
 
 class RequestError(ValueError):
@@ -389,7 +391,7 @@ class TritonPythonModel:
                 self.eos, self.grammars)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids), sampler
+        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids, salt=_salt(read)), sampler
 
     def _serve(self):
         """The engine loop, started again whenever it fails (what it held ends with the error)."""
@@ -515,6 +517,19 @@ def _text(request, name, limit, positions):
         return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
     except UnicodeDecodeError as e:
         raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+
+
+def _salt(read):
+    """The request's `cache_salt` (vLLM's parameter): its prompt shares computed prefixes only with requests of the
+    same salt (the gateway sets one per tenant)."""
+    try:
+        value = json.loads(read.parameters or "{}").get("cache_salt", "")
+    except ValueError:
+        return ""
+    if not isinstance(value, str) or len(value.encode()) > MAX_SALT_BYTES:
+        raise RequestError(f"cache_salt must be a string of at most {MAX_SALT_BYTES} bytes, got "
+                           f"{json.dumps(value)[:40]}")
+    return value
 
 
 def _ranking(sampler, ranked):
