@@ -520,19 +520,19 @@ def test_budgets_tokens_per_minute_and_tenant_limits(keyed, llm_keyed, tenants_r
     def client(key: str) -> OpenAI:
         return OpenAI(base_url=f"http://{llm_keyed.http_url}/v1", api_key=key, max_retries=0)
 
-    budget = new_key(tenants_redis.url, "--tenant", "thrifty", "--budget-tokens", "10", "--per", "day")
-    tpm = new_key(tenants_redis.url, "--tenant", "trickle", "--tpm", "10")
+    budget = new_key(tenants_redis.url, "--tenant", "thrifty", "--budget-tokens", "12", "--per", "day")
+    tpm = new_key(tenants_redis.url, "--tenant", "trickle", "--tpm", "12")
     for key, code, kind in ((budget, "insufficient_quota", "insufficient_quota"), (tpm, "rate_limit_exceeded",
                                                                                     "tokens")):
-        used = client(key).completions.create(model="dstool_lm", prompt="spend it all", max_tokens=8, temperature=0)
-        assert used.usage.total_tokens > 10  # admitted with budget left; it spends past it
+        used = client(key).completions.create(model="dstool_lm", prompt="spend it", max_tokens=8, temperature=0)
+        assert used.usage.total_tokens <= 12  # its most (prompt and max_tokens) was reserved before it ran
         time.sleep(0.3)  # charged
         with pytest.raises(openai.RateLimitError) as e:
-            client(key).completions.create(model="dstool_lm", prompt="spend it all", max_tokens=8, temperature=0)
+            client(key).completions.create(model="dstool_lm", prompt="spend it", max_tokens=8, temperature=0)
         assert e.value.code == code and e.value.type == kind, e.value
         assert int(e.value.response.headers["retry-after"]) >= 1
         if code == "insufficient_quota":
-            assert "the daily token budget of this key (10 tokens) is spent" in e.value.message
+            assert "the daily token budget of this key (12 tokens) has" in e.value.message
     # a tenant's own limit binds all its keys together
     dstool("keys", "limits", "--tenant", "pair", "--rpm", "3", "--redis", tenants_redis.url)
     first, second = new_key(tenants_redis.url, "--tenant", "pair"), new_key(tenants_redis.url, "--tenant", "pair")

@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import secrets
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
+from test_tenants import keys_gateway, new_key, usage_of
 
 from gatewaylib import RedisServer
 from llmlib import post
-from test_tenants import keys_gateway, new_key
 
 CHAT = "/v1/chat/completions"
 # a prompt of several prefix-cache blocks beginning with a private word, and an attacker's guesses of it
@@ -26,7 +27,7 @@ def llm_tenants(server, session_tmp):
     keys = {name: new_key(redis.url, "--tenant", name) for name in ("alice", "mallory")}
     keys["shared-a"] = new_key(redis.url, "--tenant", "team-a", "--cache-scope", "shared")
     keys["shared-b"] = new_key(redis.url, "--tenant", "team-b", "--cache-scope", "shared")
-    yield gw, keys
+    yield gw, keys, redis
     gw.stop()
     redis.stop()
 
@@ -77,7 +78,7 @@ def test_a_tenant_cannot_read_anothers_prompt_through_the_prefix_cache(llm_tenan
     wrong one (none), on the OpenAI route, the generate extension and a gRPC stream, with no cache_salt or a fresh
     one each time (so only another tenant's prefixes could be found); Alice's own repeat finds hers, and keys of the
     opted-in shared scope share."""
-    gw, keys = llm_tenants
+    gw, keys, _ = llm_tenants
     alice, mallory = keys["alice"], keys["mallory"]
     right, wrong = SECRET.format(word="tangerine-falcon-42"), SECRET.format(word="purple-otter-17")
     assert _cached_chat(gw, alice, right + " First question?") == 0
@@ -90,3 +91,117 @@ def test_a_tenant_cannot_read_anothers_prompt_through_the_prefix_cache(llm_tenan
     assert seen[right] == seen[wrong] == [0, 0, 0, 0], seen
     assert _cached_chat(gw, keys["shared-a"], right + " Fourth question?") == 0
     assert _cached_chat(gw, keys["shared-b"], right + " Fifth question?") >= 32  # shared by opt-in
+
+
+# ---- every token charged, before it is spent -------------------------------------------------------------------
+def _usage(redis, key: str) -> tuple[int, int]:
+    time.sleep(0.3)  # charges are sent every 50 ms
+    used = usage_of(redis.url, key)
+    return used.get("prompt_tokens", 0), used.get("completion_tokens", 0)
+
+
+def _kserve_text_only(version: str = "") -> dict:
+    return {"inputs": [{"name": "text_input", "datatype": "BYTES", "shape": [1, 1], "data": ["the cat"]},
+                       {"name": "max_new_tokens", "datatype": "INT32", "shape": [1, 1], "data": [3]}],
+            "outputs": [{"name": "text_output"}]}
+
+
+def _grpc_text_only(gw, key: str) -> None:
+    import tritonclient.grpc as grpcclient
+
+    text = grpcclient.InferInput("text_input", [1, 1], "BYTES")
+    text.set_data_from_numpy(np.array([[b"the dog"]], dtype=np.object_))
+    new = grpcclient.InferInput("max_new_tokens", [1, 1], "INT32")
+    new.set_data_from_numpy(np.array([[3]], dtype=np.int32))
+    client = grpcclient.InferenceServerClient(gw.grpc_url)
+    try:
+        client.infer("dstool_lm_generate", [text, new], outputs=[grpcclient.InferRequestedOutput("text_output")],
+                     headers={"authorization": f"Bearer {key}", "cache-control": "no-cache"})
+    finally:
+        client.close()
+
+
+def _grpc_stream(gw, key: str) -> None:
+    import tritonclient.grpc as grpcclient
+
+    text = grpcclient.InferInput("text_input", [1], "BYTES")
+    text.set_data_from_numpy(np.array([b"the bird"], dtype=np.object_))
+    new = grpcclient.InferInput("max_new_tokens", [1], "INT32")
+    new.set_data_from_numpy(np.array([3], dtype=np.int32))
+    answers: list = []
+    client = grpcclient.InferenceServerClient(gw.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.append((result, error)),
+                        headers={"authorization": f"Bearer {key}"})
+    try:
+        client.async_stream_infer("dstool_lm_llm", [text, new], parameters={"ignore_eos": True})
+        deadline = time.monotonic() + 30
+        while not answers:  # one answer: the whole text
+            assert time.monotonic() < deadline and all(e is None for _, e in answers), answers
+            time.sleep(0.01)
+    finally:
+        client.stop_stream()
+        client.close()
+
+
+def test_every_route_charges_prompt_and_generated_tokens(llm_tenants):
+    """Three generated tokens (and a prompt) on each route a tenant may use: the OpenAI routes, the generate
+    extension on NAME_llm and NAME_generate, KServe infer asking only text_output (HTTP, a version spelt 01, no
+    cache, gRPC), and a gRPC stream to NAME_llm — each charged to the key."""
+    gw, keys, redis = llm_tenants
+    auth = {"Authorization": f"Bearer {keys['alice']}", "Cache-Control": "no-cache"}
+    routes = {
+        "chat": lambda: post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 3, "ignore_eos": True,
+                                                  "messages": [{"role": "user", "content": "hello"}]}, auth),
+        "completions": lambda: post(gw.http_port, "/v1/completions", {"model": "dstool_lm", "prompt": "hello",
+                                                                      "max_tokens": 3, "ignore_eos": True}, auth),
+        "generate NAME_llm": lambda: post(gw.http_port, "/v2/models/dstool_lm_llm/generate", {
+            "text_input": "hello", "max_new_tokens": 3, "ignore_eos": True}, auth),
+        "generate_stream NAME_llm": lambda: post(gw.http_port, "/v2/models/dstool_lm_llm/generate_stream", {
+            "text_input": "hello", "max_new_tokens": 3, "ignore_eos": True, "stream": True}, auth),
+        "generate NAME_generate": lambda: post(gw.http_port, "/v2/models/dstool_lm_generate/generate", {
+            "text_input": "hello there", "max_new_tokens": 3}, auth),
+        "infer text_output only": lambda: post(gw.http_port, "/v2/models/dstool_lm_generate/infer",
+                                               _kserve_text_only(), auth),
+        "infer versions/01": lambda: post(gw.http_port, "/v2/models/dstool_lm_generate/versions/01/infer",
+                                          _kserve_text_only(), auth),
+        "gRPC infer text_output only": lambda: _grpc_text_only(gw, keys["alice"]),
+        "gRPC stream NAME_llm": lambda: _grpc_stream(gw, keys["alice"]),
+    }
+    uncharged = []
+    for name, send in routes.items():
+        before = _usage(redis, keys["alice"])
+        answer = send()
+        assert answer is None or answer[0] == 200, (name, answer)
+        prompt, completion = (a - b for a, b in zip(_usage(redis, keys["alice"]), before))
+        if not (prompt > 0 and completion == 3):
+            uncharged.append((name, prompt, completion))
+    assert not uncharged, uncharged
+
+
+def test_tokens_are_reserved_before_they_are_spent(llm_tenants):
+    """A budget of 50 tokens refuses a request that may use 1,000 (and serves a small one); 16 concurrent requests
+    of up to 100 tokens under --tpm 200 spend at most the limit; n=16 choices count as 16 answers."""
+    gw, _, redis = llm_tenants
+    budget = new_key(redis.url, "--tenant", "frugal", "--budget-tokens", "50", "--per", "day")
+    big = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 1000, "messages": [
+        {"role": "user", "content": "a long story please"}]}, {"Authorization": f"Bearer {budget}"})
+    assert big[0] == 429 and json.loads(big[2])["error"]["code"] == "insufficient_quota", big
+    assert "max_tokens" in json.loads(big[2])["error"]["message"]
+    small = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 5, "ignore_eos": True, "messages": [
+        {"role": "user", "content": "short"}]}, {"Authorization": f"Bearer {budget}"})
+    assert small[0] == 200, small
+    assert sum(_usage(redis, budget)) <= 50
+
+    tpm = new_key(redis.url, "--tenant", "hasty", "--tpm", "200")
+    with ThreadPoolExecutor(16) as pool:
+        answers = list(pool.map(lambda i: post(gw.http_port, CHAT, {
+            "model": "dstool_lm", "max_tokens": 100, "ignore_eos": True,
+            "messages": [{"role": "user", "content": f"count {i}"}]}, {"Authorization": f"Bearer {tpm}",
+                                                                      "Cache-Control": "no-cache"}), range(16)))
+    assert {a[0] for a in answers} == {200, 429} and sum(_usage(redis, tpm)) <= 200 + 16, \
+        ([a[0] for a in answers], _usage(redis, tpm))
+
+    choices = new_key(redis.url, "--tenant", "greedy", "--tpm", "100")
+    many = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 10, "n": 16, "messages": [
+        {"role": "user", "content": "hi"}]}, {"Authorization": f"Bearer {choices}"})
+    assert many[0] == 429 and "Request too large" in json.loads(many[2])["error"]["message"], many

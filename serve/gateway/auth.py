@@ -8,9 +8,11 @@ is kept; a presented key is checked by its hash, compared in constant time. Ever
 hash tag, so a script's keys share a slot.
 
 Limits are token buckets refilled continuously: a bucket of N per minute holds at most N and gains N/60 a second.
-A request takes one from each requests bucket (key and tenant); tokens are charged when they are known (prompt
-and generated, a stream's as it goes), so a tokens bucket may go below zero and then admits nothing until it has
-refilled. A budget counts a key's or tenant's tokens per UTC day or month.
+A request takes one from each requests bucket (key and tenant). An inference of a key with a tokens limit or a
+budget (its own or its tenant's) first reserves the most it may use (RESERVE: its prompt, estimated, and its
+max_tokens for each choice) from each tokens bucket and budget, and is refused when they cannot hold it; its
+tokens are then charged as they are known (beyond the reservation, if ever) and what it did not use is given back
+(CHARGE). A budget counts a key's or tenant's tokens per UTC day or month.
 """
 
 from __future__ import annotations
@@ -120,6 +122,7 @@ class Principal:
     models: frozenset[str] | None  # None: every model
     shared: bool  # its cached answers are in the shared scope, not its tenant's
     admin: bool
+    metered: bool = False  # its key or tenant has a tokens-per-minute limit or a budget: inferences reserve tokens
 
     def allows(self, model: str) -> bool:
         """A key given a model family NAME may use NAME and its NAME_llm, NAME_generate, ... models."""
@@ -159,10 +162,14 @@ if r[6] ~= ARGV[3] then return {'unknown'} end
 if r[4] == '1' then return {'revoked', r[6]} end
 local exp = tonumber(r[5] or '0')
 if exp > 0 and now >= exp then return {'expired', r[6]} end
-local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or '', '0'}
+local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per')
+local metered = '0'
+for _, v in ipairs({r[8], r[9], tr[2], tr[3]}) do
+  if tonumber(v or '0') > 0 then metered = '1' end
+end
+local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or '', '0', metered}
 local want = tonumber(ARGV[2])
 if want < 1 then return info end
-local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per')
 local function level(name, limit)
   local v = redis.call('HMGET', name, 'l', 't')
   local l = tonumber(v[1])
@@ -219,13 +226,66 @@ end
 return info
 """
 
-# Charge tokens (ARGV[1]) to the key's and tenant's tokens buckets and budgets (ARGV[2], ARGV[3]: seconds the day's
-# and the month's counters are kept), and add the usage counters (ARGV[4:], field, amount, ...).
+# Reserve tokens (ARGV[1]) for one inference before it runs: each tokens bucket must hold them and each budget have
+# them left, or nothing is taken ({'limited', kind, who, limit, retry ms (-1: never), tenant, per, left}); else they
+# are taken from every bucket and budget at once ({'ok'}). ARGV[2], ARGV[3]: ms to the day's and the month's end;
+# ARGV[4], ARGV[5]: seconds the day's and the month's counters are kept.
+RESERVE = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local n = tonumber(ARGV[1])
+local r = redis.call('HMGET', KEYS[1], 'tpm', 'budget', 'per', 'tenant')
+local tr = redis.call('HMGET', KEYS[2], 'tpm', 'budget', 'per')
+local buckets = {{KEYS[4], tonumber(r[1] or '0'), 'key'}, {KEYS[6], tonumber(tr[1] or '0'), 'tenant'}}
+local levels = {}
+for i, b in ipairs(buckets) do
+  if b[2] > 0 then
+    local v = redis.call('HMGET', b[1], 'l', 't')
+    local l = tonumber(v[1])
+    if not l then l = b[2] else
+      l = l + (now - tonumber(v[2])) * b[2] / 60000
+      if l > b[2] then l = b[2] end
+    end
+    levels[i] = l
+    if l < n then
+      local wait = n <= b[2] and math.ceil((n - l) * 60000 / b[2]) + 1 or -1
+      return {'limited', 'tokens', b[3], string.format('%d', b[2]), string.format('%d', wait), r[4], '',
+              string.format('%d', math.max(0, math.floor(l)))}
+    end
+  end
+end
+local budgets = {{tonumber(r[2] or '0'), r[3], KEYS[7], KEYS[8], 'key'}, {tonumber(tr[2] or '0'), tr[3], KEYS[9],
+                 KEYS[10], 'tenant'}}
+for _, b in ipairs(budgets) do
+  if b[1] > 0 then
+    local used = tonumber(redis.call('GET', b[2] == 'month' and b[4] or b[3]) or '0')
+    if used + n > b[1] then
+      return {'limited', 'budget', b[5], string.format('%d', b[1]), b[2] == 'month' and ARGV[3] or ARGV[2], r[4],
+              b[2], string.format('%d', math.max(0, b[1] - used))}
+    end
+  end
+end
+for i, b in ipairs(buckets) do
+  if b[2] > 0 then
+    redis.call('HSET', b[1], 'l', tostring(levels[i] - n), 't', now)
+    redis.call('PEXPIRE', b[1], 120000)
+  end
+end
+for i, name in ipairs({KEYS[7], KEYS[8], KEYS[9], KEYS[10]}) do
+  redis.call('INCRBY', name, n)
+  redis.call('EXPIRE', name, (i % 2 == 1) and ARGV[4] or ARGV[5])
+end
+return {'ok'}
+"""
+
+# Charge tokens (ARGV[1]; negative: a reservation's unspent part given back) to the key's and tenant's tokens buckets
+# and budgets (ARGV[2], ARGV[3]: seconds the day's and the month's counters are kept), and add the usage counters
+# (ARGV[4:], field, amount, ...).
 CHARGE = """
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 local n = tonumber(ARGV[1])
-if n > 0 then
+if n ~= 0 then
   local r = redis.call('HMGET', KEYS[1], 'tpm')
   local tr = redis.call('HMGET', KEYS[2], 'tpm')
   for _, b in ipairs({{KEYS[4], tonumber(r[1] or '0')}, {KEYS[6], tonumber(tr[1] or '0')}}) do
@@ -236,13 +296,15 @@ if n > 0 then
         l = l + (now - tonumber(v[2])) * b[2] / 60000
         if l > b[2] then l = b[2] end
       end
-      redis.call('HSET', b[1], 'l', tostring(l - n), 't', now)
+      redis.call('HSET', b[1], 'l', tostring(math.min(b[2], l - n)), 't', now)
       redis.call('PEXPIRE', b[1], 60000 + math.ceil(60000 * math.max(0, n - l) / b[2]) + 60000)
     end
   end
   for i, name in ipairs({KEYS[7], KEYS[8], KEYS[9], KEYS[10]}) do
-    redis.call('INCRBY', name, n)
-    redis.call('EXPIRE', name, (i % 2 == 1) and ARGV[2] or ARGV[3])
+    if n > 0 or redis.call('EXISTS', name) == 1 then
+      redis.call('INCRBY', name, n)
+      redis.call('EXPIRE', name, (i % 2 == 1) and ARGV[2] or ARGV[3])
+    end
   end
 end
 for i = 4, #ARGV, 2 do

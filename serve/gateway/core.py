@@ -10,10 +10,12 @@ import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import orjson
 
 from dstool.serve.gateway.cache import Entry, ResultCache
+from dstool.serve.gateway.guard import COUNTED, tensor_reservation, tensor_tokens
 from dstool.serve.gateway.keys import cache_key, key_fingerprint, model_fingerprint, never_cached
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
@@ -86,6 +88,10 @@ class Deployments:
     def now(self, model: str) -> Deployment | None:
         d = self._known.get(model)
         return d if d is not None and time.monotonic() - d.checked_at < self.interval else None
+
+    def known(self, model: str) -> Deployment | None:
+        """The model's deployment as last seen, however long ago."""
+        return self._known.get(model)
 
     async def get(self, model: str) -> Deployment:
         """The model's deployment as Triton reports it now; while Triton cannot be asked, the last one seen (so the
@@ -264,16 +270,31 @@ class GatewayCore:
             self.metrics.bytes.labels(self.metrics.model(request.model), "store").inc(entry.size)
         return result, entry
 
+    async def most_tokens(self, request: InferRequest) -> int:
+        """The most tokens an inference may use, reserved for a tenant before it runs (guard.tensor_reservation)."""
+        try:
+            config = (await self.deployments.get(request.model)).config
+        except GatewayError:
+            config = {}
+        return tensor_reservation(request, config)
+
     async def infer_upstream(self, request: InferRequest) -> InferResult:
         """Send the request to Triton as a binary-tensor HTTP request asking for binary outputs, under an id of the
-        gateway's own, which the answer must carry (an answer to another request is never taken for this one's)."""
+        gateway's own, which the answer must carry (an answer to another request is never taken for this one's).
+        A generation model's token counts are asked for whatever outputs the request names: its `usage`, the
+        outputs it did not name left out of the result."""
         ident = request_nonce()
-        header = {"id": ident,
-                  "inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
-                              "parameters": {"binary_data_size": len(t.raw)}} for t in request.inputs],
-                  "parameters": {**request.parameters, "binary_data_output": True}}
+        header: dict[str, Any] = {
+            "id": ident, "inputs": [{"name": t.name, "datatype": t.datatype, "shape": t.shape,
+                                     "parameters": {"binary_data_size": len(t.raw)}} for t in request.inputs],
+            "parameters": {**request.parameters, "binary_data_output": True}}
+        extra: list[str] = []
         if request.outputs is not None:
             header["outputs"] = [{"name": n, "parameters": {**p, "binary_data": True}} for n, p in request.outputs]
+            d = self.deployments.now(request.model) or self.deployments.known(request.model)
+            named = {n for n, _ in request.outputs}
+            extra = [n for n in COUNTED if d is not None and n in d.outputs and n not in named]
+            header["outputs"] += [{"name": n, "parameters": {"binary_data": True}} for n in extra]
         head = orjson.dumps(header)
         path = model_path(request.model)
         if request.version:
@@ -285,7 +306,10 @@ class GatewayCore:
         if response.status != 200:
             raise GatewayError(response.status, untagged(error_message(response.status, response.body), ident,
                                                          request.id))
-        return parse_binary_response(response.body, response.headers.get("inference-header-content-length"), ident)
+        result = parse_binary_response(response.body, response.headers.get("inference-header-content-length"), ident)
+        result.usage = tensor_tokens(request, result)
+        result.outputs = [t for t in result.outputs if t.name not in extra]
+        return result
 
 
 _NONCES = itertools.count()

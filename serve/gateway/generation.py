@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import orjson
 
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, request_nonce, served_version
+from dstool.serve.gateway.guard import estimated_tokens
 from dstool.serve.gateway.keys import generation_parameters, is_draw, key_fingerprint, scoped
 from dstool.serve.gateway.kserve import parse_json
 from dstool.serve.gateway.metrics import Metrics
@@ -154,6 +155,23 @@ class GenerationCache:
         blob = orjson.dumps([route, model, served, request, list(headers)], option=orjson.OPT_SORT_KEYS)
         h = hashlib.blake2b(struct.pack("<I", len(blob)) + blob, digest_size=32)
         return f"{scoped(scope)}:gen:{model}:{fingerprint}:{h.hexdigest()}"
+
+    async def most_tokens(self, model: str, request: dict) -> int:
+        """The most tokens a generate request may use, reserved for a tenant before it runs: its prompt, estimated
+        from its text, and its max_new_tokens (or the model's default)."""
+        given = request.get("parameters")
+        parameters: dict = given if isinstance(given, dict) else {}
+        asked = request.get("max_new_tokens", parameters.get("max_new_tokens"))
+        asked = asked[0] if isinstance(asked, list) and asked else asked
+        try:
+            config = (await self.core.deployments.get(model)).config
+        except GatewayError:
+            config = {}  # Triton does not serve it: its answer says so, and costs nothing
+        default = (config.get("parameters") or {}).get("default_max_new_tokens", {}).get("string_value", "0")
+        new = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else int(default)
+        text = sum(len(orjson.dumps(value)) for name, value in [*request.items(), *parameters.items()]
+                   if name in ("text_input", "messages", "tools"))
+        return estimated_tokens(text) + new
 
     async def open(self, model: str, version: str, route: str, body: bytes | dict,
                    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),),

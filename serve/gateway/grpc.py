@@ -7,6 +7,7 @@ included, is relayed to Triton's gRPC port byte for byte, so its answers and err
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import itertools
 import re
@@ -14,17 +15,18 @@ import time
 from typing import NoReturn
 
 import grpc
+import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
 from dstool.serve.gateway.generation import salted
-from dstool.serve.gateway.guard import Guard, Refused, tensor_tokens
+from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens, tensor_tokens
 from dstool.serve.gateway.kserve import CREDENTIALS
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import (
-    ITEM_SIZE,
+    NUMPY_TYPES,
     GatewayError,
     InferRequest,
     InferResult,
@@ -170,16 +172,49 @@ def names_shared_memory(msg) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*msg.inputs, *msg.outputs))
 
 
-def streamed_tokens(raw: bytes) -> int:
-    """The tokens one ModelStreamInfer response carries: the elements of its `output_ids` output (NAME_llm's)."""
+def streamed_tokens(raw: bytes, prompts: set[str]) -> tuple[int, int, int]:
+    """(prompt, generated, cached) tokens one ModelStreamInfer response carries: the elements of its `output_ids`
+    output (NAME_llm's) and, in the first response to a request (its id not in `prompts`, then added), the values of
+    its `prompt_tokens` and `prompt_cached_tokens` outputs."""
     try:
         response = service_pb2.ModelStreamInferResponse.FromString(raw).infer_response
     except DecodeError:
-        return 0
+        return 0, 0, 0
+    counts = {"output_ids": 0, "prompt_tokens": 0, "prompt_cached_tokens": 0}
     for i, output in enumerate(response.outputs):
-        if output.name == "output_ids" and i < len(response.raw_output_contents):
-            return len(response.raw_output_contents[i]) // ITEM_SIZE.get(output.datatype, 8)
-    return 0
+        if output.name in counts and i < len(response.raw_output_contents) and output.datatype in NUMPY_TYPES:
+            values = np.frombuffer(response.raw_output_contents[i], NUMPY_TYPES[output.datatype])
+            counts[output.name] = len(values) if output.name == "output_ids" else int(values.sum())
+    if response.id in prompts or not counts["prompt_tokens"]:
+        return 0, counts["output_ids"], 0
+    prompts.add(response.id)
+    return counts["prompt_tokens"], counts["output_ids"], counts["prompt_cached_tokens"]
+
+
+async def _merged(call, refusals: asyncio.Queue):
+    """A stream call's responses, and the gateway's own refusals of some of its requests, as they come."""
+    ended = object()
+
+    async def pump():
+        try:
+            async for response in call:
+                await refusals.put(response)
+        except grpc.aio.AioRpcError as e:
+            await refusals.put(e)
+        await refusals.put(ended)
+
+    reader = asyncio.ensure_future(pump())
+    try:
+        while (item := await refusals.get()) is not ended:
+            if isinstance(item, grpc.aio.AioRpcError):
+                raise item
+            yield item
+        while not refusals.empty():  # refusals after Triton's last answer
+            item = refusals.get_nowait()
+            if isinstance(item, bytes):
+                yield item
+    finally:
+        reader.cancel()
 
 
 def render_infer(result: InferResult, request_id: str) -> bytes:
@@ -331,8 +366,10 @@ class GrpcFrontend(grpc.GenericRpcHandler):
     def _stream_relay(self, method: str):
         async def relay(requests, context):
             principal = await self._admit(context, method)
-            if principal is not None:
-                requests = self._given(requests, principal, context)
+            refusals: asyncio.Queue = asyncio.Queue()
+            meter = self.guard.meter(principal) if principal is not None and self.guard is not None else None
+            if principal is not None and meter is not None:
+                requests = self._given(requests, principal, context, meter, refusals)
             servers, first = self.core.upstreams.servers, next(self._turn)
             up = [k for k in ((first + i) % len(self.channels) for i in range(len(self.channels)))
                   if k >= len(servers) or not servers[k].down]
@@ -341,21 +378,26 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no Triton is answering: retry later")
             call = self.channels[up[0]].stream_stream(method)(
                 requests, metadata=self._forwarded_metadata(context), timeout=context.time_remaining())
+            responses = call if meter is None else _merged(call, refusals)
+            prompts: set[str] = set()  # requests whose prompt was charged
             try:
-                async for response in call:
-                    if principal is not None and self.guard is not None:
-                        self.guard.charge(principal, completion=streamed_tokens(response))
+                async for response in responses:
+                    if meter is not None:
+                        meter.add(*streamed_tokens(response, prompts))
                     yield response
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")
             finally:
                 call.cancel()  # the client cancelled or went away: so does the call to Triton (a no-op once done)
+                if meter is not None:
+                    meter.close()
         return relay
 
-    async def _given(self, requests, principal: Principal, context):
-        """A stream's requests, each admitted as an inference of its own (the key still valid, within its limits), on
-        a model the key is given, naming no shared memory unless the key is an admin's; the stream ends at the first
-        that is not."""
+    async def _given(self, requests, principal: Principal, context, meter: Meter, refusals: asyncio.Queue):
+        """A stream's requests, each admitted as an inference of its own (the key still valid, within its limits, its
+        tokens reserved), on a model the key is given, naming no shared memory unless the key is an admin's; one
+        that is not is answered on the stream with its error (as Triton answers a request it refuses), the others
+        go on."""
         assert self.guard is not None
         authorization = _authorization(context)
         async for raw in requests:
@@ -365,18 +407,31 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 msg = service_pb2.ModelInferRequest()
             try:
                 await self.guard.admit(authorization, inference=True)
-            except Refused as e:
-                await _refused(context, e)
-            why = principal.not_given(msg.model_name)
-            if why is None and not principal.admin and names_shared_memory(msg):
-                why = SHARED_MEMORY_REFUSED
-            if why is not None:
-                await context.abort(grpc.StatusCode.PERMISSION_DENIED, why)
-            yield await self._salted(raw, msg, principal, context)
+                why = principal.not_given(msg.model_name)
+                if why is None and not principal.admin and names_shared_memory(msg):
+                    why = SHARED_MEMORY_REFUSED
+                if why is not None:
+                    raise Refused(403, why, "permission_denied")
+                await meter.reserve(await self._most_tokens(msg, raw))
+                salted = await self._salted(raw, msg, principal)
+            except (Refused, GatewayError) as e:
+                refusals.put_nowait(service_pb2.ModelStreamInferResponse(
+                    error_message=e.message, infer_response=service_pb2.ModelInferResponse(
+                        model_name=msg.model_name, model_version=msg.model_version, id=msg.id)).SerializeToString())
+                continue
+            yield salted
 
-    async def _salted(self, raw: bytes, msg, principal: Principal, context) -> bytes:
+    async def _most_tokens(self, msg, raw: bytes) -> int:
+        """The most tokens one request of a stream may use (core.most_tokens; estimated from its size where the
+        gateway does not model it)."""
+        try:
+            return await self.core.most_tokens(decode_infer(msg))
+        except _Passthrough:
+            return estimated_tokens(len(raw))
+
+    async def _salted(self, raw: bytes, msg, principal: Principal) -> bytes:
         """A stream's request with its prefix-cache salt made its tenant's (generation.salted), when its model keeps
-        computed prefixes."""
+        computed prefixes; GatewayError for a salt that is not a string."""
         scope = principal.scope(msg.model_name, self.shared_models)
         try:
             d = await self.core.deployments.get(msg.model_name)
@@ -385,11 +440,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         if not scope or "prefix_cache_tokens" not in (d.config.get("parameters") or {}):
             return raw
         given = _parameters(msg.parameters).get("cache_salt")
-        try:
-            salt = salted({} if given is None else {"cache_salt": given}, scope)["cache_salt"]
-        except GatewayError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, e.message)
-        msg.parameters["cache_salt"].string_param = salt
+        msg.parameters["cache_salt"].string_param = salted({} if given is None else {"cache_salt": given},
+                                                           scope)["cache_salt"]
         return msg.SerializeToString()
 
     async def model_infer(self, raw: bytes, context) -> bytes:
@@ -425,17 +477,33 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                                            if isinstance(v, str) and k not in CREDENTIALS and self.forward.match(k)))
         opt_out = any(k == "cache-control" and ("no-store" in v or "no-cache" in v)
                       for k, v in context.invocation_metadata())
+        meter = self.guard.meter(principal) if principal is not None and self.guard is not None else None
+        try:
+            return await self._infer(raw, request, context, started, opt_out, meter)
+        finally:
+            if meter is not None:
+                meter.close()
+
+    async def _infer(self, raw: bytes, request: InferRequest, context, started: float, opt_out: bool,
+                     meter: Meter | None) -> bytes:
+        """A decoded ModelInfer: from the cache, or computed (a tenant's, `meter`, reserved first and charged)."""
         try:
             key, version = await self.core.key(request, opt_out)
-            if key is None:
+            if key is None and meter is None:
                 return await self._relay_infer(raw, context, started, request.model)
-            entry = await self.core.lookup(key)
+            entry = await self.core.lookup(key) if key is not None else None
             outcome = "hit"
-            if entry is None:
-                result, entry = await self.core.compute(key, version, request)
-                outcome = "miss"
-            else:
+            if entry is not None:
                 result = entry.result
+            else:
+                if meter is not None:
+                    await meter.reserve(await self.core.most_tokens(request))
+                if key is None:  # a tenant's inference the cache does not keep: read, so its tokens are counted
+                    result, outcome = await self.core.infer_upstream(request), "bypass"
+                else:
+                    (result, entry), outcome = await self.core.compute(key, version, request), "miss"
+        except Refused as e:
+            await _refused(context, e)
         except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
             status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
             self.metrics.error("upstream" if status >= 500 else "bad_request")
@@ -450,8 +518,10 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             body = render_infer(result, request.id)
         self.metrics.observe(request.model, "grpc", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
-        if principal is not None and self.guard is not None:
-            self.guard.charge(principal, *tensor_tokens(request, result), hit=outcome == "hit")
+        if meter is not None and outcome != "hit":  # computed for this request: charged against its reservation
+            meter.add(*tensor_tokens(request, result))
+        elif meter is not None:
+            meter.guard.charge(meter.principal, *tensor_tokens(request, result), hit=True)
         return body
 
     async def _relay_infer(self, raw: bytes, context, started: float, model: str) -> bytes:

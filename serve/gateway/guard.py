@@ -23,9 +23,11 @@ import math
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from dstool.serve.gateway import auth
 from dstool.serve.gateway.auth import Principal
-from dstool.serve.gateway.tensors import ITEM_SIZE
+from dstool.serve.gateway.tensors import ITEM_SIZE, NUMPY_TYPES
 from dstool.serve.gateway.upstream import within
 
 log = logging.getLogger("dstool.gateway")
@@ -84,6 +86,7 @@ class Guard:
         self.leases: dict[str, Lease] = {}  # key id -> its last admission (one per valid key: bounded)
         self.pending: dict[str, Charge] = {}  # key id -> what is not charged yet
         self._admit = store.client.register_script(auth.ADMIT)
+        self._reserve = store.client.register_script(auth.RESERVE)
         self._charge = store.client.register_script(auth.CHARGE)
         self._flushing: asyncio.Task | None = None
 
@@ -172,13 +175,13 @@ class Guard:
                           "(`dstool keys create` or `dstool keys rotate`)", "invalid_api_key")
         if status == "limited":
             raise self._limited(reply)
-        _, tenant, models, scope, admin, current, previous, granted = reply[:8]
+        _, tenant, models, scope, admin, current, previous, granted, metered = reply[:9]
         if not (auth.same_hash(presented, current) or auth.same_hash(presented, previous)):  # as the script found
             raise Refused(401, UNKNOWN, "invalid_api_key")
         principal = Principal(tenant, ident, frozenset(models.split(",")) if models else None, scope == "shared",
-                              admin == "1")
+                              admin == "1", metered == "1")
         self.tenant_of[ident] = tenant
-        headers = _rate_headers(reply[8:])
+        headers = _rate_headers(reply[9:])
         now = time.monotonic()
         kept = self.leases.get(ident)
         permits = max(0, int(granted) - 1) + (kept.permits if kept is not None and now < kept.until else 0)
@@ -211,6 +214,57 @@ class Guard:
             self.charge(known.principal, requests=1)
         return known.principal, []
 
+    def meter(self, principal: Principal) -> Meter:
+        return Meter(self, principal)
+
+    async def reserve(self, principal: Principal, tokens: int) -> bool:
+        """Take `tokens` from the key's and tenant's tokens buckets and budgets before an inference runs: True when
+        taken, False when nothing needs taking (no such limit, or Redis down and --limits-fail open); Refused (429)
+        when they cannot hold it, (503) when Redis is down and --limits-fail closed."""
+        if not principal.metered or tokens <= 0:
+            return False
+        _, _, day_ms, month_ms = auth.periods()
+        day_s, month_s = _keep_seconds()
+        try:
+            reply = await self._redis(self._reserve(keys=auth.script_keys(principal.key_id, principal.tenant),
+                                                    args=[tokens, day_ms, month_ms, day_s, month_s]))
+        except RedisDown:
+            if self.limits_fail == "closed":
+                raise Refused(503, "token limits cannot be counted now (Redis does not answer): retry later",
+                              "unavailable", "server_error", [("Retry-After", "1")], principal.tenant) from None
+            return False
+        reply = [r.decode() if isinstance(r, bytes) else r for r in reply]
+        if reply[0] == "ok":
+            return True
+        raise self._too_many(reply, tokens)
+
+    def _too_many(self, reply: list, tokens: int) -> Refused:
+        """The refusal of a reservation the limits cannot hold (RESERVE's reply)."""
+        kind, who, limit, retry_ms, tenant, per, left = reply[1], reply[2], int(reply[3]), int(reply[4]), *reply[5:8]
+        self.metrics.tenant(tenant, "limited")
+        owner = f"tenant '{tenant}'" if who == "tenant" else "this key"
+        after = [] if retry_ms < 0 else [("Retry-After", str(max(1, math.ceil(retry_ms / 1000)))),
+                                         ("retry-after-ms", str(retry_ms))]
+        if kind == "budget":
+            if tokens > limit:
+                return Refused(429, f"Request too large for the {PERIODS.get(per, per)} token budget of {owner}: "
+                                    f"limit {limit}, requested up to {tokens} tokens (the prompt and max_tokens for "
+                                    "each choice): ask for fewer max_tokens", "insufficient_quota",
+                               "insufficient_quota", [], tenant)
+            return Refused(429, f"You exceeded your current quota: the {PERIODS.get(per, per)} token budget of {owner} "
+                                f"({limit} tokens) has {left} left and this request may use up to {tokens}; it renews "
+                                f"in {auth.reset_text(retry_ms)} (or ask for fewer max_tokens)", "insufficient_quota",
+                           "insufficient_quota", after, tenant)
+        if retry_ms < 0:
+            return Refused(429, f"Request too large for tokens per minute (TPM) of {owner}: limit {limit}, requested "
+                                f"up to {tokens} (the prompt and max_tokens for each choice): ask for fewer max_tokens",
+                           "rate_limit_exceeded", "tokens", [], tenant)
+        return Refused(429, f"Rate limit reached for tokens per minute (TPM) of {owner}: limit {limit}, used "
+                            f"{limit - int(left)}, requested up to {tokens}. Please try again in "
+                            f"{auth.reset_text(retry_ms)}.", "rate_limit_exceeded", "tokens",
+                       [*after, ("x-ratelimit-limit-tokens", str(limit)), ("x-ratelimit-remaining-tokens", left),
+                        ("x-ratelimit-reset-tokens", auth.reset_text(retry_ms))], tenant)
+
     def _limited(self, reply: list) -> Refused:
         kind, who, limit, retry_ms, tenant = reply[1], reply[2], int(float(reply[3])), int(float(reply[4])), reply[5]
         self.metrics.tenant(tenant, "limited")
@@ -230,14 +284,15 @@ class Guard:
 
     # ---- usage ---------------------------------------------------------------------------------------------
     def charge(self, principal: Principal, prompt: int = 0, completion: int = 0, cached: int = 0, hit: bool = False,
-               error: bool = False, requests: int = 0) -> None:
-        """Count what a request used (tokens as they become known; call again for more)."""
+               error: bool = False, requests: int = 0, limits: int | None = None) -> None:
+        """Count what a request used (tokens as they become known; call again for more); `limits`: the tokens to
+        take from its buckets and budgets, when not prompt + completion (a Meter's reservation took them before)."""
         if not principal.key_id:
             return
         c = self.pending.get(principal.key_id)
         if c is None:
             c = self.pending[principal.key_id] = Charge(principal.tenant)
-        c.tokens += prompt + completion
+        c.tokens += prompt + completion if limits is None else limits
         for name, n in (("requests", requests), ("prompt_tokens", prompt), ("completion_tokens", completion),
                         ("cached_tokens", cached), ("cache_hits", int(hit)), ("errors", int(error))):
             if n:
@@ -283,6 +338,45 @@ class Guard:
             log.warning("gateway: usage of %d keys could not be written to Redis before exit", len(self.pending))
 
 
+class Meter:
+    """One inference's tokens for its key: the most it may use reserved before it runs (`reserve`: a 429 when the
+    key's or tenant's tokens per minute or budget cannot hold it), its tokens charged as they come (`add`: usage, and
+    the limits only beyond the reservation), the unspent reservation given back at its end (`close`, once)."""
+
+    def __init__(self, guard: Guard, principal: Principal):
+        self.guard, self.principal = guard, principal
+        self.reserved = self.spent = 0
+        self.closed = False
+
+    async def reserve(self, tokens: int) -> None:
+        if await self.guard.reserve(self.principal, tokens):
+            self.reserved += tokens
+
+    def add(self, prompt: int = 0, completion: int = 0, cached: int = 0) -> None:
+        over = max(0, self.spent - self.reserved)
+        self.spent += prompt + completion
+        self.guard.charge(self.principal, prompt, completion, cached, limits=max(0, self.spent - self.reserved) - over)
+
+    def hit(self) -> None:
+        self.guard.charge(self.principal, hit=True)
+
+    def error(self) -> None:
+        self.guard.charge(self.principal, error=True)
+
+    def close(self) -> None:
+        if not self.closed:
+            self.closed = True
+            unspent = self.reserved - min(self.spent, self.reserved)
+            if unspent:
+                self.guard.charge(self.principal, limits=-unspent)
+
+
+def estimated_tokens(text_bytes: int) -> int:
+    """A prompt's tokens as reserved before the tokenizer has seen it: a token per 4 bytes (OpenAI's rule of thumb;
+    what it really used is charged when known)."""
+    return (text_bytes + 3) // 4
+
+
 def _raw(header: str) -> bytes:
     """A header's bytes: an HTTP header as read (latin-1), gRPC metadata (any text) as UTF-8."""
     try:
@@ -291,12 +385,34 @@ def _raw(header: str) -> bytes:
         return header.encode("utf-8", "surrogateescape")
 
 
+COUNTED = ("output_ids", "prompt_tokens")  # a generation model's outputs that say its tokens
+
+
 def tensor_tokens(request, result) -> tuple[int, int]:
     """(prompt, generated) tokens of a KServe inference, where its tensors say: the elements of an `input_ids` input
-    (the tensor model) and of an `output_ids` output (NAME_generate)."""
+    (the tensor model), the values of a `prompt_tokens` output and the elements of an `output_ids` output
+    (NAME_generate); the result's own `usage` when it has one (read off outputs the client did not ask for)."""
+    if result.usage is not None:
+        return result.usage
     prompt = sum(len(t.raw) // ITEM_SIZE.get(t.datatype, 8) for t in request.inputs if t.name == "input_ids")
+    prompt += sum(int(v) for t in result.outputs if t.name == "prompt_tokens" and t.datatype in NUMPY_TYPES
+                  for v in np.frombuffer(t.raw, NUMPY_TYPES[t.datatype]))
     made = sum(len(t.raw) // ITEM_SIZE.get(t.datatype, 8) for t in result.outputs if t.name == "output_ids")
     return prompt, made
+
+
+def tensor_reservation(request, config: dict) -> int:
+    """The most tokens a KServe inference may use, reserved for a tenant before it runs: its `input_ids`, its text
+    (estimated) and, for a model that generates, its `max_new_tokens` (or the model's default)."""
+    prompt = sum(len(t.raw) // ITEM_SIZE.get(t.datatype, 8) for t in request.inputs if t.name == "input_ids")
+    text = sum(len(t.raw) for t in request.inputs if t.datatype == "BYTES")
+    new = 0
+    if any(i.get("name") == "max_new_tokens" for i in config.get("input") or []):
+        asked = [t for t in request.inputs if t.name == "max_new_tokens" and t.datatype in NUMPY_TYPES and t.raw]
+        default = (config.get("parameters") or {}).get("default_max_new_tokens", {}).get("string_value", "0")
+        new = sum(max(0, int(v)) for t in asked for v in np.frombuffer(t.raw, NUMPY_TYPES[t.datatype])) or \
+            int(default)
+    return prompt + estimated_tokens(text) + new
 
 
 def _keep_seconds() -> tuple[int, int]:

@@ -20,8 +20,8 @@ import orjson
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
-from dstool.serve.gateway.generation import GenerationCache, data, json_object
-from dstool.serve.gateway.guard import UNKNOWN, Guard, Refused, tensor_tokens
+from dstool.serve.gateway.generation import GenerationCache, data, json_object, read_request
+from dstool.serve.gateway.guard import UNKNOWN, Guard, Meter, Refused, tensor_tokens
 from dstool.serve.gateway.kserve import (
     Passthrough,
     accepted_encoding,
@@ -31,8 +31,7 @@ from dstool.serve.gateway.kserve import (
     render_infer,
 )
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.openai import OpenAIFrontend
-from dstool.serve.gateway.protocol import OpenAIError
+from dstool.serve.gateway.openai import OpenAIFrontend, refused
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.transport import (
     HttpConnection,
@@ -140,10 +139,8 @@ class HttpFrontend:
     @staticmethod
     def _refusal(e: Refused, req: HttpRequest) -> HttpResponse:
         if req.path.startswith("/v1/"):
-            refusal = HttpResponse(e.status, [OpenAIError(e.status, e.message, kind=e.kind, code=e.code).body()],
-                                   [("Content-Type", "application/json")])
-        else:
-            refusal = error_response(e.status, e.message)
+            return refused(e)
+        refusal = error_response(e.status, e.message)
         refusal.headers += e.headers
         return refusal
 
@@ -166,20 +163,32 @@ class HttpFrontend:
         headers = tuple((k, v) for k, v in req.headers.items() if k not in HOP_BY_HOP)
         keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
         principal = req.principal
+        meter = self.guard.meter(principal) if principal is not None and self.guard is not None else None
         try:
-            g = await self.generation.open(model, version, route, req.body, headers, keyed, opt_out=opts_out(req),
+            request = read_request(req.body)
+            if meter is not None:
+                await meter.reserve(await self.generation.most_tokens(model, request))
+            g = await self.generation.open(model, version, route, request, headers, keyed, opt_out=opts_out(req),
                                            scope=principal.scope(model, self.shared_models) if principal else "")
+        except Refused as e:
+            return self._refusal(e, req)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
+            if meter is not None:
+                meter.close()
             return error_response(503, str(e))
         except (GatewayError, UnsafeRequest) as e:
             status = e.status if isinstance(e, GatewayError) else 400
             self.metrics.error("bad_request" if status < 500 else "upstream")
+            if meter is not None:
+                meter.close()
             return error_response(status, str(e))
         events = g.events
-        if principal is not None and self.guard is not None and g.status == 200:
-            events = _counted(events, self.guard, principal)
+        if meter is not None:
+            events = _counted(events, meter) if g.status == 200 else events
             req.hit = g.hit
+            if g.status != 200:
+                meter.close()
         if route == "generate" or g.status != 200:
             body = b"".join([e async for e in events])
             if g.status >= 400 and not body:
@@ -215,27 +224,39 @@ class HttpFrontend:
         return self._infer_async(req, request, output_format, opt_out, started)
 
     async def _infer_async(self, req, request, output_format, opt_out: bool, started: float) -> Response:
+        meter = self.guard.meter(req.principal) if req.principal is not None and self.guard is not None else None
         try:
             key, version = await self.core.key(request, opt_out)
-            if key is None:
+            if key is None and meter is None:
                 return await self._relay_infer(req, request.model, started)
             encoding = accepted_encoding(req.headers)
-            entry = await self.core.lookup(key)
+            entry = await self.core.lookup(key) if key is not None else None
             if entry is not None:
                 req.hit = True
                 return self._answer(entry.result, entry, request, output_format, request.model, "hit", started,
                                     encoding, req)
-            result, entry = await self.core.compute(key, version, request)
-            return self._answer(result, entry, request, output_format, request.model, "miss", started, encoding,
-                                req)
+            if meter is not None:
+                await meter.reserve(await self.core.most_tokens(request))
+            if key is None:  # a tenant's inference the cache does not keep: read, so its tokens are counted
+                result, entry, outcome = await self.core.infer_upstream(request), None, "bypass"
+            else:
+                (result, entry), outcome = await self.core.compute(key, version, request), "miss"
+            return self._answer(result, entry, request, output_format, request.model, outcome, started, encoding,
+                                req, meter)
+        except Refused as e:
+            return self._refusal(e, req)
         except (GatewayError, UpstreamUnavailable, UpstreamTimeout) as e:
             status = e.status if isinstance(e, GatewayError) else 504 if isinstance(e, UpstreamTimeout) else 503
             self.metrics.error("bad_request" if status < 500 else "timeout" if status == 504 else "upstream")
             self.metrics.observe(request.model, "http", "error", time.perf_counter() - started)
             return error_response(status, str(e))
+        finally:
+            if meter is not None:
+                meter.close()
 
     def _answer(self, result, entry, request, output_format, model, outcome, started,
-                encoding: str | None = None, req: HttpRequest | None = None) -> HttpResponse:
+                encoding: str | None = None, req: HttpRequest | None = None, meter: Meter | None = None
+                ) -> HttpResponse:
         """The response (as Triton writes it, compressed as Accept-Encoding asks); kept with the cache entry for the
         next hit, when the request has no id of its own."""
         form = ("http", output_format, encoding)
@@ -249,7 +270,9 @@ class HttpFrontend:
                 entry.keep(form, response, sum(len(c) for c in response.chunks if id(c) not in shared))
         self.metrics.observe(model, "http", outcome, time.perf_counter() - started,
                              sum(len(t.raw) for t in result.outputs) if outcome == "hit" else 0)
-        if req is not None and req.principal is not None:
+        if meter is not None:  # computed for this request: charged against its reservation
+            meter.add(*tensor_tokens(request, result))
+        elif req is not None and req.principal is not None:
             req.tokens = tensor_tokens(request, result)
         return response
 
@@ -341,22 +364,25 @@ def tenant_route(method: str, path: str) -> tuple[str, str | None]:
     return "admin", None
 
 
-async def _counted(events: AsyncGenerator[bytes, None], guard: Guard, principal: Principal
-                   ) -> AsyncGenerator[bytes, None]:
-    """A generate answer's events as they are, the tokens they carry charged to `principal` as they pass."""
+async def _counted(events: AsyncGenerator[bytes, None], meter: Meter) -> AsyncGenerator[bytes, None]:
+    """A generate answer's events as they are, the tokens they carry charged to the meter's key as they pass; its
+    reservation closed at the end, however the answer ends."""
     prompt_seen = False
-    async with contextlib.aclosing(events):
-        async for event in events:
-            d = data(event) if event.startswith(b"data: ") else json_object(event)
-            if d is not None and "error" not in d:
-                ids = d.get("output_ids")
-                completion = len(ids) if isinstance(ids, list) else 1 if isinstance(ids, int) else 0
-                prompt = cached = 0
-                if not prompt_seen and isinstance(d.get("prompt_tokens"), int):
-                    prompt, cached, prompt_seen = d["prompt_tokens"], int(d.get("prompt_cached_tokens") or 0), True
-                if completion or prompt:
-                    guard.charge(principal, prompt, completion, cached)
-            yield event
+    try:
+        async with contextlib.aclosing(events):
+            async for event in events:
+                d = data(event) if event.startswith(b"data: ") else json_object(event)
+                if d is not None and "error" not in d:
+                    ids = d.get("output_ids")
+                    completion = len(ids) if isinstance(ids, list) else 1 if isinstance(ids, int) else 0
+                    prompt = cached = 0
+                    if not prompt_seen and isinstance(d.get("prompt_tokens"), int):
+                        prompt, cached, prompt_seen = d["prompt_tokens"], int(d.get("prompt_cached_tokens") or 0), True
+                    if completion or prompt:
+                        meter.add(prompt, completion, cached)
+                yield event
+    finally:
+        meter.close()
 
 
 def model_route(path: str) -> tuple[str, str, str] | None:

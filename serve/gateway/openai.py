@@ -31,7 +31,7 @@ import orjson
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.generation import GenerationCache, data
-from dstool.serve.gateway.guard import Guard
+from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens
 from dstool.serve.gateway.protocol import (
     GRAMMAR_SUBJECT,
     SAMPLING,
@@ -227,6 +227,8 @@ class OpenAIFrontend:
                                    "/v1/chat/completions and /v1/responses")
         except OpenAIError as e:
             return error_response(e)
+        except Refused as e:
+            return refused(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             return error_response(OpenAIError(503, str(e), kind="server_error"))
 
@@ -262,9 +264,11 @@ class OpenAIFrontend:
         """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a
         tenant's key), from its tenant's cache scope, its tokens charged as they come."""
         chat = isinstance(request, ChatCompletionRequest)
-        meter = Meter(self.guard, principal) if self.guard is not None and principal is not None else None
+        meter = self.guard.meter(principal) if self.guard is not None and principal is not None else None
         scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
         max_tokens = request.max_new_tokens or self.default_max_tokens
+        if meter is not None:  # the most it may use, before anything runs
+            await meter.reserve(estimated_tokens(request.prompt_bytes()) + request.n * max_tokens)
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
                           calls=Calls(request.tool_list, request.tool_mode, request.parallel_tool_calls is not False)
@@ -275,9 +279,18 @@ class OpenAIFrontend:
                                                                  "max_new_tokens": max_tokens}, c, events, opt_out,
                                                  scope, meter, request.structured_param))
                  for c in choices]
+        running = len(tasks)
+
+        def ended(task: asyncio.Task) -> None:
+            nonlocal running
+            self.choices.discard(task)
+            running -= 1
+            if running == 0 and meter is not None:
+                meter.close()  # every choice has ended: what the reservation did not use goes back
+
         for t in tasks:
             self.choices.add(t)
-            t.add_done_callback(self.choices.discard)
+            t.add_done_callback(ended)
         handed_over = False
 
         def stop() -> None:
@@ -371,7 +384,7 @@ class OpenAIFrontend:
                     choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
                     if meter is not None:  # what the answer's usage says, charged as it comes
                         first = choice.index == 0 and not prompt_known and choice.prompt_tokens
-                        meter.add(new, choice.prompt_tokens if first else 0, choice.cached_tokens if first else 0)
+                        meter.add(choice.prompt_tokens if first else 0, new, choice.cached_tokens if first else 0)
                     rows = ranked(d)
                     if choice.whole:
                         choice.ranked += rows
@@ -401,17 +414,11 @@ def _given(model: str, principal: Principal | None) -> None:
                           code="model_not_found")
 
 
-class Meter:
-    """Charges one request's tokens to its key as they come (the same counts as the answer's `usage`)."""
-
-    def __init__(self, guard: Guard, principal: Principal):
-        self.guard, self.principal = guard, principal
-
-    def add(self, completion: int, prompt: int, cached: int) -> None:
-        self.guard.charge(self.principal, prompt, completion, cached)
-
-    def hit(self) -> None:
-        self.guard.charge(self.principal, hit=True)
+def refused(e: Refused) -> HttpResponse:
+    """The guard's refusal in OpenAI's error shape, with its headers (Retry-After, x-ratelimit-*)."""
+    response = error_response(OpenAIError(e.status, e.message, kind=e.kind, code=e.code))
+    response.headers += e.headers
+    return response
 
 
 def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:

@@ -278,6 +278,10 @@ class _Request(BaseModel):
     def prompt_fields(self) -> dict:
         raise NotImplementedError
 
+    def prompt_bytes(self) -> int:
+        """The bytes of text the prompt is made of (what a tenant's reservation estimates its tokens from)."""
+        raise NotImplementedError
+
     @property
     def top_logprobs_asked(self) -> int | None:
         raise NotImplementedError
@@ -312,6 +316,9 @@ class CompletionRequest(_Request):
 
     def prompt_fields(self) -> dict:
         return {"text_input": self.prompt}
+
+    def prompt_bytes(self) -> int:
+        return len(self.prompt.encode())
 
     @property
     def top_logprobs_asked(self) -> int | None:
@@ -503,6 +510,11 @@ class ChatCompletionRequest(_Request):
     @property
     def max_new_tokens(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    def prompt_bytes(self) -> int:
+        """Each message's content and role (the chat template adds a few tokens around each), and the tools."""
+        return sum(len((m.content or "").encode()) + len(m.role) + len(orjson.dumps(m.tool_calls or []))
+                   for m in self.messages) + len(orjson.dumps([t.wire() for t in self._tools]))
 
     def prompt_fields(self) -> dict:
         fields = {"messages": orjson.dumps([m.wire() for m in self.messages]).decode()}

@@ -56,6 +56,7 @@ class InferResult:
     model_version: str
     outputs: list[Tensor]
     parameters: dict = field(default_factory=dict)
+    usage: tuple[int, int] | None = None  # (prompt, generated) tokens, read off outputs the client may not have asked
 
 
 def check_tensor(t: Tensor, what: str = "input") -> None:

@@ -1,6 +1,7 @@
 """Triton python-backend model: the text-generation entry point (BLS).
 
-text_input (+ optional max_new_tokens, use_kv_cache, stop_token_ids) -> text_output, output_ids. Each request is
+text_input (+ optional max_new_tokens, use_kv_cache, stop_token_ids) -> text_output, output_ids, prompt_tokens (the
+prompt's length in tokens: what the gateway charges a tenant with the new ids). Each request is
 tokenized by the tokenizer model; the requests the dynamic batcher hands over together are decoded as one batch
 (right-padded, padding masked); the new ids go to the detokenizer model. Each request chooses its tokens by its
 own sampling parameters (request parameters temperature, top_k, top_p, min_p, repetition_penalty,
@@ -51,14 +52,15 @@ class TritonPythonModel:
             if not batch:
                 continue
             loop = self._generate_with_cache if use_cache else self._generate_without_cache
-            for (i, _, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [j for _, _, j in batch])):
+            for (i, prompt, _), new_ids in zip(batch, loop([p for _, p, _ in batch], [j for _, _, j in batch])):
                 if isinstance(new_ids, str):  # this request failed in the engine; the others go on
                     responses[i] = pb_utils.InferenceResponse(error=pb_utils.TritonError(new_ids))
                     continue
                 ids = np.asarray(new_ids, dtype=np.int64)
                 text = self._infer(self.models["detokenizer"], {"output_ids": ids}, ["text_output"])[0]
-                responses[i] = pb_utils.InferenceResponse([pb_utils.Tensor("text_output", text.reshape(1, 1)),
-                                                           pb_utils.Tensor("output_ids", ids[None])])
+                responses[i] = pb_utils.InferenceResponse([
+                    pb_utils.Tensor("text_output", text.reshape(1, 1)), pb_utils.Tensor("output_ids", ids[None]),
+                    pb_utils.Tensor("prompt_tokens", np.array([[len(prompt)]], dtype=np.int32))])
         return responses
 
     def _prepare(self, request):
