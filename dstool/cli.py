@@ -147,9 +147,10 @@ def _keys(cfg) -> int:
         tenant = keys.revoke(client, cfg.key_id)
         dlog.log.info(f"dstool keys: key {cfg.key_id} of tenant {tenant} revoked")
     elif cfg.action == "limits":
-        keys.set_limits(client, cfg.tenant, cfg.rpm, cfg.tpm, cfg.budget_tokens, cfg.per or "")
+        keys.set_limits(client, cfg.tenant, cfg.rpm, cfg.tpm, cfg.budget_tokens, cfg.per or "", cfg.concurrency)
         dlog.log.info(f"dstool keys: tenant {cfg.tenant}: rpm {cfg.rpm or '-'}, tpm {cfg.tpm or '-'}, budget "
-                      f"{f'{cfg.budget_tokens} tokens a {cfg.per}' if cfg.budget_tokens else '-'}")
+                      f"{f'{cfg.budget_tokens} tokens a {cfg.per}' if cfg.budget_tokens else '-'}, concurrency "
+                      f"{cfg.concurrency or 'the gateway default'}")
     else:
         rows = keys.as_dicts(keys.list_keys(client, cfg.tenant)) if cfg.action == "list" else \
             keys.usage(client, cfg.tenant)

@@ -63,6 +63,8 @@ class Sequence:
     partial: dict[str, np.ndarray] | None = None  # its cache while prefilling (every position its own)
     error: str | None = None  # why it ended early, when it failed
     salt: str = ""  # its prefix-cache scope: prefixes are shared only between sequences of the same salt
+    tenant: str = ""  # whose it is: waiting sequences begin by turns of tenants (the fewest places in the batch first)
+    paused: bool = False  # taken out of the batch for another tenant's turn: its cache kept in `partial`
 
     @property
     def reserved(self) -> int:
@@ -141,7 +143,10 @@ class Engine:
         """`step` in its two parts: the first tokens of sequences whose prompt is done (prefill), then the running
         ones' next tokens — so a server can send the first ones before the batch decodes."""
         self.steps_started += 1
-        self.prefilling += self._admit()
+        self._preempt()
+        admitted = self._admit()
+        self.prefilling += [s for s in admitted if not s.paused]
+        self._resume([s for s in admitted if s.paused])
         joining: list[tuple[Sequence, dict[str, np.ndarray]]] = []
         if self.prefilling:
             produced, joining = self._prefill()
@@ -160,19 +165,75 @@ class Engine:
         return {name: np.zeros((rows, heads, positions, dim), np.float32)
                 for name, (heads, dim) in self.cache_shapes.items()}
 
+    def _places(self) -> dict[str, int]:
+        """Places in the batch (running and prefilling) by tenant."""
+        places: dict[str, int] = {}
+        for s in self.running + self.prefilling:
+            places[s.tenant] = places.get(s.tenant, 0) + 1
+        return places
+
+    def _preempt(self) -> None:
+        """With the batch full and a waiting tenant holding fewer places than another by two or more, pause the
+        latest sequence of the tenant holding the most: its cache is kept aside (it still counts against the cache
+        budget) and it goes on, exactly where it was, at its next turn. So a tenant's flood cannot make another
+        tenant wait for its sequences to end: a newcomer begins within a step or two."""
+        if not self.waiting or len(self.running) + len(self.prefilling) < self.max_batch or not self.running:
+            return
+        places = self._places()
+        waiting = places.get(self._next_waiting(places).tenant, 0)
+        heaviest = max(places, key=lambda t: places[t])
+        rows = [i for i, s in enumerate(self.running) if s.tenant == heaviest]
+        if places[heaviest] <= waiting + 1 or not rows:
+            return
+        row = rows[-1]
+        s = self.running[row]
+        s.partial, s.paused = self._row(row), True
+        self._keep([i for i in range(len(self.running)) if i != row])
+        self.waiting.appendleft(s)
+
+    def _row(self, row: int) -> dict[str, np.ndarray]:
+        """A running row's own cache [1, heads, positions, dim] (the positions it holds, in order)."""
+        held = np.flatnonzero(self.mask[row])
+        return {n: v[row:row + 1][:, :, held].copy() for n, v in self.cache.items()}
+
+    def _resume(self, paused: list[Sequence]) -> None:
+        """Paused sequences back into the batch with their cache, to decode their next token."""
+        rows = []
+        for s in paused:
+            assert s.partial is not None
+            rows.append((s, s.partial))
+            s.partial, s.paused = None, False
+        self._append(rows)
+
     def _admit(self) -> list[Sequence]:
-        held = sum(s.reserved for s in self.running + self.prefilling)
+        held = sum(s.reserved for s in self.running + self.prefilling) + \
+            sum(s.reserved for s in self.waiting if s.paused)
+        places = self._places()
         admitted: list[Sequence] = []
-        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch and (
-                self.max_cache_tokens is None or held + self.waiting[0].reserved <= self.max_cache_tokens):
-            s = self.waiting.popleft()
-            held += s.reserved
+        while self.waiting and len(self.running) + len(self.prefilling) + len(admitted) < self.max_batch:
+            s = self._next_waiting(places)
+            if not s.paused and self.max_cache_tokens is not None and held + s.reserved > self.max_cache_tokens:
+                break
+            self.waiting.remove(s)
+            places[s.tenant] = places.get(s.tenant, 0) + 1
+            held += 0 if s.paused else s.reserved
             if self.prefix_cache is not None and not s.prefilled:
                 s.cached, s.partial = self.prefix_cache.match(s.prompt, s.salt)
                 s.prefilled = s.cached
             admitted.append(s)
         self._fit_prefix_cache(held)
         return admitted
+
+    def _next_waiting(self, places: dict[str, int]) -> Sequence:
+        """The waiting sequence to begin next: the oldest of the tenant holding the fewest places in the batch (one
+        tenant's flood of requests does not queue ahead of another's; without tenants, the oldest)."""
+        best = self.waiting[0]
+        for s in self.waiting:
+            if places.get(best.tenant, 0) == 0:
+                break
+            if places.get(s.tenant, 0) < places.get(best.tenant, 0):
+                best = s
+        return best
 
     def _fit_prefix_cache(self, held: int | None = None) -> None:
         """The kept prefixes take only what the admitted sequences leave of the cache budget."""
@@ -442,13 +503,16 @@ class FusedEngine(Engine):
         self.held = self.held + 1
         return [self._choose(s, logits[b, -1]) for b, s in enumerate(self.running)]
 
+    def _row(self, row: int) -> dict[str, np.ndarray]:
+        return {n: v[row:row + 1, :, :self.held[row]].copy() for n, v in self.cache.items()}
+
     def _append(self, joining: list[tuple[Sequence, dict[str, np.ndarray]]]) -> None:
         """The joining sequences' caches copied into the next rows of the batch buffer."""
         if not joining:
             return
         self._fit(max(s.reserved for s in self.running + [s for s, _ in joining]))  # all they may come to hold
         for s, row in joining:
-            at, length = len(self.running), len(s.prompt)
+            at, length = len(self.running), len(s.prompt) + len(s.output) - 1  # the positions its cache holds
             for name, buffer in self.cache.items():
                 buffer[at, :, :length] = row[name][0, :, :length]
             self.running.append(s)

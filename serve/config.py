@@ -149,6 +149,13 @@ class GatewayOptions(CommandConfig):
                               "asked (--auth-fallback cached)")
     limits_fail: Literal["open", "closed"] = Field("open", description="--auth keys with Redis unreachable: "
                                                    "requests pass unlimited (open) or are refused with 503 (closed)")
+    auth_redis_timeout: float = Field(0.5, gt=0, description="--auth keys: seconds a key check or limit takes in "
+                                      "Redis before it is tried once more; two timeouts in a row (or a refused "
+                                      "connection) count as Redis unreachable")
+    tenant_concurrency: int = Field(8, ge=1, le=10**6, description="--auth keys: sequences (an OpenAI request's "
+                                    "choices, generate requests, requests on a gRPC stream) one tenant may have "
+                                    "generating at once on this gateway process; more wait their turn (`dstool keys "
+                                    "limits --concurrency` sets a tenant's own)")
     shared_cache_models: list[str] = Field(default_factory=list, description="a model (or family) whose cached "
                                            "answers every tenant shares (--auth keys; the default keeps each "
                                            "tenant's answers to itself): only for models whose answers hold nothing "
@@ -173,7 +180,8 @@ class GatewayOptions(CommandConfig):
     def _keys_only(self) -> GatewayOptions:
         if self.auth != "keys":
             fields = type(self).model_fields
-            given = sorted(name for name in ("auth_fallback", "auth_stale", "limits_fail", "shared_cache_models")
+            given = sorted(name for name in ("auth_fallback", "auth_stale", "limits_fail", "shared_cache_models",
+                                             "auth_redis_timeout", "tenant_concurrency")
                            if getattr(self, name) != fields[name].get_default(call_default_factory=True))
             if given:
                 flag = cli_extra(fields[given[0]]).get("flag") or "--" + given[0].replace("_", "-")
@@ -516,7 +524,7 @@ class BatchConfig(ClientOptions):
 DURATION_RE = re.compile(r"(\d+(?:\.\d+)?)([smhd])")
 KEY_ACTIONS = {"create": {"tenant", "models", "rpm", "tpm", "budget_tokens", "per", "expires", "cache_scope", "admin"},
                "list": {"tenant", "format"}, "revoke": {"key_id"}, "rotate": {"key_id", "grace"},
-               "usage": {"tenant", "format"}, "limits": {"tenant", "rpm", "tpm", "budget_tokens", "per"}}
+               "usage": {"tenant", "format"}, "limits": {"tenant", "rpm", "tpm", "budget_tokens", "per", "concurrency"}}
 
 
 def seconds(text: str) -> float:
@@ -545,6 +553,9 @@ class KeysConfig(CommandConfig):
     budget_tokens: int = Field(0, ge=0, le=10**15, description="tokens per --per day or month (0: no budget)",
                                json_schema_extra={"cli": {"metavar": "N"}})
     per: Literal["day", "month"] | None = Field(None, description="the budget's period (UTC)")
+    concurrency: int = Field(0, ge=0, le=10**6, description="limits: sequences the tenant may have generating at once "
+                             "on each gateway process, and its weight in the fair share (0: the gateway's "
+                             "--tenant-concurrency)")
     expires: str | None = Field(None, description="the key expires after this long: 90s, 15m, 12h, 30d",
                                 json_schema_extra={"cli": {"metavar": "DURATION"}})
     cache_scope: Literal["tenant", "shared"] = Field("tenant", description="tenant: cached answers are this tenant's "

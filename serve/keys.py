@@ -99,9 +99,10 @@ def rotate(client, ident: str, grace_s: float) -> str:
     return key
 
 
-def set_limits(client, tenant: str, rpm: int, tpm: int, budget: int, per: str) -> None:
-    """A tenant's own limits, over all its keys (0: none)."""
-    client.hset(auth.tenant_name(tenant), mapping={"rpm": rpm, "tpm": tpm, "budget": budget, "per": per})
+def set_limits(client, tenant: str, rpm: int, tpm: int, budget: int, per: str, concurrency: int = 0) -> None:
+    """A tenant's own limits, over all its keys (0: none; concurrency 0: the gateway's)."""
+    client.hset(auth.tenant_name(tenant), mapping={"rpm": rpm, "tpm": tpm, "budget": budget, "per": per,
+                                                   "concurrency": concurrency})
     client.sadd(auth.TENANTS_SET, tenant)
 
 

@@ -395,3 +395,41 @@ def test_a_runner_with_last_position_logits_serves_one_prompt_at_a_time(exported
     failed = [s for s, token in together.step() if token is None]
     assert [s.id for s in failed] == [str(min(range(2), key=lambda i: len(ids[i])))]
     assert "last position" in failed[0].error
+
+
+def test_a_tenants_newcomer_begins_at_once_while_another_fills_the_batch_and_paused_ones_stay_exact(setup, trained):
+    """Tenant A fills the batch with long sequences; B's request begins within two steps (A's latest is paused for
+    it), and every sequence's tokens — A's paused and resumed ones included — are those of an engine that ran each
+    alone (greedy)."""
+    session, shapes, tokenizer = setup
+    ids = [tokenizer(p)["input_ids"] for p in PROMPTS]
+    alone = {}
+    for i, x in enumerate(ids):
+        single = engine_for(session, shapes, max_batch=1)
+        single.add(_sequence(str(i), x, 24))
+        alone[str(i)] = _run(single)[str(i)]
+    engine = engine_for(session, shapes, max_batch=3)
+    for i in range(4):
+        s = _sequence(str(i), ids[i], 24)
+        s.tenant = "A"
+        engine.add(s)
+    out: dict[str, list[int]] = {}
+    for _ in range(3):
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+    assert [s.tenant for s in engine.running] == ["A"] * 3
+    newcomer = _sequence("4", ids[4], 24)
+    newcomer.tenant = "B"
+    engine.add(newcomer)
+    arrived = engine.steps_started
+    while "4" not in out:
+        for s, token in engine.step():
+            out.setdefault(s.id, []).append(token)
+    assert engine.steps_started - arrived <= 2, "B waited for A's sequences to end"
+    second = _sequence("5", ids[5], 24)
+    second.tenant = "B"
+    engine.add(second)
+    out_rest = _run(engine)
+    for k, v in out_rest.items():
+        out.setdefault(k, []).extend(v)
+    assert out == alone

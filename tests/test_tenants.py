@@ -286,11 +286,12 @@ def test_limits_hold_across_two_gateways_with_64_clients(gateway_server, keyed, 
 
 def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_server, session_tmp):
     redis = RedisServer(session_tmp / "redis-tenants-down")
-    open_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-open.log")
+    # a frozen Redis is told from a slow one only by waiting: here the guard waits 2 x 0.2 s before it is an outage
+    open_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-open.log", auth_redis_timeout=0.2)
     closed_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-closed.log",
-                             auth_fallback="cached", limits_fail="closed")
+                             auth_fallback="cached", limits_fail="closed", auth_redis_timeout=0.2)
     refusing_gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-refuse.log",
-                               auth_fallback="refuse")
+                               auth_fallback="refuse", auth_redis_timeout=0.2)
     try:
         key = new_key(redis.url, "--tenant", "steady", "--rpm", "1000")
         for gw in (open_gw, closed_gw, refusing_gw):
@@ -316,6 +317,40 @@ def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_se
     finally:
         for gw in (open_gw, closed_gw, refusing_gw):
             gw.stop()
+        redis.stop()
+
+
+def test_a_slow_redis_is_no_outage(gateway_server, session_tmp):
+    """Redis answering each call 0.1-0.3 s late (busy scripts of another client): the limits still hold, nothing is
+    admitted uncounted (before: the guard took --redis-timeout's 0.1 s, called it an outage and let every request
+    through)."""
+    redis = RedisServer(session_tmp / "redis-tenants-slow")
+    gw = keys_gateway(gateway_server, redis.url, session_tmp / "gateway-keys-slow.log", token="admin-t0ken")
+    busy = threading.Event()
+
+    def slow_down() -> None:  # each script holds Redis for 0.25 s; calls in between wait for it
+        client = redis.client()
+        script = ("local t = redis.call('TIME'); local s = t[1] * 1000000 + t[2]; while true do "
+                  "local n = redis.call('TIME'); if n[1] * 1000000 + n[2] - s > 250000 then return 1 end end")
+        while not busy.is_set():
+            client.eval(script, 0)
+            time.sleep(0.02)
+
+    try:
+        key = new_key(redis.url, "--tenant", "patient", "--rpm", "3")
+        slower = threading.Thread(target=slow_down)
+        slower.start()
+        try:
+            statuses = [call(gw, "POST", "/v2/models/echo_fp32/infer", key, echo(float(i)))[0] for i in range(6)]
+        finally:
+            busy.set()
+            slower.join()
+        assert statuses == [200, 200, 200, 429, 429, 429], statuses
+        status, _, text = call(gw, "GET", "/metrics", "admin-t0ken")
+        text = text.decode() if isinstance(text, bytes) else str(text)
+        assert status == 200 and 'outcome="admitted"' in text and 'outcome="admitted_unchecked"' not in text
+    finally:
+        gw.stop()
         redis.stop()
 
 

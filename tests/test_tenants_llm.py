@@ -3,6 +3,7 @@ another's prompt through the engine's prefix cache, on any route."""
 
 from __future__ import annotations
 
+import http.client
 import json
 import secrets
 import time
@@ -12,10 +13,12 @@ import numpy as np
 import pytest
 from test_tenants import keys_gateway, new_key, usage_of
 
+from conftest import dstool
 from gatewaylib import RedisServer
 from llmlib import post
 
 CHAT = "/v1/chat/completions"
+ADMIN = "admin-t0ken"
 # a prompt of several prefix-cache blocks beginning with a private word, and an attacker's guesses of it
 SECRET = "{word} is the account recovery phrase for the vault. " + "Keep it between us and tell nobody else. " * 4
 
@@ -23,7 +26,8 @@ SECRET = "{word} is the account recovery phrase for the vault. " + "Keep it betw
 @pytest.fixture(scope="module")
 def llm_tenants(server, session_tmp):
     redis = RedisServer(session_tmp / "redis-tenants-llm")
-    gw = keys_gateway(server, redis.url, session_tmp / "gateway-tenants-llm.log", redis_timeout=2.0)
+    gw = keys_gateway(server, redis.url, session_tmp / "gateway-tenants-llm.log", redis_timeout=2.0,
+                      token=ADMIN)
     keys = {name: new_key(redis.url, "--tenant", name) for name in ("alice", "mallory")}
     keys["shared-a"] = new_key(redis.url, "--tenant", "team-a", "--cache-scope", "shared")
     keys["shared-b"] = new_key(redis.url, "--tenant", "team-b", "--cache-scope", "shared")
@@ -205,3 +209,52 @@ def test_tokens_are_reserved_before_they_are_spent(llm_tenants):
     many = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 10, "n": 16, "messages": [
         {"role": "user", "content": "hi"}]}, {"Authorization": f"Bearer {choices}"})
     assert many[0] == 429 and "Request too large" in json.loads(many[2])["error"]["message"], many
+
+
+# ---- fair share: one tenant's flood does not hold up another ------------------------------------------------------
+def test_a_tenant_is_served_while_another_floods(llm_tenants):
+    """A tenant floods (4 streamed requests of n=8 choices and 300 tokens each: 32 sequences; its cap 16, so the
+    engine's batch is full and 16 more wait at the gateway); another tenant's short chat is answered while the
+    flood's first requests are still early in their answers (before: only once they had ended)."""
+    gw, _, redis = llm_tenants
+    dstool("keys", "limits", "--tenant", "flood", "--concurrency", "16", "--redis", redis.url)
+    flood, victim = new_key(redis.url, "--tenant", "flood"), new_key(redis.url, "--tenant", "victim")
+    received = [0] * 4  # tokens each flood request has received so far
+
+    def flood_request(i: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=600)
+        conn.request("POST", CHAT, json.dumps({
+            "model": "dstool_lm", "max_tokens": 300, "ignore_eos": True, "n": 8, "stream": True,
+            "messages": [{"role": "user", "content": f"flood {i}"}]}),
+            {"Authorization": f"Bearer {flood}", "Cache-Control": "no-cache", "Content-Type": "application/json"})
+        r = conn.getresponse()
+        assert r.status == 200
+        for line in r:
+            if line.startswith(b"data: {") and b'"content":"' in line:
+                received[i] += 1
+        conn.close()
+
+    with ThreadPoolExecutor(4) as pool:
+        floods = [pool.submit(flood_request, i) for i in range(4)]
+        deadline = time.monotonic() + 60
+        while _waiting(gw, "flood") < 16 or sum(received) < 16:  # 16 generating, 16 waiting
+            assert time.monotonic() < deadline, "the flood never filled its share"
+            time.sleep(0.05)
+        answered = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 4, "messages": [
+            {"role": "user", "content": "me too"}]}, {"Authorization": f"Bearer {victim}",
+                                                      "Cache-Control": "no-cache"})
+        progress = max(received) / 8  # tokens per choice of the furthest flood request
+        for f in floods:
+            f.result()
+    assert answered[0] == 200, answered
+    assert progress < 200, f"the chat waited until the flood's answers were {progress:.0f} tokens long"
+
+
+def _waiting(gw, tenant: str) -> float:
+    """Sequences of `tenant` waiting their turn at the gateway (its /metrics, read with the admin key)."""
+    conn = http.client.HTTPConnection("127.0.0.1", gw.http_port, timeout=10)
+    conn.request("GET", "/metrics", headers={"Authorization": f"Bearer {ADMIN}"})
+    text = conn.getresponse().read().decode()
+    conn.close()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(f'dstool_gateway_tenant_waiting_sequences{{tenant="{tenant}"}}'))

@@ -81,14 +81,14 @@ class Gateway:
         if not self.redis_url.is_redis:
             raise UsageError("--auth keys keeps keys, limits and usage in Redis: give --cache a redis:// URL (the "
                              f"cache here is {self.redis_url.redacted()})")
-        store = RedisStore(self.redis_url, c.redis_timeout, self.metrics.error)
+        store = RedisStore(self.redis_url, c.auth_redis_timeout, self.metrics.error)
         if not await store.ping():
             message = f"Redis {self.redis_url.redacted()} does not answer: "
             log.warning(message + ("keys validated before are admitted until it does" if c.auth_fallback == "cached"
                                    else "every key is refused until it does"))
         log.info("dstool gateway: --auth keys: tenants' API keys checked in Redis on every request"
                  + (" (--token-file is the admin key)" if c.token else ""))
-        return Guard(store, c.token, c.auth_fallback, c.auth_stale, c.limits_fail, self.metrics)
+        return Guard(store, c.token, c.auth_fallback, c.auth_stale, c.limits_fail, self.metrics, c.tenant_concurrency)
 
     async def start(self) -> None:
         import grpc

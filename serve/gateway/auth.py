@@ -123,6 +123,7 @@ class Principal:
     shared: bool  # its cached answers are in the shared scope, not its tenant's
     admin: bool
     metered: bool = False  # its key or tenant has a tokens-per-minute limit or a budget: inferences reserve tokens
+    concurrency: int = 0  # its tenant's own cap of sequences generating at once (0: the gateway's)
 
     def allows(self, model: str) -> bool:
         """A key given a model family NAME may use NAME and its NAME_llm, NAME_generate, ... models."""
@@ -162,12 +163,13 @@ if r[6] ~= ARGV[3] then return {'unknown'} end
 if r[4] == '1' then return {'revoked', r[6]} end
 local exp = tonumber(r[5] or '0')
 if exp > 0 and now >= exp then return {'expired', r[6]} end
-local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per')
+local tr = redis.call('HMGET', KEYS[2], 'rpm', 'tpm', 'budget', 'per', 'concurrency')
 local metered = '0'
 for _, v in ipairs({r[8], r[9], tr[2], tr[3]}) do
   if tonumber(v or '0') > 0 then metered = '1' end
 end
-local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or '', '0', metered}
+local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[2] or '', '0', metered,
+              tr[5] or '0'}
 local want = tonumber(ARGV[2])
 if want < 1 then return info end
 local function level(name, limit)

@@ -78,6 +78,20 @@ def read_request(body: bytes) -> dict:
     return request
 
 
+def tenant_tag(tenant: str) -> str:
+    """The engine's `tenant` parameter for a tenant: a digest of its name."""
+    return hashlib.blake2b(tenant.encode(), digest_size=8).hexdigest()
+
+
+def with_parameter(request: dict, name: str, value: str) -> dict:
+    """The request with `name` set to `value`, whatever the client set (a field or in `parameters`)."""
+    out = {**request, name: value}
+    parameters = request.get("parameters")
+    if isinstance(parameters, dict) and name in parameters:
+        out["parameters"] = {k: v for k, v in parameters.items() if k != name}
+    return out
+
+
 def salted(request: dict, scope: str) -> dict:
     """The request with its prefix-cache salt (`cache_salt`, a field or a parameter) made a digest of the tenant's
     `scope` and the client's own salt: a tenant's prompts never meet another's computed prefixes. GatewayError (400)
@@ -88,10 +102,7 @@ def salted(request: dict, scope: str) -> dict:
         if value is not None and not isinstance(value, str):
             raise GatewayError(400, f"'cache_salt' must be a string, got {shown(value)}")
     digest = hashlib.blake2b(orjson.dumps([scope, *own]), digest_size=16).hexdigest()
-    out = {**request, "cache_salt": digest}
-    if isinstance(parameters, dict) and "cache_salt" in parameters:
-        out["parameters"] = {k: v for k, v in parameters.items() if k != "cache_salt"}
-    return out
+    return with_parameter(request, "cache_salt", digest)
 
 
 def check_inputs(request: dict, config: dict) -> None:
@@ -176,10 +187,11 @@ class GenerationCache:
     async def open(self, model: str, version: str, route: str, body: bytes | dict,
                    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),),
                    keyed: tuple[tuple[str, str], ...] = (), opt_out: bool = False,
-                   protocol: str = "http", scope: str = "") -> Generation:
+                   protocol: str = "http", scope: str = "", tenant: str = "") -> Generation:
         """Answer a generate request (its body, or the request already read) from the cache or from Triton
         (recording a cacheable miss); `headers` go to Triton, `keyed` (those Triton passes on to the model) are part
-        of the key, and so is `scope` (the tenant's cache namespace). GatewayError for a request that cannot go
+        of the key, and so is `scope` (the tenant's cache namespace; the engine's prefix cache is salted with it).
+        A `tenant`'s request to the engine takes its turn among tenants. GatewayError for a request that cannot go
         upstream. Counted in the gateway's metrics under `protocol` (the time to the answer's head)."""
         started = time.perf_counter()
         request = read_request(body) if isinstance(body, bytes) else body
@@ -201,6 +213,8 @@ class GenerationCache:
             if not opt_out and fingerprint is not None and "sequence_batching" not in d.config and \
                     not is_draw(generation_parameters(request, inputs)):
                 key = self._key(model, served, fingerprint, route, request, keyed, scope)
+        if tenant and d is not None and "prefix_cache_tokens" in (d.config.get("parameters") or {}):
+            request = with_parameter(request, "tenant", tenant_tag(tenant))  # its turn among tenants in the engine
         if key is not None:
             entry = await self.core.lookup(key)
             if entry is not None and entry.result.parameters.get("key") == key:

@@ -12,6 +12,7 @@ import hmac
 import itertools
 import re
 import time
+from collections import deque
 from typing import NoReturn
 
 import grpc
@@ -21,7 +22,7 @@ from tritonclient.grpc import service_pb2
 
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
-from dstool.serve.gateway.generation import salted
+from dstool.serve.gateway.generation import salted, tenant_tag
 from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens, tensor_tokens
 from dstool.serve.gateway.kserve import CREDENTIALS
 from dstool.serve.gateway.metrics import Metrics
@@ -172,23 +173,32 @@ def names_shared_memory(msg) -> bool:
     return any("shared_memory_region" in t.parameters for t in (*msg.inputs, *msg.outputs))
 
 
-def streamed_tokens(raw: bytes, prompts: set[str]) -> tuple[int, int, int]:
-    """(prompt, generated, cached) tokens one ModelStreamInfer response carries: the elements of its `output_ids`
-    output (NAME_llm's) and, in the first response to a request (its id not in `prompts`, then added), the values of
-    its `prompt_tokens` and `prompt_cached_tokens` outputs."""
+def _charged(raw: bytes, meters: dict[str, deque]) -> None:
+    """Charge one ModelStreamInfer response to its request's meter (the oldest in flight under its id): the elements
+    of its `output_ids` output (NAME_llm's) and, in its first response, its `prompt_tokens` and
+    `prompt_cached_tokens`; the request's last response (or an error) closes its meter."""
     try:
-        response = service_pb2.ModelStreamInferResponse.FromString(raw).infer_response
+        message = service_pb2.ModelStreamInferResponse.FromString(raw)
     except DecodeError:
-        return 0, 0, 0
+        return
+    response = message.infer_response
+    waiting = meters.get(response.id)
+    if not waiting:
+        return
+    meter = waiting[0]
     counts = {"output_ids": 0, "prompt_tokens": 0, "prompt_cached_tokens": 0}
     for i, output in enumerate(response.outputs):
         if output.name in counts and i < len(response.raw_output_contents) and output.datatype in NUMPY_TYPES:
             values = np.frombuffer(response.raw_output_contents[i], NUMPY_TYPES[output.datatype])
             counts[output.name] = len(values) if output.name == "output_ids" else int(values.sum())
-    if response.id in prompts or not counts["prompt_tokens"]:
-        return 0, counts["output_ids"], 0
-    prompts.add(response.id)
-    return counts["prompt_tokens"], counts["output_ids"], counts["prompt_cached_tokens"]
+    first = meter.spent == 0
+    meter.add(counts["prompt_tokens"] if first else 0, counts["output_ids"],
+              counts["prompt_cached_tokens"] if first else 0)
+    final = response.parameters.get("triton_final_response")
+    if message.error_message or final is None or final.bool_param:
+        waiting.popleft().close()
+        if not waiting:
+            del meters[response.id]
 
 
 async def _merged(call, refusals: asyncio.Queue):
@@ -367,9 +377,9 @@ class GrpcFrontend(grpc.GenericRpcHandler):
         async def relay(requests, context):
             principal = await self._admit(context, method)
             refusals: asyncio.Queue = asyncio.Queue()
-            meter = self.guard.meter(principal) if principal is not None and self.guard is not None else None
-            if principal is not None and meter is not None:
-                requests = self._given(requests, principal, context, meter, refusals)
+            meters: dict[str, deque[Meter]] = {}  # a tenant's requests in flight on the stream, by id
+            if principal is not None and self.guard is not None:
+                requests = self._given(requests, principal, context, meters, refusals)
             servers, first = self.core.upstreams.servers, next(self._turn)
             up = [k for k in ((first + i) % len(self.channels) for i in range(len(self.channels)))
                   if k >= len(servers) or not servers[k].down]
@@ -378,26 +388,27 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "no Triton is answering: retry later")
             call = self.channels[up[0]].stream_stream(method)(
                 requests, metadata=self._forwarded_metadata(context), timeout=context.time_remaining())
-            responses = call if meter is None else _merged(call, refusals)
-            prompts: set[str] = set()  # requests whose prompt was charged
+            responses = call if principal is None else _merged(call, refusals)
             try:
                 async for response in responses:
-                    if meter is not None:
-                        meter.add(*streamed_tokens(response, prompts))
+                    if principal is not None:
+                        _charged(response, meters)
                     yield response
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")
             finally:
                 call.cancel()  # the client cancelled or went away: so does the call to Triton (a no-op once done)
-                if meter is not None:
-                    meter.close()
+                for waiting in meters.values():
+                    for meter in waiting:
+                        meter.close()
         return relay
 
-    async def _given(self, requests, principal: Principal, context, meter: Meter, refusals: asyncio.Queue):
+    async def _given(self, requests, principal: Principal, context, meters: dict[str, deque[Meter]],
+                     refusals: asyncio.Queue):
         """A stream's requests, each admitted as an inference of its own (the key still valid, within its limits, its
-        tokens reserved), on a model the key is given, naming no shared memory unless the key is an admin's; one
-        that is not is answered on the stream with its error (as Triton answers a request it refuses), the others
-        go on."""
+        tenant's turn and its tokens reserved: a Meter under its id in `meters`), on a model the key is given, naming
+        no shared memory unless the key is an admin's; one that is not is answered on the stream with its error (as
+        Triton answers a request it refuses), the others go on."""
         assert self.guard is not None
         authorization = _authorization(context)
         async for raw in requests:
@@ -405,6 +416,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 msg = service_pb2.ModelInferRequest.FromString(raw)
             except DecodeError:
                 msg = service_pb2.ModelInferRequest()
+            meter = self.guard.meter(principal)
             try:
                 await self.guard.admit(authorization, inference=True)
                 why = principal.not_given(msg.model_name)
@@ -412,13 +424,15 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                     why = SHARED_MEMORY_REFUSED
                 if why is not None:
                     raise Refused(403, why, "permission_denied")
-                await meter.reserve(await self._most_tokens(msg, raw))
+                await meter.start(1, await self._most_tokens(msg, raw))
                 salted = await self._salted(raw, msg, principal)
             except (Refused, GatewayError) as e:
+                meter.close()
                 refusals.put_nowait(service_pb2.ModelStreamInferResponse(
                     error_message=e.message, infer_response=service_pb2.ModelInferResponse(
                         model_name=msg.model_name, model_version=msg.model_version, id=msg.id)).SerializeToString())
                 continue
+            meters.setdefault(msg.id, deque()).append(meter)
             yield salted
 
     async def _most_tokens(self, msg, raw: bytes) -> int:
@@ -430,18 +444,20 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             return estimated_tokens(len(raw))
 
     async def _salted(self, raw: bytes, msg, principal: Principal) -> bytes:
-        """A stream's request with its prefix-cache salt made its tenant's (generation.salted), when its model keeps
-        computed prefixes; GatewayError for a salt that is not a string."""
+        """A stream's request to the engine with its tenant's turn (`tenant`) and its prefix-cache salt made its
+        tenant's (generation.salted); GatewayError for a salt that is not a string."""
         scope = principal.scope(msg.model_name, self.shared_models)
         try:
             d = await self.core.deployments.get(msg.model_name)
         except (GatewayError, UpstreamUnavailable, UpstreamTimeout):
             return raw  # Triton answers it
-        if not scope or "prefix_cache_tokens" not in (d.config.get("parameters") or {}):
+        if "prefix_cache_tokens" not in (d.config.get("parameters") or {}):
             return raw
-        given = _parameters(msg.parameters).get("cache_salt")
-        msg.parameters["cache_salt"].string_param = salted({} if given is None else {"cache_salt": given},
-                                                           scope)["cache_salt"]
+        msg.parameters["tenant"].string_param = tenant_tag(principal.tenant)  # its turn among tenants in the engine
+        if scope:
+            given = _parameters(msg.parameters).get("cache_salt")
+            msg.parameters["cache_salt"].string_param = salted({} if given is None else {"cache_salt": given},
+                                                               scope)["cache_salt"]
         return msg.SerializeToString()
 
     async def model_infer(self, raw: bytes, context) -> bytes:
@@ -497,7 +513,7 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 result = entry.result
             else:
                 if meter is not None:
-                    await meter.reserve(await self.core.most_tokens(request))
+                    await meter.start(1, await self.core.most_tokens(request))
                 if key is None:  # a tenant's inference the cache does not keep: read, so its tokens are counted
                     result, outcome = await self.core.infer_upstream(request), "bypass"
                 else:

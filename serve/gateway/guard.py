@@ -9,9 +9,10 @@ key never gets more than its limit; a busy one may get up to a lease less). docs
 Usage and tokens are charged in the background, coalesced per key and sent at most every FLUSH_SECONDS (auth.CHARGE);
 charges Redis did not take are kept (one entry per key) and sent when it answers again.
 
-Redis unreachable or frozen (each call bounded by --redis-timeout, then skipped for a back-off): a key validated in
-the last --auth-stale seconds is still admitted (--auth-fallback cached) or every key is refused (refuse); limits
-then cannot be counted: requests pass (--limits-fail open) or are refused with 503 (closed).
+Redis unreachable or frozen (each call bounded by --auth-redis-timeout, a key check tried twice, then Redis is
+skipped for a back-off): a key validated in the last --auth-stale seconds is still admitted (--auth-fallback cached)
+or every key is refused (refuse); limits then cannot be counted: requests pass (--limits-fail open) or are refused
+with 503 (closed). A reservation or a charge is not repeated (it may have been taken).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ import numpy as np
 
 from dstool.serve.gateway import auth
 from dstool.serve.gateway.auth import Principal
+from dstool.serve.gateway.fairness import FairShare, Slot, TooManyWaiting
 from dstool.serve.gateway.tensors import ITEM_SIZE, NUMPY_TYPES
 from dstool.serve.gateway.upstream import within
 
@@ -77,7 +79,8 @@ UNKNOWN = "missing or wrong API key: pass a key from `dstool keys create` as 'Au
 
 
 class Guard:
-    def __init__(self, store, admin_token: str | None, fallback: str, stale: float, limits_fail: str, metrics):
+    def __init__(self, store, admin_token: str | None, fallback: str, stale: float, limits_fail: str, metrics,
+                 concurrency: int = 8):
         self.store = store  # cache.RedisStore: its timeout and back-off
         self.admin = f"Bearer {admin_token}".encode() if admin_token else None
         self.fallback, self.stale, self.limits_fail = fallback, stale, limits_fail
@@ -89,6 +92,7 @@ class Guard:
         self._reserve = store.client.register_script(auth.RESERVE)
         self._charge = store.client.register_script(auth.CHARGE)
         self._flushing: asyncio.Task | None = None
+        self.fair = FairShare(concurrency, metrics=metrics)  # tenants' turns on this process
 
     def well_formed(self, authorization: str) -> bool:
         """Whether a header may carry a key (checked before the body is read; the key itself is checked later)."""
@@ -96,25 +100,33 @@ class Guard:
             return True
         return authorization.startswith("Bearer ") and auth.parse_key(authorization[7:]) is not None
 
-    async def _redis(self, call):
-        """The reply; RedisDown when Redis cannot be reached in time, Refused (503) when it answers with an error
-        (out of memory, a script error): that is no outage to fall back from."""
+    async def _redis(self, make, again: bool = False):
+        """The reply of the call `make()` makes; RedisDown when Redis cannot be reached in time (`again`: a call
+        that may be repeated is tried once more first, so one slow answer is no outage), Refused (503) when it
+        answers with an error (out of memory, a script error): that is no outage to fall back from."""
         from redis.exceptions import ResponseError
+        from redis.exceptions import TimeoutError as RedisTimeout
 
         if not self.store.available:
-            call.close()
             raise RedisDown()
-        try:
-            reply = await within(call, None)  # cancellable, whatever redis-py does with a cancellation
-        except ResponseError as e:
-            self.metrics.error("redis")
-            raise Refused(503, f"Redis refused the key check: {e}", "unavailable", "server_error",
-                          [("Retry-After", "1")]) from None
-        except Exception as e:  # connection errors and timeouts
-            self.store._failed(e)
-            raise RedisDown() from None
-        self.store._succeeded()
-        return reply
+        for attempt in range(2 if again else 1):
+            try:
+                reply = await within(make(), None)  # cancellable, whatever redis-py does with a cancellation
+            except ResponseError as e:
+                self.metrics.error("redis")
+                raise Refused(503, f"Redis refused the key check: {e}", "unavailable", "server_error",
+                              [("Retry-After", "1")]) from None
+            except (RedisTimeout, asyncio.TimeoutError) as e:
+                if attempt + 1 < (2 if again else 1):
+                    continue
+                self.store._failed(e)
+                raise RedisDown() from None
+            except Exception as e:  # a refused or broken connection: Redis is down
+                self.store._failed(e)
+                raise RedisDown() from None
+            self.store._succeeded()
+            return reply
+        raise AssertionError("unreachable")
 
     def admit_now(self, authorization: str, inference: bool) -> tuple[Principal, list[tuple[str, str]]] | None:
         """`admit` without waiting: the principal and headers when this process can decide (the admin token, a
@@ -154,7 +166,7 @@ class Guard:
     async def _admit_in_redis(self, ident: str, presented: str, inference: bool, lease: Lease | None):
         tenant = self.tenant_of.get(ident)
         if tenant is None:
-            tenant = await self._redis(self.store.client.hget(auth.key_name(ident), "tenant"))
+            tenant = await self._redis(lambda: self.store.client.hget(auth.key_name(ident), "tenant"), again=True)
             if tenant is None:
                 self.metrics.error("unauthorized")
                 raise Refused(401, UNKNOWN, "invalid_api_key")
@@ -162,8 +174,8 @@ class Guard:
         _, _, day_ms, month_ms = auth.periods()
         # a lease of up to twice what the last one served (a key in heavy use asks Redis rarely, a quiet one each time)
         want = min(MAX_LEASE, max(1, 2 * lease.used)) if inference and lease is not None else int(inference)
-        reply = await self._redis(self._admit(keys=auth.script_keys(ident, tenant),
-                                              args=[presented, want, tenant, day_ms, month_ms]))
+        reply = await self._redis(lambda: self._admit(keys=auth.script_keys(ident, tenant),
+                                                      args=[presented, want, tenant, day_ms, month_ms]), again=True)
         reply = [r.decode() if isinstance(r, bytes) else r for r in reply]
         status = reply[0]
         if status in ("unknown", "revoked", "expired"):
@@ -175,13 +187,13 @@ class Guard:
                           "(`dstool keys create` or `dstool keys rotate`)", "invalid_api_key")
         if status == "limited":
             raise self._limited(reply)
-        _, tenant, models, scope, admin, current, previous, granted, metered = reply[:9]
+        _, tenant, models, scope, admin, current, previous, granted, metered, concurrency = reply[:10]
         if not (auth.same_hash(presented, current) or auth.same_hash(presented, previous)):  # as the script found
             raise Refused(401, UNKNOWN, "invalid_api_key")
         principal = Principal(tenant, ident, frozenset(models.split(",")) if models else None, scope == "shared",
-                              admin == "1", metered == "1")
+                              admin == "1", metered == "1", int(concurrency))
         self.tenant_of[ident] = tenant
-        headers = _rate_headers(reply[9:])
+        headers = _rate_headers(reply[10:])
         now = time.monotonic()
         kept = self.leases.get(ident)
         permits = max(0, int(granted) - 1) + (kept.permits if kept is not None and now < kept.until else 0)
@@ -226,8 +238,8 @@ class Guard:
         _, _, day_ms, month_ms = auth.periods()
         day_s, month_s = _keep_seconds()
         try:
-            reply = await self._redis(self._reserve(keys=auth.script_keys(principal.key_id, principal.tenant),
-                                                    args=[tokens, day_ms, month_ms, day_s, month_s]))
+            reply = await self._redis(lambda: self._reserve(keys=auth.script_keys(principal.key_id, principal.tenant),
+                                                            args=[tokens, day_ms, month_ms, day_s, month_s]))
         except RedisDown:
             if self.limits_fail == "closed":
                 raise Refused(503, "token limits cannot be counted now (Redis does not answer): retry later",
@@ -320,7 +332,8 @@ class Guard:
             for name, n in c.counts.items():
                 args += [name, n]
             try:
-                await self._redis(self._charge(keys=auth.script_keys(ident, c.tenant), args=args))
+                names = auth.script_keys(ident, c.tenant)
+                await self._redis(lambda names=names, args=args: self._charge(keys=names, args=args))
             except (RedisDown, Refused):
                 again = self.pending.setdefault(ident, Charge(c.tenant))
                 again.tokens += c.tokens
@@ -339,18 +352,33 @@ class Guard:
 
 
 class Meter:
-    """One inference's tokens for its key: the most it may use reserved before it runs (`reserve`: a 429 when the
-    key's or tenant's tokens per minute or budget cannot hold it), its tokens charged as they come (`add`: usage, and
-    the limits only beyond the reservation), the unspent reservation given back at its end (`close`, once)."""
+    """One inference of a key, from its start to its end: its turn among its tenant's inferences (`start`: places in
+    the fair share, fairness.py), the most tokens it may use reserved before it runs (a 429 when the key's or
+    tenant's tokens per minute or budget cannot hold it), its tokens charged as they come (`add`: usage, and the
+    limits only beyond the reservation); `close` (once) gives back its places and the unspent reservation."""
 
     def __init__(self, guard: Guard, principal: Principal):
         self.guard, self.principal = guard, principal
         self.reserved = self.spent = 0
         self.closed = False
+        self.slot: Slot | None = None
 
-    async def reserve(self, tokens: int) -> None:
-        if await self.guard.reserve(self.principal, tokens):
-            self.reserved += tokens
+    async def start(self, places: int, tokens: int) -> None:
+        """Wait for the tenant's turn for `places` sequences, then reserve `tokens`; Refused (closed) if either
+        cannot be had."""
+        try:
+            self.slot = await self.guard.fair.acquire(self.principal.tenant, places, self.principal.concurrency)
+        except TooManyWaiting as e:
+            self.closed = True
+            raise Refused(429, f"tenant '{self.principal.tenant}' has {e.waiting} sequences waiting on this gateway "
+                               f"already (at most {e.cap} generate at once): retry later", "rate_limit_exceeded",
+                          "requests", [("Retry-After", "1")], self.principal.tenant) from None
+        try:
+            if await self.guard.reserve(self.principal, tokens):
+                self.reserved += tokens
+        except BaseException:
+            self.close()
+            raise
 
     def add(self, prompt: int = 0, completion: int = 0, cached: int = 0) -> None:
         over = max(0, self.spent - self.reserved)
@@ -366,6 +394,8 @@ class Meter:
     def close(self) -> None:
         if not self.closed:
             self.closed = True
+            if self.slot is not None:
+                self.slot.release()
             unspent = self.reserved - min(self.spent, self.reserved)
             if unspent:
                 self.guard.charge(self.principal, limits=-unspent)

@@ -164,30 +164,33 @@ class HttpFrontend:
         keyed = tuple(sorted((k, v) for k, v in headers if self.forward is not None and self.forward.match(k)))
         principal = req.principal
         meter = self.guard.meter(principal) if principal is not None and self.guard is not None else None
+        opened = False
         try:
             request = read_request(req.body)
             if meter is not None:
-                await meter.reserve(await self.generation.most_tokens(model, request))
+                await meter.start(1, await self.generation.most_tokens(model, request))
             g = await self.generation.open(model, version, route, request, headers, keyed, opt_out=opts_out(req),
-                                           scope=principal.scope(model, self.shared_models) if principal else "")
+                                           scope=principal.scope(model, self.shared_models) if principal else "",
+                                           tenant=principal.tenant if principal else "")
+            opened = True
         except Refused as e:
             return self._refusal(e, req)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             self.metrics.error("upstream")
-            if meter is not None:
-                meter.close()
             return error_response(503, str(e))
         except (GatewayError, UnsafeRequest) as e:
             status = e.status if isinstance(e, GatewayError) else 400
             self.metrics.error("bad_request" if status < 500 else "upstream")
-            if meter is not None:
-                meter.close()
             return error_response(status, str(e))
+        finally:
+            if meter is not None and not opened:  # refused, failed or cancelled before an answer came
+                meter.close()
         events = g.events
         if meter is not None:
-            events = _counted(events, meter) if g.status == 200 else events
             req.hit = g.hit
-            if g.status != 200:
+            if g.status == 200:
+                events = _counted(events, meter)  # closes the meter as the answer ends
+            else:
                 meter.close()
         if route == "generate" or g.status != 200:
             body = b"".join([e async for e in events])
@@ -236,7 +239,7 @@ class HttpFrontend:
                 return self._answer(entry.result, entry, request, output_format, request.model, "hit", started,
                                     encoding, req)
             if meter is not None:
-                await meter.reserve(await self.core.most_tokens(request))
+                await meter.start(1, await self.core.most_tokens(request))
             if key is None:  # a tenant's inference the cache does not keep: read, so its tokens are counted
                 result, entry, outcome = await self.core.infer_upstream(request), None, "bypass"
             else:

@@ -38,6 +38,9 @@ class Metrics:
         self.tenant_tokens = Counter("dstool_gateway_tenant_tokens", "Tokens of each tenant (--auth keys): prompt, "
                                      "completion, cached (prompt tokens the engine's prefix cache held)",
                                      ["tenant", "kind"], registry=r)
+        self.tenant_waiting = Gauge("dstool_gateway_tenant_waiting_sequences", "Sequences of each tenant (--auth keys) "
+                                    "waiting for their turn (over the tenant's concurrency)", ["tenant"], registry=r,
+                                    multiprocess_mode="livesum")
         self.memory_bytes = Gauge("dstool_gateway_memory_cache_bytes", "Bytes the in-process cache holds: results "
                                   "and their protocol renderings", registry=r, multiprocess_mode="livesum")
         self.memory_entries = Gauge("dstool_gateway_memory_cache_entries", "Entries in the in-process cache",
@@ -58,6 +61,9 @@ class Metrics:
         for kind, n in (("prompt", prompt), ("completion", completion), ("cached", cached)):
             if n:
                 self.tenant_tokens.labels(tenant, kind).inc(n)
+
+    def waiting(self, tenant: str, sequences: int) -> None:
+        self.tenant_waiting.labels(tenant).set(sequences)
 
     def observe(self, model: str, protocol: str, outcome: str, seconds: float, nbytes: int = 0) -> None:
         """Count one inference request: outcome is hit, miss, bypass or error."""

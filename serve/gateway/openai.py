@@ -267,8 +267,8 @@ class OpenAIFrontend:
         meter = self.guard.meter(principal) if self.guard is not None and principal is not None else None
         scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
         max_tokens = request.max_new_tokens or self.default_max_tokens
-        if meter is not None:  # the most it may use, before anything runs
-            await meter.reserve(estimated_tokens(request.prompt_bytes()) + request.n * max_tokens)
+        if meter is not None:  # its tenant's turn for its choices, and the most it may use, before anything runs
+            await meter.start(request.n, estimated_tokens(request.prompt_bytes()) + request.n * max_tokens)
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
                           calls=Calls(request.tool_list, request.tool_mode, request.parallel_tool_calls is not False)
@@ -364,7 +364,8 @@ class OpenAIFrontend:
         errors about the grammar name `grammar_param`, the field the client sent it in."""
         try:
             g = await self.generation.open(f"{model}_llm", "", "generate_stream", fields, opt_out=opt_out,
-                                           protocol="openai", scope=scope)
+                                           protocol="openai", scope=scope,
+                                           tenant=meter.principal.tenant if meter is not None else "")
             if meter is not None and g.hit and choice.index == 0:
                 meter.hit()
             async with contextlib.aclosing(g.events) as stream:

@@ -5,11 +5,11 @@ text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", o
 "tool_call_id"}, ...], laid out by the tokenizer's chat template, or without one as the corpus lays out a play's
 speeches: "NAME-OR-ROLE:\nCONTENT\n\n" ending in "ASSISTANT:\n"; the `tools` parameter, JSON text of OpenAI tool
 objects, goes to the template or starts the layout) (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1],
-stream BOOL [1]; sampling as request parameters, and `structured_outputs`: a grammar the answer follows, grammar.py)
--> text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1], prompt_cached_tokens INT32 [1] (the
-prompt's tokens the engine's prefix cache held, not computed again: only prefixes of requests with the same
-`cache_salt` parameter count). With `stream` true, one response per token (the
-text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
+stream BOOL [1]; sampling as request parameters, and `structured_outputs`: a grammar the answer follows, grammar.py) ->
+text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1], prompt_cached_tokens INT32 [1] (the prompt's
+tokens the engine's prefix cache held, not computed again: only prefixes of requests with the same `cache_salt`
+parameter count). Waiting requests begin by turns of their `tenant` parameter. With `stream` true, one response per
+token (the text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
@@ -391,7 +391,8 @@ class TritonPythonModel:
                 self.eos, self.grammars)
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids, salt=_salt(read)), sampler
+        return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,
+                        salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant")), sampler
 
     def _serve(self):
         """The engine loop, started again whenever it fails (what it held ends with the error)."""
@@ -519,16 +520,16 @@ def _text(request, name, limit, positions):
         raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
 
 
-def _salt(read):
-    """The request's `cache_salt` (vLLM's parameter): its prompt shares computed prefixes only with requests of the
-    same salt (the gateway sets one per tenant)."""
+def _text_parameter(read, name):
+    """A string parameter of the request ("" when not given): `cache_salt` (vLLM's: its prompt shares computed
+    prefixes only with requests of the same salt) and `tenant` (its turn among tenants' requests); the gateway sets
+    both for a tenant's request."""
     try:
-        value = json.loads(read.parameters or "{}").get("cache_salt", "")
+        value = json.loads(read.parameters or "{}").get(name, "")
     except ValueError:
         return ""
     if not isinstance(value, str) or len(value.encode()) > MAX_SALT_BYTES:
-        raise RequestError(f"cache_salt must be a string of at most {MAX_SALT_BYTES} bytes, got "
-                           f"{json.dumps(value)[:40]}")
+        raise RequestError(f"{name} must be a string of at most {MAX_SALT_BYTES} bytes, got {json.dumps(value)[:40]}")
     return value
 
 
