@@ -258,3 +258,21 @@ def _waiting(gw, tenant: str) -> float:
     conn.close()
     return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
                if line.startswith(f'dstool_gateway_tenant_waiting_sequences{{tenant="{tenant}"}}'))
+
+
+def test_nothing_is_generated_after_a_stop_string_cut_the_answer(llm_tenants, server):
+    """A stop string ends the generation in the engine at once: what the engine generated is what the key was
+    charged (before: 30-200 more tokens were generated after the cut, uncharged)."""
+    from llmlib import settled_generated
+
+    gw, keys, redis = llm_tenants
+    before_usage, before = _usage(redis, keys["alice"]), settled_generated(server)
+    for i, stream in enumerate((False, True)):
+        status, _, body = post(gw.http_port, CHAT, {
+            "model": "dstool_lm", "max_tokens": 400, "ignore_eos": True, "stop": ["e"], "stream": stream,
+            "messages": [{"role": "user", "content": f"speak {i}"}]},
+            {"Authorization": f"Bearer {keys['alice']}", "Cache-Control": "no-cache"})
+        assert status == 200 and b'"finish_reason":"stop"' in body, body[-300:]
+    generated = settled_generated(server) - before
+    charged = _usage(redis, keys["alice"])[1] - before_usage[1]
+    assert 0 < generated <= charged + 2, (generated, charged)  # at most a token in flight per request

@@ -22,6 +22,7 @@ from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingErr
 MAX_N = 16  # choices per request
 MAX_GRAMMAR_BYTES = 2 * grammar.MAX_SPEC_BYTES  # one request's schemas and grammars (tools' included), in all
 MAX_SALT_BYTES = 1024  # a cache_salt (NAME_llm's bound)
+MAX_STOP_CHARS = 256  # a stop string (NAME_llm's bound)
 GRAMMAR_SUBJECT = re.compile(r"^structured_outputs(\.\w+)?")  # how the grammar engine names what it was given
 MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -127,8 +128,9 @@ class _Request(BaseModel):
     @classmethod
     def _stop(cls, v: Any) -> list[str]:
         stops = [v] if isinstance(v, str) else v if v is not None else []
-        if not isinstance(stops, list) or len(stops) > 4 or not all(isinstance(s, str) and s for s in stops):
-            raise ValueError("'stop' must be a string or a list of up to 4 non-empty strings")
+        if not isinstance(stops, list) or len(stops) > 4 or \
+                not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"'stop' must be a string or a list of up to 4 strings of 1-{MAX_STOP_CHARS} characters")
         return stops
 
     @field_validator("cache_salt", mode="before")
@@ -259,6 +261,8 @@ class _Request(BaseModel):
             fields["ignore_eos"] = True
         if self.cache_salt is not None:
             fields["cache_salt"] = self.cache_salt
+        if self.stop:  # the engine stops as soon as one comes (the text is cut here)
+            fields["stop"] = orjson.dumps(self.stop).decode()
         if self.top_logprobs_asked is not None:
             fields["logprobs"] = self.top_logprobs_asked
         if self.structured is not None:

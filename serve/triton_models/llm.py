@@ -42,6 +42,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 CANCEL_POLL_S = 0.05  # how often the outbox asks Triton which requests were cancelled (a round trip each)
 AHEAD_STEPS = 2  # engine steps whose calls may wait in the outbox; beyond that the engine waits for it
 MAX_SALT_BYTES = 1024
+MAX_STOP_CHARS = 256  # a stop string's length
 
 
 class RequestError(ValueError):
@@ -56,6 +57,7 @@ class Stream:
         self.ranked: list[tuple[float, np.ndarray, np.ndarray]] = []
         self.pending: list[int] = []  # streamed tokens not sent yet (the stream interval)
         self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
+        self.stops: list[str] = []  # its stop strings: generation ends as soon as the text holds one
 
 
 class Outbox:
@@ -282,6 +284,7 @@ class TritonPythonModel:
         """Tokenize and check one request (an intake thread), then hand it to the engine."""
         try:
             sequence, sampler = self._sequence(read)
+            stops = _stops(read)
         except RequestError as e:
             read.sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
@@ -291,7 +294,7 @@ class TritonPythonModel:
                 f"could not read the request: {type(e).__name__}: {e}")), flags=FINAL)
             return
         out = Stream(read.sender, read.stream)
-        out.arrived = read.arrived
+        out.arrived, out.stops = read.arrived, stops
         if sampler.logprobs is not None:
             sequence.choose = _ranking(sampler, out.ranked)
         with self.wake:
@@ -437,6 +440,9 @@ class TritonPythonModel:
 
     def _emit(self, sequence, token):
         out = self.streams[sequence.id]
+        if out.stops and not sequence.finished:  # a stop string: what would follow it is not wanted, nor generated
+            tail = self.tokenizer.decode(sequence.output[-(max(map(len, out.stops)) + 4):], skip_special_tokens=True)
+            sequence.finished = any(stop in tail for stop in out.stops)
         if out.stream:
             out.pending.append(token)
         if not sequence.finished and (not out.stream or 1 < len(sequence.output) and
@@ -518,6 +524,28 @@ def _text(request, name, limit, positions):
         return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
     except UnicodeDecodeError as e:
         raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+
+
+def _stops(read):
+    """The request's `stop` parameter: JSON text of up to 4 non-empty strings (or one string): generation ends as
+    soon as the text holds one of them (the text sent includes it; the gateway's OpenAI routes cut it there)."""
+    try:
+        value = json.loads(read.parameters or "{}").get("stop")
+    except ValueError:
+        return []
+    if value is None:
+        return []
+    if isinstance(value, str) and value.startswith("["):
+        try:
+            value = json.loads(value)
+        except ValueError:
+            pass
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not 0 < len(stops) <= 4 or \
+            not all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stops):
+        raise RequestError(f"stop must be a string or the JSON text of a list of up to 4 strings of 1-{MAX_STOP_CHARS} "
+                           "characters")
+    return stops
 
 
 def _text_parameter(read, name):
