@@ -211,6 +211,8 @@ def _grpc_stream_bombs(url: str) -> list:
 
     text = grpcclient.InferInput("text_input", [1], "BYTES")
     text.set_data_from_numpy(np.array([b"hi"], dtype=np.object_))
+    new = grpcclient.InferInput("max_new_tokens", [1], "INT32")
+    new.set_data_from_numpy(np.array([4], dtype=np.int32))
     answers: list = []
     client = grpcclient.InferenceServerClient(url)
     client.start_stream(callback=lambda result, error: answers.append(error))
@@ -218,8 +220,7 @@ def _grpc_stream_bombs(url: str) -> list:
     try:
         for spec, served in GENERATE:
             answers.clear()
-            client.async_stream_infer("dstool_lm_llm", [text], parameters={
-                "structured_outputs": json.dumps(spec), "max_new_tokens": 4})
+            client.async_stream_infer("dstool_lm_llm", [text, new], parameters={"structured_outputs": json.dumps(spec)})
             deadline = time.monotonic() + 30
             while not answers and time.monotonic() < deadline:
                 time.sleep(0.01)

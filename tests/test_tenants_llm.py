@@ -58,13 +58,14 @@ def _cached_grpc(gw, key: str, text: str, salt: str | None = None) -> int:
 
     item = grpcclient.InferInput("text_input", [1], "BYTES")
     item.set_data_from_numpy(np.array([text.encode()], dtype=np.object_))
+    new = grpcclient.InferInput("max_new_tokens", [1], "INT32")
+    new.set_data_from_numpy(np.array([2], dtype=np.int32))
     answers: list = []
     client = grpcclient.InferenceServerClient(gw.grpc_url)
     client.start_stream(callback=lambda result, error: answers.append((result, error)),
                         headers={"authorization": f"Bearer {key}"})
     try:
-        client.async_stream_infer("dstool_lm_llm", [item], parameters={
-            "max_new_tokens": 2, **({"cache_salt": salt} if salt else {})})
+        client.async_stream_infer("dstool_lm_llm", [item, new], parameters={"cache_salt": salt} if salt else {})
         deadline = time.monotonic() + 30
         while not answers:
             assert time.monotonic() < deadline

@@ -43,6 +43,7 @@ CANCEL_POLL_S = 0.05  # how often the outbox asks Triton which requests were can
 AHEAD_STEPS = 2  # engine steps whose calls may wait in the outbox; beyond that the engine waits for it
 MAX_SALT_BYTES = 1024
 MAX_STOP_CHARS = 256  # a stop string's length
+OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop"})  # read here, besides sampling's
 
 
 class RequestError(ValueError):
@@ -391,7 +392,7 @@ class TritonPythonModel:
         try:
             new_tokens, sampler, stop_ids = request_choices(
                 read.parameters, len(ids), read.max_new_tokens, self.default_new_tokens, positions, read.stop_ids,
-                self.eos, self.grammars)
+                self.eos, self.grammars, OWN_PARAMETERS)
         except SamplingError as e:
             raise RequestError(str(e)) from None
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,

@@ -196,15 +196,31 @@ class Sampler:
         return token
 
 
+READ = frozenset({*SamplingParams.NAMES, "logprobs", "ignore_eos", "structured_outputs"})  # request_choices reads
+INPUTS = ("max_new_tokens", "stop_token_ids", "stream", "text_input", "messages")  # inputs, never parameters
+ELSEWHERE = {"max_tokens": "max_new_tokens (an input)", "max_completion_tokens": "max_new_tokens (an input)"}
+
+
+def unread(params: dict, also: frozenset[str] = frozenset()) -> None:
+    """SamplingError for a parameter the model does not read (besides READ and `also`): a client's mistake never goes
+    silently. Names Triton or a forwarded header gives (id, triton_*, names with '-') pass."""
+    for name in params:
+        if not name.isidentifier() or name.startswith("triton_") or name == "id" or name in READ or name in also:
+            continue
+        fix = f"send it as the input {name}" if name in INPUTS else f"send {ELSEWHERE[name]}" if name in ELSEWHERE \
+            else "leave it out"
+        raise SamplingError(f"{name} is not a parameter this model reads: {fix}")
+
+
 def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndarray | None, default_new_tokens: int,
                     max_positions: int, stop_token_ids: np.ndarray | None,
-                    eos: set[int], grammars=None) -> tuple[int, Sampler, set[int]]:
+                    eos: set[int], grammars=None, also: frozenset[str] = frozenset()) -> tuple[int, Sampler, set[int]]:
     """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
     prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
     and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids);
     the `logprobs` parameter (alternatives per token, 0-20) is the sampler's, and so is `structured_outputs` (a
-    grammar the answer must follow, made by `grammars`, grammar.Grammars: a caller without one refuses it).
-    SamplingError names a mistake."""
+    grammar the answer must follow, made by `grammars`, grammar.Grammars: a caller without one refuses it); any other
+    parameter (but `also`, those the caller reads) is refused by name. SamplingError names a mistake."""
     new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
     if new_tokens < 1:
         raise SamplingError(f"max_new_tokens must be at least 1, got {new_tokens}")
@@ -212,6 +228,7 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
         raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                             f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
     params = json.loads(parameters or "{}")
+    unread(params, also)
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise SamplingError(f"ignore_eos must be true or false, got {shown(ignore_eos)}")
