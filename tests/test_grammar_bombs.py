@@ -231,3 +231,41 @@ def _grpc_stream_bombs(url: str) -> list:
         client.stop_stream()
         client.close()
     return wrong
+
+
+def test_memory_stays_bounded_after_500_hostile_requests(llm_gateway, server):
+    """500 hostile structured requests, each grammar new (so none comes from a cache): costly regexes and patterns,
+    long choice lists, deep chains at the bounds, bombs over them, on the OpenAI routes and the generate extension.
+    The gateway and the engine's process hold at most a bounded amount more after them (before: +100 MB and +300 MB
+    after 200)."""
+    stack = llm_gateway
+    gateway, engine = psutil.Process(stack.proc.pid), stub_process(server, "dstool_lm_llm")
+    timed_chat(stack.http_port)
+    rss = gateway.memory_info().rss, engine.memory_info().rss
+
+    def hostile(i: int) -> tuple[str, dict]:
+        kind = i % 5
+        if kind == 0:
+            return CHAT, _chat(guided_regex=f"(a{{{300 + i}}}){{{300 + i}}}x{i}")
+        if kind == 1:
+            return CHAT, _chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": {
+                "type": "object", "properties": {f"k{i}": {"type": "string", "pattern": f"^(b{{{200 + i}}})+$"}},
+                "required": [f"k{i}"]}}})
+        if kind == 2:
+            return CHAT, _chat(guided_choice=[f"w{i}-{j}" for j in range(900)])
+        if kind == 3:
+            return "/v2/models/dstool_lm_llm/generate", {"text_input": "hi", "max_new_tokens": 4,
+                                                         "structured_outputs": json.dumps({"grammar": lark_chain(900)
+                                                                                           + f"# {i}\n"})}
+        return CHAT, _chat(guided_grammar=lark_chain(3000) + f"# {i}\n")
+
+    statuses: dict[int, int] = {}
+    for i in range(500):
+        path, body = hostile(i)
+        status, _, _ = post(stack.http_port, path, body, timeout=60)
+        statuses[status] = statuses.get(status, 0) + 1
+    grown = (gateway.memory_info().rss - rss[0]) >> 20, (engine.memory_info().rss - rss[1]) >> 20
+    print(f"\n500 hostile structured requests: {statuses}; RSS gateway {grown[0]:+d} MB, NAME_llm {grown[1]:+d} MB")
+    assert set(statuses) <= {200, 400}, statuses
+    assert grown[0] < 64 and grown[1] < 128, grown
+    timed_chat(stack.http_port)

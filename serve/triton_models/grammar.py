@@ -41,10 +41,12 @@ MAX_RULES = 1000  # rules and terminals of a Lark grammar
 MAX_CHOICES = 1000  # strings of a choice (llguidance's parser takes 2,000 alternatives in a row)
 COMPILE_STACK = 256 << 20  # bytes of stack of a compiling thread (virtual: only what recursion touches is used)
 COMPILE_THREADS = 2
-KEPT_GRAMMARS, KEPT_BYTES, KEPT_MATCHERS = 1024, 16 << 20, 32  # compiled grammars (and their bytes) and matchers kept
-# llguidance's own bounds on building and running a grammar (its defaults: 1M, 200k, 50k, 250k, 500k): a lexer of at
-# most ~20 MB built with ~2 ms of fuel, a few ms per token; errors without the parser's internal state.
-LIMITS = {"initial_lexer_fuel": 100_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
+# compiled grammars (and their bytes) and fresh matchers kept: a matcher built to its limits holds ~8 MB
+KEPT_GRAMMARS, KEPT_BYTES, KEPT_MATCHERS = 1024, 16 << 20, 8
+# llguidance's own bounds on building and running a grammar (its defaults: 1M, 200k, 50k, 250k, 500k): a lexer built
+# with ~1 ms of fuel (~8 MB; the 201 schemastore schemas it compiles need less than 30k), a few ms per token; errors
+# without the parser's internal state.
+LIMITS = {"initial_lexer_fuel": 50_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
           "max_lexer_states": 10_000, "max_grammar_size": 200_000, "verbose_errors": False}
 _LARK_RULE = None  # the compiled pattern of a Lark definition's start (made on first use)
 
