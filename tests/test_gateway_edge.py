@@ -90,7 +90,7 @@ def test_a_cancelled_redis_call_never_goes_on(redis_server):
         guard = Guard(store, None, "deny", 0.0, "deny", Metrics())
 
         async def key_check():
-            return await guard._redis(store.client.get("k"))
+            return await guard._redis(lambda: store.client.get("k"))
 
         went_on, tries = {"cache": 0, "guard": 0}, 0
         for i in range(600):

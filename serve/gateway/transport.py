@@ -113,6 +113,18 @@ def opts_out(req: HttpRequest) -> bool:
 Response = HttpResponse | StreamingResponse
 
 
+class _Stop(Exception):
+    """Raised from a parser callback once the request is refused: nothing after it is parsed."""
+
+
+@dataclass(slots=True)
+class _Refusal:
+    """A refused request's answer, waiting in the connection's queue behind the answers before it."""
+
+    status: int
+    message: str
+
+
 _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
 
 
@@ -139,7 +151,7 @@ class HttpConnection(asyncio.Protocol):
         self.limits = frontend.limits
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
-        self.queue: deque[tuple[HttpRequest, bool]] = deque()
+        self.queue: deque[tuple[HttpRequest, bool] | _Refusal] = deque()  # requests (and a refusal) not answered
         self.busy = False
         self.timer: asyncio.TimerHandle | None = None
         self.lingering, self.lingered = False, 0
@@ -230,7 +242,7 @@ class HttpConnection(asyncio.Protocol):
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
             pass  # Triton answers an Upgrade request as a plain one: so does the gateway (then closes)
-        except httptools.HttpParserError as e:
+        except httptools.HttpParserError as e:  # a callback's _Stop too (it set the error)
             if self.error is None:
                 self.error = (400, f"malformed HTTP request: {e}")
         if in_head and not self.headers_done and self.started == started:  # still in the same request's head
@@ -238,7 +250,23 @@ class HttpConnection(asyncio.Protocol):
             if self.head_bytes > self.limits.max_headers_bytes + self.limits.max_url_bytes and self.error is None:
                 self.error = (431, f"request headers exceed {self.limits.max_headers_bytes} bytes")
         if self.error is not None:
-            self._refuse(*self.error)
+            self._refuse_in_turn(*self.error)
+
+    def _fail(self, status: int, message: str) -> None:
+        """Refuse the request being parsed: nothing after it is read (_Stop ends the parser's pass)."""
+        if self.error is None:
+            self.error = (status, message)
+        raise _Stop()
+
+    def _refuse_in_turn(self, status: int, message: str) -> None:
+        """Answer a refused request once every request before it on the connection is answered (pipelined answers
+        keep their order), then close; meanwhile what the client sends is dropped."""
+        self._disarm()
+        self.lingering = True
+        if self.busy or self.queue:
+            self.queue.append(_Refusal(status, message))
+        else:
+            self._refuse(status, message)
 
     def on_message_begin(self) -> None:
         self._begin_request()
@@ -246,23 +274,21 @@ class HttpConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self.url += url
-        if len(self.url) > self.limits.max_url_bytes and self.error is None:
-            self.error = (414, f"request target exceeds {self.limits.max_url_bytes} bytes")
+        if len(self.url) > self.limits.max_url_bytes:
+            self._fail(414, f"request target exceeds {self.limits.max_url_bytes} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if len(self.headers) >= self.limits.max_headers and self.error is None:
-            self.error = (431, f"more than {self.limits.max_headers} request headers")
-        if len(name) + len(value) > self.limits.max_header_bytes and self.error is None:
-            self.error = (431, f"a request header exceeds {self.limits.max_header_bytes} bytes")
+        if len(self.headers) >= self.limits.max_headers:
+            self._fail(431, f"more than {self.limits.max_headers} request headers")
+        if len(name) + len(value) > self.limits.max_header_bytes:
+            self._fail(431, f"a request header exceeds {self.limits.max_header_bytes} bytes")
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
-        if self.error is not None:
-            return
         target = _origin_form(self.url.decode("latin-1"))
         if target is None:
-            self.error = (400, "the request target must be a path (/v2/...) or an absolute http URL")
+            self._fail(400, "the request target must be a path (/v2/...) or an absolute http URL")
             return
         self.url = target.encode("latin-1")
         front = self.frontend
@@ -273,38 +299,34 @@ class HttpConnection(asyncio.Protocol):
         try:
             length = int(self.headers.get("content-length", "0"))
         except ValueError:
-            self.error = (400, "Content-Length is not an integer")
+            self._fail(400, "Content-Length is not an integer")
             return
         if not front.authorized(target.split("?", 1)[0], self.headers):  # before any byte of the body is read
             front.metrics.error("unauthorized")
-            self.error = (401, front.unauthorized)
+            self._fail(401, front.unauthorized)
         elif length > limit:
             front.metrics.error("bad_request")
-            self.error = (413, f"request body exceeds the gateway's limit of {limit} bytes")
+            self._fail(413, f"request body exceeds the gateway's limit of {limit} bytes")
         elif not self._reserve(length):
-            self.error = (503, "the gateway holds too many request bodies at once: retry later")
-        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None:
+            self._fail(503, "the gateway holds too many request bodies at once: retry later")
+        elif self.headers.get("expect", "").lower() == "100-continue" and self.transport is not None and \
+                not self.busy and not self.queue:  # (behind other answers, the body comes when it comes)
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-        if self.error is None and (length or self.headers.get("transfer-encoding")):
+        if length or self.headers.get("transfer-encoding"):
             self._arm(self.limits.body_timeout, 408, "request body not received in time")
         else:
             self._disarm()
 
     def on_body(self, body: bytes) -> None:
-        if self.error is not None:
-            return
         self.size += len(body)
         if self.size > self.limit:
-            self.error = (413, f"request body exceeds the gateway's limit of {self.limit} bytes")
+            self._fail(413, f"request body exceeds the gateway's limit of {self.limit} bytes")
         elif self.size > self.reserved and not self._reserve(self.size - self.reserved):
-            self.error = (503, "the gateway holds too many request bodies at once: retry later")
-        else:
-            self.body.append(body)
-            self._arm(self.limits.body_timeout, 408, "request body not received in time")
+            self._fail(503, "the gateway holds too many request bodies at once: retry later")
+        self.body.append(body)
+        self._arm(self.limits.body_timeout, 408, "request body not received in time")
 
     def on_message_complete(self) -> None:
-        if self.error is not None:
-            return
         self._disarm()
         target = self.url.decode("latin-1")
         req = HttpRequest(self.parser.get_method().decode(), target, target.split("?", 1)[0], self.headers,
@@ -359,7 +381,11 @@ class HttpConnection(asyncio.Protocol):
             self._write(response, keep_alive)
         self.busy = False
         while self.queue and not self.busy and self.transport is not None:
-            self._dispatch(*self.queue.popleft())
+            item = self.queue.popleft()
+            if isinstance(item, _Refusal):  # the requests before it are answered: its turn, then the close
+                self._refuse(item.status, item.message)
+                return
+            self._dispatch(*item)
         if self.transport is not None and not self.queue:
             self.transport.resume_reading()
             if not self.busy:
