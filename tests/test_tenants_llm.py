@@ -277,3 +277,15 @@ def test_nothing_is_generated_after_a_stop_string_cut_the_answer(llm_tenants, se
     generated = settled_generated(server) - before
     charged = _usage(redis, keys["alice"])[1] - before_usage[1]
     assert 0 < generated <= charged + 2, (generated, charged)  # at most a token in flight per request
+
+
+def test_the_model_is_checked_before_any_grammar_is_compiled(llm_tenants):
+    """A key not given the model is refused (404) before its grammar is looked at: an invalid one, or a bomb that
+    once crashed the gateway, gets the same 404 (before: compiled first, from any key)."""
+    gw, _, redis = llm_tenants
+    other = new_key(redis.url, "--tenant", "elsewhere", "--models", "echo_fp32")
+    for grammar in ("start: missing_rule", "start: r0\n" + "".join(f"r{i}: r{i + 1}\n" for i in range(3000))):
+        status, _, body = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 2, "guided_grammar": grammar,
+                                                    "messages": [{"role": "user", "content": "hi"}]},
+                               {"Authorization": f"Bearer {other}"})
+        assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found", body
