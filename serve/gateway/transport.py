@@ -14,7 +14,7 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import httptools
 import orjson
@@ -141,7 +141,8 @@ def _origin_form(target: str) -> str | None:
 
 class HttpConnection(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order. Each phase has a
-    deadline (headers, body, idle), and a request that breaks a limit is answered and the connection closed. A client
+    deadline (headers, body, idle), and a request that breaks a limit is answered in its turn (after the answers of
+    the requests before it; nothing after it is read) and the connection closed. A client
     that hangs up cancels the request it was waiting for (and with it the work upstream); a streamed answer is
     written no faster than the client reads it (the transport's buffer bounds what waits here), and a client that
     reads nothing for `write_timeout` seconds has its stream ended."""
@@ -151,7 +152,8 @@ class HttpConnection(asyncio.Protocol):
         self.limits = frontend.limits
         self.parser = httptools.HttpRequestParser(self)
         self.transport: asyncio.Transport | None = None
-        self.queue: deque[tuple[HttpRequest, bool] | _Refusal] = deque()  # requests (and a refusal) not answered
+        # requests not answered yet (with their bodies' share of --max-buffered-bytes), and a refusal
+        self.queue: deque[tuple[HttpRequest, bool, int] | _Refusal] = deque()
         self.busy = False
         self.timer: asyncio.TimerHandle | None = None
         self.lingering, self.lingered = False, 0
@@ -205,11 +207,11 @@ class HttpConnection(asyncio.Protocol):
 
     def _timed_out(self, status: int | None, message: str) -> None:
         self.timer = None
-        if status is None or self.busy:
+        if status is None:
             self._close()
         else:
             self.frontend.metrics.error("bad_request")
-            self._refuse(status, message)
+            self._refuse_in_turn(status, message)
 
     def idle(self) -> bool:
         return not self.busy and not self.queue and self.head_bytes == 0
@@ -232,7 +234,7 @@ class HttpConnection(asyncio.Protocol):
             return
         if self.lingering:  # what a refused client still sends is read and dropped, so it sees the answer
             self.lingered += len(data)
-            if self.lingered > LINGER_BYTES:
+            if self.lingered > LINGER_BYTES and not self.queue:  # (not before the answers the refusal waits for)
                 self._close()
             return
         in_head, started = not self.headers_done, self.started
@@ -252,10 +254,9 @@ class HttpConnection(asyncio.Protocol):
         if self.error is not None:
             self._refuse_in_turn(*self.error)
 
-    def _fail(self, status: int, message: str) -> None:
+    def _fail(self, status: int, message: str) -> NoReturn:
         """Refuse the request being parsed: nothing after it is read (_Stop ends the parser's pass)."""
-        if self.error is None:
-            self.error = (status, message)
+        self.error = (status, message)
         raise _Stop()
 
     def _refuse_in_turn(self, status: int, message: str) -> None:
@@ -289,7 +290,6 @@ class HttpConnection(asyncio.Protocol):
         target = _origin_form(self.url.decode("latin-1"))
         if target is None:
             self._fail(400, "the request target must be a path (/v2/...) or an absolute http URL")
-            return
         self.url = target.encode("latin-1")
         front = self.frontend
         path = target.split("?", 1)[0]
@@ -300,7 +300,6 @@ class HttpConnection(asyncio.Protocol):
             length = int(self.headers.get("content-length", "0"))
         except ValueError:
             self._fail(400, "Content-Length is not an integer")
-            return
         if not front.authorized(target.split("?", 1)[0], self.headers):  # before any byte of the body is read
             front.metrics.error("unauthorized")
             self._fail(401, front.unauthorized)
@@ -334,12 +333,13 @@ class HttpConnection(asyncio.Protocol):
         self.body = []
         keep_alive = self.parser.should_keep_alive() and not self.parser.should_upgrade()
         self.headers_done, self.head_bytes = False, 0  # the next request starts in its head
+        held, self.reserved = self.reserved, 0  # its body's share goes with the request, given back once answered
         if self.busy:
-            self.queue.append((req, keep_alive))
+            self.queue.append((req, keep_alive, held))
             if len(self.queue) > 32 and self.transport is not None:
                 self.transport.pause_reading()
         else:
-            self._dispatch(req, keep_alive)
+            self._dispatch(req, keep_alive, held)
 
     def _reserve(self, nbytes: int) -> bool:
         front = self.frontend
@@ -350,31 +350,35 @@ class HttpConnection(asyncio.Protocol):
         return True
 
     def _release(self) -> None:
-        self.frontend.buffered -= self.reserved
+        """Give back the share of --max-buffered-bytes of the body being read and of the requests left unanswered
+        (the request being answered gives back its own)."""
+        self.frontend.buffered -= self.reserved + sum(item[2] for item in self.queue if not isinstance(item, _Refusal))
         self.reserved = 0
+        self.queue.clear()
 
     # ---- answering -----------------------------------------------------------------------------------------
-    def _dispatch(self, req: HttpRequest, keep_alive: bool) -> None:
+    def _dispatch(self, req: HttpRequest, keep_alive: bool, held: int) -> None:
         openai = req.path.startswith("/v1/")
         try:
             response = self.frontend.handle(req)
         except Exception as e:  # a bug must not take the connection's other requests with it
             response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
         if isinstance(response, HttpResponse):
-            self._release()
+            self.frontend.buffered -= held
             self._write(response, keep_alive)
         else:
             self.busy = True
-            self.task = asyncio.ensure_future(self._finish(response, keep_alive, openai))
+            self.task = asyncio.ensure_future(self._finish(response, keep_alive, openai, held))
             self.frontend.answering.add(self.task)  # the loop holds tasks weakly: a cancelled one must still run
             self.task.add_done_callback(self.frontend.answering.discard)
 
-    async def _finish(self, pending, keep_alive: bool, openai: bool) -> None:
+    async def _finish(self, pending, keep_alive: bool, openai: bool, held: int) -> None:
         try:
             response = await pending
         except Exception as e:
             response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
-        self._release()
+        finally:
+            self.frontend.buffered -= held  # (also when a hang-up cancels the answer)
         if isinstance(response, StreamingResponse):
             await self._stream(response, keep_alive)
         else:
@@ -384,11 +388,11 @@ class HttpConnection(asyncio.Protocol):
             item = self.queue.popleft()
             if isinstance(item, _Refusal):  # the requests before it are answered: its turn, then the close
                 self._refuse(item.status, item.message)
-                return
-            self._dispatch(*item)
+            else:
+                self._dispatch(*item)
         if self.transport is not None and not self.queue:
-            self.transport.resume_reading()
-            if not self.busy:
+            self.transport.resume_reading()  # (a refused client's too: what it sends is read and dropped)
+            if not self.busy and not self.lingering:
                 self._arm(self.limits.keepalive_timeout, None)
 
     def _write(self, response: HttpResponse, keep_alive: bool) -> None:
@@ -452,7 +456,7 @@ class HttpConnection(asyncio.Protocol):
         self.frontend.connections.discard(self)
         if self.transport.can_write_eof():
             self.transport.write_eof()
-        self.lingering = True
+        self.lingering, self.lingered = True, 0
         self._arm(LINGER_SECONDS, None)
 
     def _close(self) -> None:
