@@ -10,7 +10,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from dstool.serve.gateway.tools import Calls, Tool, grammar
+from dstool.serve.gateway.openai import Choice, Reply
+from dstool.serve.gateway.protocol import ChatCompletionRequest, parse
+from dstool.serve.gateway.tools import Calls, Tool, ToolError, grammar, read_tools
 from dstool.serve.triton_models.grammar import GrammarError, Grammars, closed, grammar_of
 from dstool.serve.triton_models.sampling import Sampler, SamplingError, SamplingParams, request_choices
 
@@ -154,3 +156,132 @@ def test_the_grammar_for_each_tool_choice():
     named = Calls(TOOLS, "add")
     assert named.feed('{"a":')[2] == '{"a":' and named.feed("1}")[2] == "1}"
     assert named.calls[0].name == "add" and named.calls[0].arguments == '{"a":1}'
+
+
+def _unique(pairs: list) -> dict:
+    keys = [k for k, _ in pairs]
+    assert len(keys) == len(set(keys)), f"a key repeats: {keys}"
+    return dict(pairs)
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "patternProperties": {"^x[0-9]$": {"type": "boolean"}}, "minProperties": 2},
+    {"type": "object", "patternProperties": {"^x[0-2]$": {"type": "boolean"}}, "minProperties": 3},
+    {"type": "array", "maxItems": 3, "items": {"type": "object", "minProperties": 3,
+                                               "patternProperties": {"^(a|ab|b)$": {"type": "null"}}}},
+    {"type": "object", "properties": {"id": {"enum": [1, 2]}}, "required": ["id"], "maxProperties": 4,
+     "additionalProperties": {"type": "integer", "minimum": 0, "maximum": 9}},
+])
+def test_keys_never_repeat_where_a_pattern_or_additional_properties_lets_them_in(grammars, schema):
+    """llguidance lets a key matched by a pattern come twice (`{"x3":true,"x3":true}`: one key to a JSON reader,
+    under minProperties 2); the sampler rules out a token that repeats one, or leads into a key that could only end
+    as one held (`"x` once x0-x9 are all there)."""
+    ended = 0
+    for seed in range(16):
+        text, done = _generate(grammars, {"json": schema}, seed, limit=200)
+        if done:
+            jsonschema.validate(json.loads(text, object_pairs_hook=_unique), schema)
+            ended += 1
+    assert ended >= 8
+
+
+def test_a_schema_whose_keys_run_out_is_an_error_not_a_repeated_key(grammars):
+    schema = {"type": "object", "patternProperties": {"^x$": {"type": "boolean"}}, "minProperties": 2}
+    with pytest.raises(GrammarError, match="every key the schema allows here is in the object already: bound"):
+        _generate(grammars, {"json": schema}, 0)
+
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6}}, "required": ["name"]}
+AGED = {"type": "object", "properties": {"age": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["age"]}
+
+
+def test_an_allof_of_object_schemas_is_closed_as_a_whole(grammars):
+    """Closed one by one, `allOf: [{name}, {age}]` could hold no object with both (each member's
+    additionalProperties false refuses the other's key): the members stay open and the whole allows their keys."""
+    assert closed({"allOf": [PERSON, AGED]}) == {"allOf": [PERSON, AGED], "properties": {"name": True, "age": True},
+                                                 "additionalProperties": False}
+    schema = {"$defs": {"Person": PERSON, "Employee": {"allOf": [{"$ref": "#/$defs/Person"}, AGED]}},
+              "type": "object", "properties": {"boss": {"$ref": "#/$defs/Employee"},
+                                               "client": {"$ref": "#/$defs/Person"}},
+              "required": ["boss", "client"]}
+    for seed in range(6):
+        text, done = _generate(grammars, {"json": schema}, seed)
+        assert done, text
+        answer = json.loads(text)
+        jsonschema.validate(answer, closed(schema))  # no other keys, either
+        assert set(answer["boss"]) == {"name", "age"} and set(answer["client"]) == {"name"}
+    # members that say which other keys they allow keep their word; so does the whole
+    assert closed({"allOf": [PERSON, {**AGED, "additionalProperties": True}]})["allOf"][0] == PERSON
+    assert "properties" not in closed({"allOf": [PERSON], "additionalProperties": True})
+
+
+def test_a_tool_of_no_parameters_is_called_with_an_empty_object(grammars):
+    """`"parameters": {}` is any JSON to JSON Schema (a named call of it came back `false`), OpenAI's function of no
+    arguments: an empty object, as when parameters are left out. A schema of something else is refused."""
+    for given in ({"name": "ping", "parameters": {}}, {"name": "ping"}):
+        tools = read_tools([{"type": "function", "function": given}])
+        assert tools[0].parameters == {"type": "object", "properties": {}}
+        for choice in ("ping", "required"):
+            for seed in range(4):
+                text, done = _generate(grammars, grammar(tools, choice, False), seed)
+                assert done and text == ("{}" if choice == "ping" else '[{"name":"ping","arguments":{}}]'), text
+    untyped = read_tools([{"type": "function", "function": {"name": "f", "parameters": {"properties": {}}}}])
+    assert untyped[0].parameters["type"] == "object"
+    for bad in ({"type": "string"}, {"type": ["object", "null"]}, [], False):
+        with pytest.raises(ToolError, match=r"tools\[0\].function.parameters' must be a JSON schema of an object"):
+            read_tools([{"type": "function", "function": {"name": "f", "parameters": bad}}])
+
+
+@pytest.mark.parametrize("piece", [1, 5, 1000])
+def test_auto_takes_a_call_only_with_an_object_of_arguments(piece):
+    """What a model writes in <tool_call> that is no call of a known tool with a JSON object of arguments stays text,
+    as vLLM's Hermes parser leaves it; arguments as the JSON text of an object (OpenAI's form) are taken."""
+    bad = ['{"name": "add", "arguments": "1"}', '{"name": "add", "arguments": [1]}', '{"name": "add", "arguments": '
+           'false}', '{"name": "add"}', '{"name": ["add"], "arguments": {}}', '["add"]', '{"name": "add", '
+           '"arguments": {"a": 1}']
+    text = "".join(f"<tool_call>{b}</tool_call>" for b in bad)
+    content, found = _fed(Calls(TOOLS, "auto"), text + '<tool_call>{"name": "add", "arguments": "{\\"a\\": 2}"}'
+                          '</tool_call>', piece)
+    assert content == text and [(c.name, json.loads(c.arguments)) for c in found] == [("add", {"a": 2})]
+
+
+def _choice(body: dict, text: str, max_tokens: int = 100) -> dict:
+    """The whole answer of a chat request whose model wrote `text` (in 2-character pieces, up to a stop string)."""
+    request = parse(json.dumps({"model": "m", "messages": [{"role": "user", "content": "x"}], **body}).encode(),
+                    ChatCompletionRequest)
+    calls = Calls(request.tool_list, request.tool_mode) if request.tool_mode != "none" else None
+    choice = Choice(0, request.stop, calls=calls)
+    for at in range(0, len(text), 2):
+        choice.add(text[at:at + 2])
+        choice.tokens += 1
+        if choice.finish_reason:
+            break
+    return Reply(True, "m", [choice], max_tokens, False).whole()["choices"][0]
+
+
+def test_a_stop_string_that_cuts_an_answer_under_a_grammar_ends_it_as_length():
+    """A stop string that comes in a grammar's answer cuts it short (`{"city":"` was sent as finish_reason stop, and
+    as a complete tool call): its finish reason is `length`, as max_tokens's would be, and a named call cut short is
+    no call. Text without a grammar stops as before."""
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+    named = _choice({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                     "stop": "Ve"}, '{"city":"Verona"}')
+    assert named["finish_reason"] == "length" and "tool_calls" not in named["message"], named
+    schema = {"type": "json_schema", "json_schema": {"name": "w", "schema": weather["function"]["parameters"]}}
+    shaped = _choice({"response_format": schema, "stop": ["Ve"]}, '{"city":"Verona"}')
+    assert shaped["finish_reason"] == "length" and shaped["message"]["content"] == '{"city":"'
+    required = _choice({"tools": [weather], "tool_choice": "required", "stop": "Ro"},
+                       '[{"name":"get_weather","arguments":{"city":"Verona"}},{"name":"get_weather","arguments":'
+                       '{"city":"Rome"}}]')
+    assert required["finish_reason"] == "length" and [c["function"]["arguments"] for c in required["message"][
+        "tool_calls"]] == ['{"city":"Verona"}']  # the call complete before the cut is one
+    whole = _choice({"tools": [weather], "tool_choice": {"type": "function", "function": {"name": "get_weather"}},
+                     "stop": "Rome"}, '{"city":"Verona"}')
+    assert whole["finish_reason"] == "tool_calls" and whole["message"]["tool_calls"][0]["function"][
+        "arguments"] == '{"city":"Verona"}'
+    plain = _choice({"stop": "Ve"}, "Go to Verona")
+    assert plain["finish_reason"] == "stop" and plain["message"]["content"] == "Go to "
+    cut = _choice({"response_format": schema}, '{"city":"Ver', max_tokens=6)
+    assert cut["finish_reason"] == "length"

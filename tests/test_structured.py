@@ -128,6 +128,33 @@ def test_named_and_required_tool_calls_follow_their_schemas_whole_and_streamed(a
             (t.function.name, t.function.arguments) for t in whole.choices[0].message.tool_calls]
 
 
+def test_a_stop_string_in_a_grammars_answer_leaves_it_unfinished_and_a_tool_of_no_parameters_takes_none(api):
+    """A stop string that comes in an answer under a grammar cuts it short: finish_reason `length` (it was `stop`
+    with `{"name`, and `tool_calls` with a call of arguments `{"city`), so `parse` raises what it raises for a cut
+    answer, and a named call cut short is no call. A tool of `"parameters": {}` is called with `{}`."""
+    import openai
+
+    client = _client(api)
+    with pytest.raises(openai.LengthFinishReasonError):
+        client.chat.completions.parse(model="dstool_lm", messages=ASK, response_format=Person, max_tokens=200,
+                                      temperature=1.0, seed=1, stop=['":"'])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    r = client.chat.completions.create(model="dstool_lm", messages=ASK, tools=TOOLS, tool_choice=named,
+                                       max_tokens=60, temperature=1.0, seed=1, stop=['":"'])
+    assert r.choices[0].finish_reason == "length" and not r.choices[0].message.tool_calls, r
+    finishes = [c.choices[0].finish_reason for c in client.chat.completions.create(
+        model="dstool_lm", messages=ASK, tools=TOOLS, tool_choice="required", max_tokens=60, temperature=1.0,
+        seed=1, stop=['":"'], stream=True) if c.choices]
+    assert finishes[-1] == "length" and "tool_calls" not in finishes
+    ping = {"type": "function", "function": {"name": "ping", "parameters": {}}}
+    for seed in range(3):
+        r = client.chat.completions.create(model="dstool_lm", messages=ASK, tools=[ping], max_tokens=20,
+                                           tool_choice={"type": "function", "function": {"name": "ping"}},
+                                           temperature=1.0, seed=seed)
+        assert r.choices[0].finish_reason == "tool_calls" and r.choices[0].message.tool_calls[0].function.arguments \
+            == "{}", r
+
+
 def test_a_conversation_with_tool_results_and_auto(api, server):
     client = _client(api)
     first = client.chat.completions.create(model="dstool_lm", messages=ASK, tools=TOOLS, tool_choice="required",

@@ -38,6 +38,7 @@ from dstool.serve.gateway.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIError,
+    Stops,
     parse,
 )
 from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
@@ -99,9 +100,11 @@ def logprobs_field(chat: bool, rows: list[Ranked], offset: int = 0) -> dict:
 
 class Choice:
     """One choice's text as it comes from the model, cut at the first stop string, and (for an answer sent whole,
-    `whole`) its tokens' logprobs; a stream's go out as they come and are not kept."""
+    `whole`) its tokens' logprobs; a stream's go out as they come and are not kept. A stop string that cuts an
+    answer under a grammar leaves it unfinished (not in the grammar, not a complete call): its finish reason is
+    `length`, as when max_tokens cuts it."""
 
-    def __init__(self, index: int, stops: list[str], whole: bool = True, calls: Calls | None = None):
+    def __init__(self, index: int, stops: Stops, whole: bool = True, calls: Calls | None = None):
         self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
         self.calls = calls  # the text read as tool calls, when the request has tools
         self.ranked: list[Ranked] = []
@@ -123,6 +126,8 @@ class Choice:
     def end(self, max_tokens: int) -> str:
         if self.finish_reason is None:
             self.finish_reason = "length" if self.tokens >= max_tokens else "stop"
+        elif self.stops.grammar:  # a stop string cut it
+            self.finish_reason = "length"
         new, self.sent = self.text[self.sent:], len(self.text)
         return new
 
@@ -162,7 +167,8 @@ class Reply:
                 content, _, _ = c.calls.feed(c.text)
                 content += c.calls.end()
                 message["content"] = content or None
-                if c.calls.calls:
+                named = c.calls.mode not in ("auto", "required")
+                if c.calls.calls and not (named and c.finish_reason == "length"):  # a named call cut short is none
                     message["tool_calls"] = [call.whole() for call in c.calls.calls]
                     c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             rows.append({"index": c.index, "message": message, "logprobs": lp,

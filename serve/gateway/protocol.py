@@ -60,6 +60,13 @@ def _unserved(name: str, value: Any, *asks_nothing: Any) -> None:
         raise ValueError(f"'{name}' is not supported by this server: leave it out")
 
 
+class Stops(list):
+    """`stop`'s strings. `grammar`: the answer is under a grammar (a structured output or a forced tool call), so
+    one of them coming in it cuts it short: openai.Choice makes its finish reason `length`, as max_tokens would."""
+
+    grammar = False
+
+
 class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     include_usage: bool = False
@@ -126,12 +133,12 @@ class _Request(BaseModel):
 
     @field_validator("stop", mode="before")
     @classmethod
-    def _stop(cls, v: Any) -> list[str]:
+    def _stop(cls, v: Any) -> Stops:
         stops = [v] if isinstance(v, str) else v if v is not None else []
         if not isinstance(stops, list) or len(stops) > 4 or \
                 not all(isinstance(s, str) and 0 < len(s) <= MAX_STOP_CHARS for s in stops):
             raise ValueError(f"'stop' must be a string or a list of up to 4 strings of 1-{MAX_STOP_CHARS} characters")
-        return stops
+        return Stops(stops)
 
     @field_validator("cache_salt", mode="before")
     @classmethod
@@ -174,6 +181,7 @@ class _Request(BaseModel):
                                    "given", asked[1][0])
         if asked:
             self._structured, self._structured_param = self._structured_spec(*asked[0])
+            self.stop.grammar = True
         return self
 
     async def check_grammars(self) -> None:
@@ -479,6 +487,7 @@ class ChatCompletionRequest(_Request):
             self._structured = tooling.grammar(self._tools, self._tool_choice,
                                                self.parallel_tool_calls is not False)
             self._structured_param = "tools"
+            self.stop.grammar = True
         return self
 
     def _grammars(self) -> list[tuple[dict, str]]:

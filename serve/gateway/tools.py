@@ -6,9 +6,13 @@ What the model writes for each `tool_choice` (vLLM's choices):
 - a named function: the call's arguments alone, JSON under the function's `parameters` schema;
 - `required`: a JSON array of calls `[{"name": ..., "arguments": {...}}]` (one call when `parallel_tool_calls` is
   false), each under its function's schema;
-- `auto`: free text, in which each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` naming a known tool is a
-  call (the Hermes format that chat templates with tools use, and the one the default layout asks for);
+- `auto`: free text, in which each `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` naming a known tool, its
+  arguments a JSON object, is a call (the Hermes format that chat templates with tools use, and the one the default
+  layout asks for); anything else there stays text, as vLLM's Hermes parser leaves it;
 - `none`: text only (the tools are still shown to the model, as OpenAI does).
+
+A function's `parameters` is the schema of an object (a call's arguments are one); none, or `{}`, is OpenAI's
+function of no arguments: `{}`.
 """
 
 from __future__ import annotations
@@ -73,11 +77,13 @@ def read_tools(value) -> list[Tool]:
             raise ToolError(f"'{at}.function.description' must be a string", f"{at}.function.description")
         if "strict" in f and not isinstance(f["strict"], bool):
             raise ToolError(f"'{at}.function.strict' must be true or false", f"{at}.function.strict")
-        parameters = f.get("parameters", {"type": "object", "properties": {}})
-        if not isinstance(parameters, dict):
-            raise ToolError(f"'{at}.function.parameters' must be a JSON schema (an object)",
-                            f"{at}.function.parameters")
-        tools.append(Tool(name, description, parameters))
+        parameters = f.get("parameters")
+        if parameters is None or parameters == {}:  # OpenAI's function of no arguments: an empty object
+            parameters = {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict) or parameters.get("type", "object") != "object":
+            raise ToolError(f"'{at}.function.parameters' must be a JSON schema of an object ({{\"type\": "
+                            "\"object\", ...}): a call's arguments are a JSON object", f"{at}.function.parameters")
+        tools.append(Tool(name, description, {"type": "object", **parameters}))
     return tools
 
 
@@ -181,14 +187,18 @@ class Calls:
         return rest if self.mode == "auto" else ""
 
     def _read(self, text: str) -> Call | None:
+        """The call `text` holds: a known tool's name and its arguments, a JSON object (or the JSON text of one, as
+        OpenAI writes them); None for anything else."""
         try:
             d = orjson.loads(text)
-        except orjson.JSONDecodeError:
+            name, arguments = d["name"], d["arguments"]
+            if isinstance(arguments, str):
+                arguments = orjson.loads(arguments)
+        except (orjson.JSONDecodeError, TypeError, KeyError):
             return None
-        if not isinstance(d, dict) or d.get("name") not in self.names or "arguments" not in d:
+        if not isinstance(name, str) or name not in self.names or not isinstance(arguments, dict):
             return None
-        arguments = d["arguments"]
-        return Call(d["name"], arguments if isinstance(arguments, str) else orjson.dumps(arguments).decode())
+        return Call(name, d["arguments"] if isinstance(d["arguments"], str) else orjson.dumps(arguments).decode())
 
     def _scan(self, text: str) -> list[Call]:
         """`required`'s array: each element complete so far (the grammar makes the text JSON)."""

@@ -9,7 +9,8 @@ spaces, and an object schema that does not say `additionalProperties` allows no 
 vLLM's default, and what OpenAI's `strict` requires), so a model cannot wander off into keys of its own. Each step
 the sequence's matcher says which tokens may come next; the others are ruled out before sampling, and the
 end-of-sequence token is allowed only where the grammar may end, so every answer that ends (not cut by
-max_new_tokens) is in the grammar.
+max_new_tokens) is in the grammar. A JSON answer's keys are tracked besides (`_Keys`): llguidance cannot keep a key
+that a pattern lets in from coming twice in an object, so the sampler does.
 
 A client's grammar is untrusted input to a native compiler that recurses on it (a chain of 2,500 `$ref`s or 3,000
 Lark rules overflows an 8 MiB thread stack and the process dies), and some grammars cost seconds and hundreds of MB
@@ -24,11 +25,12 @@ from __future__ import annotations
 
 import json
 import queue
+import re
 import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -209,8 +211,6 @@ def _lark_rules(text: str) -> int:
     """Definitions (rules and terminals) of a Lark grammar: lines that begin with a name and a colon."""
     global _LARK_RULE
     if _LARK_RULE is None:
-        import re
-
         _LARK_RULE = re.compile(r"^\s*[?!]?@?[A-Za-z_][A-Za-z_0-9]*(\.-?\d+)?\s*:", re.MULTILINE)
     return len(_LARK_RULE.findall(text))
 
@@ -289,22 +289,112 @@ ONES = ("items", "additionalProperties", "not", "if", "then", "else", "contains"
 
 
 def closed(schema):
-    """The schema with `additionalProperties: false` on each object schema that does not say otherwise."""
+    """The schema with `additionalProperties: false` on each object schema that does not say otherwise. An `allOf`
+    of object schemas is closed as a whole: its members stay open (a `$ref` member points to an open copy of its
+    definition) and the schema holding them allows the keys they declare; closed one by one, `allOf: [{a}, {b}]`
+    could hold no object with both a and b."""
     if not isinstance(schema, dict):
         return schema
-    out = dict(schema)
-    for key in MAPS:
-        if isinstance(out.get(key), dict):
-            out[key] = {name: closed(s) for name, s in out[key].items()}
-    for key in LISTS:
-        if isinstance(out.get(key), list):
-            out[key] = [closed(s) for s in out[key]]
-    for key in ONES:
-        if key in out:
-            out[key] = [closed(s) for s in out[key]] if isinstance(out[key], list) else closed(out[key])
-    if (schema.get("type") == "object" or "properties" in schema) and "additionalProperties" not in schema:
-        out["additionalProperties"] = False
+    closer = _Closer(schema)
+    out = closer.closed(schema)
+    if closer.copies:
+        out["$defs"] = {**out.get("$defs", {}), **closer.copies}
     return out
+
+
+class _Closer:
+    """`closed` for one schema: local `$ref`s (`#/$defs/NAME`, `#/definitions/NAME`) resolved against it."""
+
+    def __init__(self, root: dict):
+        self.root = root
+        self.opened: dict[str, str] = {}  # a $ref of an allOf member -> the name of its open copy
+        self.copies: dict[str, Any] = {}  # the open copies by name (added to the root's $defs)
+
+    def closed(self, schema, close: bool = True):
+        if not isinstance(schema, dict):
+            return schema
+        out = dict(schema)
+        members = schema.get("allOf")
+        declared = self._declared(members) if isinstance(members, list) else None
+        for key in MAPS:
+            if isinstance(out.get(key), dict):
+                out[key] = {name: self.closed(s) for name, s in out[key].items()}
+        for key in LISTS:
+            if isinstance(out.get(key), list):
+                out[key] = [self._open(s) if declared is not None and key == "allOf" else self.closed(s)
+                            for s in out[key]]
+        for key in ONES:
+            if key in out:
+                out[key] = [self.closed(s) for s in out[key]] if isinstance(out[key], list) else \
+                    self.closed(out[key])
+        if declared is not None:
+            names, patterns, others = declared
+            if not close or others or "additionalProperties" in schema:
+                return out
+            for key, found in (("properties", names), ("patternProperties", patterns)):
+                own = out.get(key, {})
+                if found and isinstance(own, dict):
+                    out[key] = {**own, **{name: True for name in found if name not in own}}
+            out["additionalProperties"] = False
+        elif close and (schema.get("type") == "object" or "properties" in schema) and \
+                "additionalProperties" not in schema:
+            out["additionalProperties"] = False
+        return out
+
+    def _open(self, member):
+        """An allOf member closed within but not itself (a `$ref` to a definition: to an open copy of it)."""
+        out = self.closed(member, close=False)
+        ref = member.get("$ref") if isinstance(member, dict) else None
+        target = self._target(ref)
+        if isinstance(ref, str) and target is not None and isinstance(self.root.get("$defs", {}), dict):
+            if ref not in self.opened:
+                name = f"dstool_open_{len(self.opened)}"
+                while name in self.root.get("$defs", {}):
+                    name += "_"
+                self.opened[ref] = name
+                self.copies[name] = self.closed(target, close=False)
+            out["$ref"] = "#/$defs/" + self.opened[ref]
+        return out
+
+    def _target(self, ref) -> dict | None:
+        """The definition a local `$ref` points to, or None."""
+        for where in ("$defs", "definitions"):
+            if isinstance(ref, str) and ref.startswith(f"#/{where}/"):
+                defs = self.root.get(where)
+                target = defs.get(ref[len(where) + 3:].replace("~1", "/").replace("~0", "~")) \
+                    if isinstance(defs, dict) else None
+                return target if isinstance(target, dict) else None
+        return None
+
+    def _declared(self, members: list) -> tuple[dict, dict, bool] | None:
+        """What an allOf's members (through local `$ref`s and their own allOfs) declare: property names, property
+        patterns, whether one says which other keys it allows. None when no member is an object schema, or one is a
+        `$ref` this cannot follow."""
+        names: dict = {}  # in order, as sets
+        patterns: dict = {}
+        objects = others = False
+        todo, seen = list(members), set()
+        while todo:
+            member = todo.pop(0)
+            if not isinstance(member, dict):
+                continue
+            ref = member.get("$ref")
+            if ref is not None:
+                target = self._target(ref)
+                if target is None:
+                    return None
+                if ref not in seen:
+                    seen.add(ref)
+                    todo.insert(0, target)
+            objects = objects or member.get("type") == "object" or "properties" in member or \
+                "patternProperties" in member
+            others = others or "additionalProperties" in member or "unevaluatedProperties" in member
+            for key, found in (("properties", names), ("patternProperties", patterns)):
+                if isinstance(member.get(key), dict):
+                    found.update(dict.fromkeys(member[key], True))
+            if isinstance(member.get("allOf"), list):
+                todo += member["allOf"]
+        return (names, patterns, others) if objects else None
 
 
 def _reason(error: str) -> str:
@@ -327,6 +417,9 @@ class Grammars:
     def __init__(self, tokenizer, eos: set[int]):
         self.tokenizer, self.eos = tokenizer, sorted(eos)
         self.built: Any = None
+        self.pieces: list[bytes] = []  # each token's bytes (b"" for special tokens)
+        self.by_piece: dict[bytes, list[int]] = {}  # the tokens of each piece
+        self.quoted = self.commas = np.zeros(0, np.int64)  # the tokens with a '"' in them, and with a ','
         self.lock = threading.Lock()
         self.fresh: OrderedDict[str, Any] = OrderedDict()  # spec text -> a matcher at its start, first mask made
 
@@ -341,6 +434,12 @@ class Grammars:
                     self.built = llguidance.hf.from_tokenizer(self.tokenizer, eos_token=self.eos)
                 else:  # the `tokenizers` library's own
                     self.built = llguidance.LLTokenizer(self.tokenizer.to_str(), eos_token=self.eos)
+                self.pieces = [b"" if self.built.is_special_token(i) else self.built.decode_bytes([i])
+                               for i in range(self.built.vocab_size)]
+                for i, piece in enumerate(self.pieces):
+                    self.by_piece.setdefault(piece, []).append(i)
+                self.quoted = np.array([i for i, piece in enumerate(self.pieces) if b'"' in piece], np.int64)
+                self.commas = np.array([i for i, piece in enumerate(self.pieces) if b"," in piece], np.int64)
             return self.built
 
     def constraint(self, spec) -> Constraint:
@@ -368,31 +467,165 @@ class Grammars:
                 self.fresh[text] = fresh
                 while len(self.fresh) > KEPT_MATCHERS:
                     self.fresh.popitem(last=False)
-        return Constraint(fresh.deep_copy(), self._ll_tokenizer().vocab_size)
+        keys = _Keys(self.pieces, self.by_piece, self.quoted, self.commas) if kind in ("json", "json_object") \
+            else None
+        return Constraint(fresh.deep_copy(), self._ll_tokenizer().vocab_size, keys)
 
 
 class Constraint:
     """One sequence's grammar state: which tokens may come next (`allowed`), then the one chosen (`accept`)."""
 
-    def __init__(self, matcher, vocab: int):
-        self.matcher = matcher
+    def __init__(self, matcher, vocab: int, keys: _Keys | None = None):
+        self.matcher, self.keys = matcher, keys
         self.bits = np.zeros((vocab + 31) // 32, np.int32)
 
     def allowed(self, size: int) -> np.ndarray:
         """A boolean row of `size` ids: True where the grammar lets the token come next (ids beyond the tokenizer's
         vocabulary never). GrammarError when the matcher cannot go on."""
-        self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
-        if self.matcher.is_error():
-            raise GrammarError(f"structured_outputs: the grammar cannot go on: {_reason(self.matcher.get_error())}")
-        if not self.bits.any():
-            raise GrammarError("structured_outputs: the grammar allows no token here (it is too large for the "
-                               "grammar engine's limits, or allows nothing): simplify it")
-        flags = np.unpackbits(self.bits.view(np.uint8), bitorder="little").view(np.bool_)
+        flags = _flags(self.matcher, self.bits)
+        if self.keys is not None:
+            self.keys.rule_out(flags, self.matcher)
         if flags.size >= size:
             return flags[:size]
         return np.concatenate([flags, np.zeros(size - flags.size, np.bool_)])
 
     def accept(self, token: int) -> None:
+        if self.keys is not None:
+            self.keys.take(token)
         if not self.matcher.consume_token(token):
             raise GrammarError(f"structured_outputs: token {token} is not in the grammar: "
                                f"{_reason(self.matcher.get_error())}")
+
+
+def _flags(matcher, bits: np.ndarray) -> np.ndarray:
+    """The tokens `matcher` allows next, a boolean row over the vocabulary (its mask made in `bits`)."""
+    matcher.unsafe_compute_mask_ptr(bits.ctypes.data, bits.nbytes)
+    if matcher.is_error():
+        raise GrammarError(f"structured_outputs: the grammar cannot go on: {_reason(matcher.get_error())}")
+    if not bits.any():
+        raise GrammarError("structured_outputs: the grammar allows no token here (it is too large for the grammar "
+                           "engine's limits, or allows nothing): simplify it")
+    return np.unpackbits(bits.view(np.uint8), bitorder="little").view(np.bool_)
+
+
+class _Keys:
+    """The keys of each JSON object open in an answer, read from its tokens' bytes as they come, so that a token
+    that would repeat one is ruled out: llguidance cannot (a key that `patternProperties` or `additionalProperties`
+    lets in is free text to it), and `{"x3":true,"x3":true}` is one key to a JSON reader, under `minProperties: 2`.
+    A token that begins or goes on with a key its object holds is taken only if the grammar lets that key still end
+    as a new one (`"x` when x0 to x9 are all there could not), looked ahead along the keys held, LOOKAHEAD matchers
+    at most a step."""
+
+    LOOKAHEAD = 64
+
+    def __init__(self, pieces: list[bytes], by_piece: dict[bytes, list[int]], quoted: np.ndarray,
+                 commas: np.ndarray):
+        self.pieces, self.by_piece, self.quoted, self.commas = pieces, by_piece, quoted, commas
+        self.state = _Json((), False, False, False, b"")
+        self.budget = 0
+
+    def take(self, token: int) -> None:
+        self.state = self.state.read(self.pieces[token])[0]
+
+    def rule_out(self, flags: np.ndarray, matcher) -> None:
+        """Set False in `flags` (the grammar's row over the vocabulary) each token that would repeat a key, or lead
+        into one that can only end as a key its object holds; GrammarError when none is left."""
+        self.budget = self.LOOKAHEAD
+        for token in self._risky(flags, self.state):
+            if not self._new(self.state, token, matcher):
+                flags[token] = False
+        if not flags.any():
+            raise GrammarError("structured_outputs: every key the schema allows here is in the object already: "
+                               "bound the object with maxProperties, or let more keys in")
+
+    def _risky(self, flags: np.ndarray, state: _Json) -> list[int]:
+        """The tokens `flags` allows that may end a key, begin one, or go on along one the object holds: those with
+        a quote, those with a comma (outside a string), and (in a key) those that make it a longer prefix of one
+        held."""
+        risky = set(self.quoted[flags[self.quoted]].tolist())
+        if not state.string:
+            risky.update(self.commas[flags[self.commas]].tolist())
+        for held in state.held():
+            for end in range(1, len(held) + 1):
+                risky.update(t for t in self.by_piece.get(held[:end], ()) if flags[t])
+        return sorted(risky)
+
+    def _new(self, state: _Json, token: int, matcher) -> bool:
+        """Whether `token`, next after `state`, repeats no key and leaves a key that can still end as a new one."""
+        after, repeated = state.read(self.pieces[token])
+        if repeated:
+            return False
+        if not after.held() or self.budget <= 0:
+            return True
+        self.budget -= 1
+        ahead = matcher.deep_copy()
+        if not ahead.consume_token(token):
+            return False
+        flags = _flags(ahead, np.zeros((len(self.pieces) + 31) // 32, np.int32))
+        risky = self._risky(flags, after)
+        return np.count_nonzero(flags) > len(risky) or any(self._new(after, t, ahead) for t in risky)
+
+
+_MOVES = re.compile(rb'["\\{}\[\],]')  # the bytes that move a _Json on: quotes, backslashes, brackets, commas
+
+
+class _Json(NamedTuple):
+    """Where an answer's JSON is, as far as its keys go: the containers open (innermost last: an object's keys, as
+    read and as written, and whether a key comes next; None for an array), and the string being read."""
+
+    frames: tuple[tuple[frozenset | None, tuple[bytes, ...], bool], ...]
+    string: bool
+    escaped: bool
+    key: bool
+    text: bytes  # the key so far, as written
+
+    def held(self) -> list[bytes]:
+        """The rest of each key its object holds (as written) that the key being written begins (all of them where
+        a key comes next)."""
+        if self.key:
+            return [raw[len(self.text):] for raw in self.frames[-1][1] if raw.startswith(self.text)]
+        return list(self.frames[-1][1]) if not self.string and self.frames and self.frames[-1][2] else []
+
+    def read(self, data: bytes) -> tuple[_Json, bool]:
+        """This after `data`, and whether `data` ends a key its object holds already."""
+        if not data:
+            return self, False
+        if not _MOVES.search(data):  # a number, a literal, or text within a string
+            return self._replace(escaped=False, text=self.text + data if self.key else self.text), False
+        frames, (string, escaped, key, text), repeated = list(self.frames), self[1:], False
+        for byte in data:
+            if string:
+                if escaped:
+                    escaped = False
+                elif byte == 0x5C:  # backslash
+                    escaped = True
+                elif byte == 0x22:  # the string's end
+                    string = False
+                    if key:
+                        names, raws, _ = frames[-1]
+                        name = _key(text)
+                        repeated = repeated or name in (names or ())
+                        frames[-1] = ((names or frozenset()) | {name}, (*raws, text), False)
+                    continue
+                if key:
+                    text += bytes((byte,))
+            elif byte == 0x22:
+                string, escaped, text = True, False, b""
+                key = bool(frames) and frames[-1][2]
+            elif byte == 0x7B:  # {
+                frames.append((frozenset(), (), True))
+            elif byte == 0x5B:  # [
+                frames.append((None, (), False))
+            elif byte in (0x7D, 0x5D) and frames:  # } ]
+                frames.pop()
+            elif byte == 0x2C and frames and frames[-1][0] is not None:  # a comma in an object: a key next
+                frames[-1] = (*frames[-1][:2], True)
+        return _Json(tuple(frames), string, escaped, key and string, text), repeated
+
+
+def _key(text: bytes) -> str:
+    """A key as a JSON reader has it (escapes read)."""
+    try:
+        return json.loads(b'"' + text + b'"')
+    except ValueError:
+        return text.decode("utf-8", "replace")
