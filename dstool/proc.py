@@ -6,6 +6,7 @@ import errno
 import signal
 import socket
 import subprocess
+from pathlib import Path
 
 from dstool.errors import UsageError
 
@@ -37,6 +38,27 @@ def die_with_parent(sig: int) -> None:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass
+
+
+def process_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name (its state first, its exit status last), or None when
+    there is no such process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return stat[stat.rindex(")") + 2:].split()
+
+
+def how_it_ended(code: int) -> str:
+    """A child's exit code (negative: the signal that killed it, as subprocess and multiprocessing give it) in
+    words: "died of SIGSEGV", "exited with code 3"."""
+    if code < 0:
+        try:
+            return f"died of {signal.Signals(-code).name}"
+        except ValueError:
+            return f"died of signal {-code}"
+    return f"exited with code {code}"
 
 
 def stop_process(proc: subprocess.Popen, grace: float = 15.0) -> int:

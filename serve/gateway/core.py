@@ -18,7 +18,15 @@ from dstool.serve.gateway.cache import Entry, ResultCache
 from dstool.serve.gateway.guard import COUNTED, tensor_reservation, tensor_tokens
 from dstool.serve.gateway.keys import cache_key, key_fingerprint, model_fingerprint, never_cached
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.tensors import GatewayError, InferRequest, InferResult, Tensor, check_tensor, from_values
+from dstool.serve.gateway.tensors import (
+    GatewayError,
+    InferRequest,
+    InferResult,
+    Tensor,
+    backend_fault,
+    check_tensor,
+    from_values,
+)
 from dstool.serve.gateway.upstream import Upstreams, UpstreamTimeout, UpstreamUnavailable
 
 
@@ -304,8 +312,8 @@ class GatewayCore:
             (("Inference-Header-Content-Length", str(len(head))), ("Content-Type", "application/octet-stream"),
              *request.headers))
         if response.status != 200:
-            raise GatewayError(response.status, untagged(error_message(response.status, response.body), ident,
-                                                         request.id))
+            message = untagged(error_message(response.status, response.body), ident, request.id)
+            raise GatewayError(503 if backend_fault(message) else response.status, message)
         result = parse_binary_response(response.body, response.headers.get("inference-header-content-length"), ident)
         result.usage = tensor_tokens(request, result)
         result.outputs = [t for t in result.outputs if t.name not in extra]

@@ -32,6 +32,7 @@ from dstool.serve.gateway.tensors import (
     InferRequest,
     InferResult,
     Tensor,
+    backend_fault,
     check_tensor,
     from_values,
 )
@@ -355,7 +356,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                                                       reloaded=True)
                 return answer
             except grpc.aio.AioRpcError as e:
-                error = (e.code(), e.details() or "")
+                error = (grpc.StatusCode.UNAVAILABLE if backend_fault(e.details() or "") else e.code(),
+                         e.details() or "")
                 if e.code() == grpc.StatusCode.DEADLINE_EXCEEDED and k < len(servers):
                     servers[k].check_health()
                 if e.code() != grpc.StatusCode.UNAVAILABLE:
@@ -393,6 +395,11 @@ class GrpcFrontend(grpc.GenericRpcHandler):
                 async for response in responses:
                     if principal is not None:
                         _charged(response, meters)
+                    if response[:1] == b"\n":  # an error answer (error_message, field 1, is serialized first)
+                        fault = backend_fault(service_pb2.ModelStreamInferResponse.FromString(response).error_message)
+                        if fault:  # the model is down: the stream ends UNAVAILABLE, as when Triton does not answer
+                            self.metrics.error("upstream")
+                            await context.abort(grpc.StatusCode.UNAVAILABLE, fault)
                     yield response
             except grpc.aio.AioRpcError as e:
                 await context.abort(e.code(), e.details() or "")

@@ -32,7 +32,7 @@ from dstool.serve.gateway.kserve import (
 )
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.openai import OpenAIFrontend, refused
-from dstool.serve.gateway.tensors import GatewayError
+from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.transport import (
     HttpConnection,
     HttpLimits,
@@ -194,6 +194,8 @@ class HttpFrontend:
                 meter.close()
         if route == "generate" or g.status != 200:
             body = b"".join([e async for e in events])
+            if g.status >= 400 and (fault := backend_fault(body.decode(errors="replace"))):
+                return error_response(503, fault)
             if g.status >= 400 and not body:
                 return error_response(g.status, error_message(g.status, body))
             return HttpResponse(g.status, [body], g.headers)
@@ -323,6 +325,8 @@ class HttpFrontend:
         if r.streaming:
             return StreamingResponse(r.status, passed, r.chunks(), r.close)
         body = await r.read()
+        if r.status >= 400 and (fault := backend_fault(body.decode(errors="replace"))):
+            return error_response(503, fault)
         if r.status >= 400 and not body:
             return error_response(r.status, error_message(r.status, body))
         return HttpResponse(r.status, [body], passed)

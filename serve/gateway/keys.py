@@ -20,9 +20,17 @@ OUTPUT_FORMAT_PARAMETERS = frozenset({"binary_data", "binary_data_size"})
 SEQUENCE_PARAMETERS = frozenset({"sequence_id", "sequence_start", "sequence_end"})
 
 
+# The config parameter `dstool serve` adds when it loads a model again after its stub process died: the same files
+# and config, so the same results (not part of the fingerprint).
+RESTART_PARAMETER = "dstool_restart"
+
+
 def model_fingerprint(model: str, version: str, config: dict, files: list | None = None) -> str:
     """Fingerprint of one deployed model version: its name, version, Triton config and (when the gateway can
     see the repository) the version folder's file names, sizes and modification times."""
+    parameters = config.get("parameters")
+    if isinstance(parameters, dict) and RESTART_PARAMETER in parameters:
+        config = {**config, "parameters": {k: v for k, v in parameters.items() if k != RESTART_PARAMETER}}
     blob = orjson.dumps([model, version, config, files or []], option=orjson.OPT_SORT_KEYS)
     return hashlib.blake2b(blob, digest_size=12).hexdigest()
 

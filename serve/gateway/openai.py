@@ -42,7 +42,7 @@ from dstool.serve.gateway.protocol import (
     parse,
 )
 from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
-from dstool.serve.gateway.tensors import GatewayError
+from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
@@ -468,6 +468,8 @@ def _upstream_error(status: int, body: bytes, model: str, chat: bool, grammar_pa
         except orjson.JSONDecodeError:
             d = None
     message = str(d.get("error") or text) if isinstance(d, dict) else text
+    if backend_fault(message):  # whatever status Triton gave it
+        return OpenAIError(503, message, kind="server_error")
     if status == 404 or "unknown model" in message or "is not found" in message:
         return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model",
                            code="model_not_found")

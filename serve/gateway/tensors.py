@@ -9,6 +9,7 @@ stored in it, so the two protocols share entries; each protocol renders it back 
 from __future__ import annotations
 
 import math
+import re
 import struct
 from dataclasses import dataclass, field
 
@@ -28,6 +29,19 @@ class GatewayError(Exception):
         super().__init__(message)
         self.status = status
         self.message = message
+
+
+# Triton's python backend failing, not the request: a stub process that died (Triton answers 400 on the generate
+# extension, 500 / INTERNAL on infer, and keeps the model "ready"), or shared memory that cannot grow.
+BACKEND_FAULT = re.compile(r"Stub process (?:'[^']*' )?is not healthy|Failed to obtain the health mutex|"
+                           r"Failed to increase the shared memory pool size|grown shared memory region")
+
+
+def backend_fault(message: str) -> str | None:
+    """Triton's words for a fault of its backend in the error `message`, whatever status Triton gave it (answered
+    503 / UNAVAILABLE: the model is down until `dstool serve` has loaded it again); None for any other error."""
+    found = BACKEND_FAULT.search(message)
+    return found.group(0) if found else None
 
 
 @dataclass(slots=True)

@@ -2,7 +2,8 @@
 (SO_REUSEPORT, on HTTP and gRPC alike), so hits are answered by N event loops instead of one. Each worker has its
 own in-process LRU and connection pools; Redis holds what they share, and /metrics adds up every worker's counts
 (prometheus-client's multiprocess mode). This process only supervises: it starts the workers, says ready once all
-are, starts a new worker when one dies, and on SIGINT/SIGTERM passes the signal on and waits for them to drain."""
+are, starts a new worker when one dies (a line naming it and how it died), and on SIGINT/SIGTERM passes the signal
+on and waits for them to drain. `dstool serve --cache` runs its gateway so, one worker or more."""
 
 from __future__ import annotations
 
@@ -14,19 +15,23 @@ import signal
 import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from dstool import log as dlog
 from dstool.errors import UsageError
+from dstool.proc import how_it_ended
 from dstool.serve.config import GatewayConfig
 
 log = dlog.log
 START_TIMEOUT = 120.0
 
 
-def _worker(config: dict, index: int, events, verbose: bool, parent: int) -> None:
+def _worker(config: dict, index: int, events, verbose: bool, parent: int, log_file: Path | None) -> None:
     from dstool.serve.gateway import _run
 
     dlog.setup(verbose)
+    if log_file is not None:  # the supervisor's: `dstool serve`'s beside Triton's
+        dlog.to_file(log_file)
     try:
         code = _run(GatewayConfig(**config), while_true=lambda: os.getppid() == parent, reuse_port=True,
                     started=lambda gateway: events.put(("ready", index, "")))
@@ -57,7 +62,7 @@ def run_workers(config: GatewayConfig, while_true: Callable[[], bool] | None = N
 
     def start(index: int) -> None:
         procs[index] = context.Process(target=_worker, name=f"dstool-gateway-{index}", args=(
-            c.model_dump(), index, events, dlog.verbose(), os.getpid()))
+            c.model_dump(), index, events, dlog.verbose(), os.getpid(), dlog.log_file()))
         procs[index].start()
 
     def stop_all(grace: float) -> None:
@@ -104,8 +109,8 @@ def run_workers(config: GatewayConfig, while_true: Callable[[], bool] | None = N
                 pass
             for index, p in list(procs.items()):
                 if not p.is_alive():
-                    log.warning(f"gateway: worker {index} (pid {p.pid}) exited with code {p.exitcode}; "
-                                "starting another")
+                    who = "the gateway process" if c.workers == 1 else f"worker {index}"
+                    log.warning(f"gateway: {who} (pid {p.pid}) {how_it_ended(p.exitcode or 0)}; starting another")
                     multiprocess.mark_process_dead(p.pid)
                     start(index)
         if stopping and c.shutdown_grace:

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from dstool.errors import EngineFailed, UsageError
 from dstool.files import cache_dir, replace_folder
-from dstool.proc import die_with_parent, stop_process
+from dstool.proc import die_with_parent, process_stat, stop_process
 
 
 @dataclass
@@ -83,13 +83,14 @@ def find_tritonserver(explicit: str | None = None) -> TritonBinary:
 
 
 SHM = Path("/dev/shm")
+EXIT_TIMEOUT = 10  # Triton's --exit-timeout-secs
 
 
 @dataclass
 class TritonProcess:
     """A running tritonserver; `stop()` ends it (SIGTERM, then SIGKILL after a grace period) and removes what it
     leaves behind however it ended: python-backend stub processes (its process group) and their shared-memory
-    regions (named with `shm_prefix`)."""
+    regions (named with `shm_prefix`). Its `janitor` does the same if the process that started it dies first."""
 
     proc: subprocess.Popen
     http_port: int
@@ -97,6 +98,7 @@ class TritonProcess:
     metrics_port: int
     log_path: Path
     shm_prefix: str = ""
+    janitor: subprocess.Popen | None = None
 
     @property
     def http_url(self) -> str:
@@ -115,22 +117,43 @@ class TritonProcess:
     def stop(self, grace: float = 15.0) -> int:
         code = stop_process(self.proc, grace)
         self.clean_up()
+        if self.janitor is not None:  # its work is done
+            self.janitor.kill()
+            self.janitor.wait()
         return code
 
     def clean_up(self) -> list[str]:
         """After Triton exited: kill what is left of its process group (it runs in a session of its own) and remove
         its shared-memory regions; returns what was removed."""
-        removed = []
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            removed.append(f"process group {self.proc.pid}")
-        except (ProcessLookupError, PermissionError):
-            pass
-        if self.shm_prefix and SHM.is_dir():
-            for region in SHM.glob(self.shm_prefix + "*"):
-                region.unlink(missing_ok=True)
-                removed.append(str(region))
-        return removed
+        return clean_up(self.proc.pid, self.shm_prefix)
+
+
+def clean_up(group: int, shm_prefix: str) -> list[str]:
+    """Kill process group `group` (an exited Triton's: its stubs) and remove the shared-memory regions named with
+    `shm_prefix`; what was removed."""
+    removed = []
+    try:
+        os.killpg(group, signal.SIGKILL)
+        removed.append(f"process group {group}")
+    except (ProcessLookupError, PermissionError):
+        pass
+    if shm_prefix and SHM.is_dir():
+        for region in SHM.glob(shm_prefix + "*"):
+            region.unlink(missing_ok=True)
+            removed.append(str(region))
+    return removed
+
+
+def janitor(parent: int, triton: int, shm_prefix: str) -> None:
+    """What Triton's janitor process runs: once `parent` (the process that started Triton) is gone, however it
+    ended (SIGKILL, a crash), Triton has its exit timeout to stop (its parent's death sent it SIGTERM), then its
+    process group is killed and its shared-memory regions removed."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    deadline = time.monotonic() + EXIT_TIMEOUT + 2
+    while (stat := process_stat(triton)) is not None and stat[0] not in "ZX" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    clean_up(triton, shm_prefix)
 
 
 def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
@@ -140,7 +163,7 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
     cmd = [str(binary.executable), "--model-repository", str(Path(repository).resolve()),
            "--http-address", address, "--http-port", str(http_port), "--grpc-address", address,
            "--grpc-port", str(grpc_port), "--metrics-address", address, "--metrics-port", str(metrics_port),
-           "--allow-gpu-metrics", "false", "--exit-timeout-secs", "10"]
+           "--allow-gpu-metrics", "false", "--exit-timeout-secs", str(EXIT_TIMEOUT)]
     if binary.backend_dir:
         cmd += ["--backend-directory", str(binary.backend_dir)]
     if binary.cache_dir:
@@ -156,7 +179,11 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
     # gracefully (a second signal makes Triton exit at once); it still dies if dstool dies.
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env={**os.environ, **binary.env},
                             start_new_session=True, preexec_fn=lambda: die_with_parent(signal.SIGTERM))
-    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path, shm_prefix)
+    # It is cleaned up after even if dstool dies without stopping it: by a process of its own, in its own session.
+    watch = f"from dstool.serve.runtime.triton import janitor; janitor({os.getpid()}, {proc.pid}, {shm_prefix!r})"
+    janitor_proc = subprocess.Popen([sys.executable, "-c", watch], stdin=subprocess.DEVNULL,
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path, shm_prefix, janitor_proc)
     _wait_ready(server, timeout)
     return server
 
