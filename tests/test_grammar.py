@@ -285,3 +285,10 @@ def test_a_stop_string_that_cuts_an_answer_under_a_grammar_ends_it_as_length():
     assert plain["finish_reason"] == "stop" and plain["message"]["content"] == "Go to "
     cut = _choice({"response_format": schema}, '{"city":"Ver', max_tokens=6)
     assert cut["finish_reason"] == "length"
+
+
+def test_json_object_is_any_object_not_only_the_empty_one(grammars):
+    """`{"json_object": true}` (OpenAI's JSON mode) lets keys come: it once closed the object and allowed only {}."""
+    texts = [text for text, done in (_generate(grammars, {"json_object": True}, seed) for seed in range(12)) if done]
+    assert texts and all(isinstance(json.loads(t), dict) for t in texts)
+    assert any(json.loads(t) for t in texts), texts

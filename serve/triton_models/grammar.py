@@ -261,7 +261,7 @@ def _compile(kind: str, value) -> str:
         if kind == "json_object":
             if value is not True:
                 raise GrammarError("structured_outputs.json_object must be true")
-            value = {"type": "object"}
+            value = {"type": "object", "additionalProperties": True}  # any object: closed() would allow only {}
         if not isinstance(value, dict):
             raise GrammarError(f"structured_outputs.json must be a JSON schema (an object), got {_short(value)}")
         grammar = matcher.grammar_from_json_schema(closed(value), overrides=COMPACT)
