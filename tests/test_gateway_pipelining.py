@@ -139,3 +139,17 @@ def test_pipelined_bodies_give_back_what_they_hold(guarded):
     for _ in range(8):
         answers = _answers(guarded.http_port, pair + _post(3.0, token="wrong"))
         assert [(s, _value(b) if s == 200 else None) for s, b in answers] == [(200, 1.0), (200, 2.0), (401, None)]
+
+
+def test_a_streamed_answer_to_connection_close_ends_with_its_last_chunk(guarded):
+    """A client that sends `Connection: close` (Python's urllib does) reads a streamed answer whole: its terminating
+    chunk is written before the close (it was not, so the client saw a broken stream)."""
+    import http.client
+
+    conn = http.client.HTTPConnection("127.0.0.1", guarded.http_port, timeout=30)
+    conn.request("POST", "/v2/models/stream/generate_stream", json.dumps({"text_input": "a b c", "count": 3}),
+                 {"Authorization": "Bearer s3cret", "Connection": "close", "Content-Type": "application/json"})
+    r = conn.getresponse()
+    body = r.read()  # http.client raises IncompleteRead on a chunked body cut short
+    conn.close()
+    assert r.status == 200 and r.getheader("Connection") == "close" and body.count(b"data: ") == 3, body

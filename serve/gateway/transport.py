@@ -404,7 +404,7 @@ class HttpConnection(asyncio.Protocol):
 
     async def _stream(self, response: StreamingResponse, keep_alive: bool) -> None:
         keep_alive = keep_alive and not self.frontend.draining
-        body = response.body
+        body, whole = response.body, True
         try:
             if self.transport is None:  # the client went as its answer began: nobody will read it
                 return
@@ -426,7 +426,7 @@ class HttpConnection(asyncio.Protocol):
                         self._close()
                         break
         except (UpstreamUnavailable, UpstreamTimeout, ConnectionError):
-            keep_alive = False  # the stream broke off: the client sees the connection end, as from Triton
+            keep_alive = whole = False  # the stream broke off: the client sees the connection end, as from Triton
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
@@ -434,7 +434,7 @@ class HttpConnection(asyncio.Protocol):
             if response.close is not None:
                 response.close()
         if self.transport is not None:
-            if keep_alive:
+            if whole:  # the last chunk, also before a close (Connection: close, or draining)
                 self.transport.write(b"0\r\n\r\n")
             self._after_response(keep_alive)
 
