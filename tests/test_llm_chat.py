@@ -29,6 +29,7 @@ def model(monkeypatch, trained):
     llm = llm_module(monkeypatch)
     m = llm.TritonPythonModel()
     m.tokenizer = AutoTokenizer.from_pretrained(trained)
+    m.max_prompt_bytes = 1 << 20
     return llm, m
 
 

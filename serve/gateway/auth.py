@@ -148,13 +148,26 @@ FAMILY_SUFFIXES = frozenset({"llm", "generate", "decoder", "tokenizer", "detoken
 ADMIN = Principal("(admin)", "", None, False, True)  # the gateway's own token, in keys mode
 
 
+# What the three scripts share: the server's clock in ms, and a bucket's level now (refilled at `limit` per minute
+# from its last write; full when it has none).
+LEVEL = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+local function level(name, limit)
+  local v = redis.call('HMGET', name, 'l', 't')
+  local l = tonumber(v[1])
+  if not l then return limit end
+  l = l + (now - tonumber(v[2])) * limit / 60000
+  if l > limit then l = limit end
+  return l
+end
+"""
+
 # Admit requests: check the presented hash against the record (the key's current hash, or its previous one within
 # a rotation's grace) and its state, then (ARGV[2] = N > 0: inferences) each limit, and grant up to N requests at
 # once (a lease: at most 1 % of each requests limit, at least 1), taken from each requests bucket. Returns {status,
 # ...}; see guard.Guard for how it is read.
-ADMIT = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+ADMIT = LEVEL + """
 local r = redis.call('HMGET', KEYS[1], 'hash', 'old_hash', 'old_until', 'revoked', 'expires_at', 'tenant',
                      'rpm', 'tpm', 'budget', 'per', 'models', 'scope', 'admin')
 if not r[1] then return {'unknown'} end
@@ -172,14 +185,6 @@ local info = {'ok', r[6], r[11] or '', r[12] or 'tenant', r[13] or '0', r[1], r[
               tr[5] or '0'}
 local want = tonumber(ARGV[2])
 if want < 1 then return info end
-local function level(name, limit)
-  local v = redis.call('HMGET', name, 'l', 't')
-  local l = tonumber(v[1])
-  if not l then return limit end
-  l = l + (now - tonumber(v[2])) * limit / 60000
-  if l > limit then l = limit end
-  return l
-end
 local buckets = {{KEYS[3], tonumber(r[7] or '0'), 'requests', 'key'}, {KEYS[4], tonumber(r[8] or '0'), 'tokens', 'key'},
                  {KEYS[5], tonumber(tr[1] or '0'), 'requests', 'tenant'},
                  {KEYS[6], tonumber(tr[2] or '0'), 'tokens', 'tenant'}}
@@ -232,9 +237,7 @@ return info
 # them left, or nothing is taken ({'limited', kind, who, limit, retry ms (-1: never), tenant, per, left}); else they
 # are taken from every bucket and budget at once ({'ok'}). ARGV[2], ARGV[3]: ms to the day's and the month's end;
 # ARGV[4], ARGV[5]: seconds the day's and the month's counters are kept.
-RESERVE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+RESERVE = LEVEL + """
 local n = tonumber(ARGV[1])
 local r = redis.call('HMGET', KEYS[1], 'tpm', 'budget', 'per', 'tenant')
 local tr = redis.call('HMGET', KEYS[2], 'tpm', 'budget', 'per')
@@ -242,12 +245,7 @@ local buckets = {{KEYS[4], tonumber(r[1] or '0'), 'key'}, {KEYS[6], tonumber(tr[
 local levels = {}
 for i, b in ipairs(buckets) do
   if b[2] > 0 then
-    local v = redis.call('HMGET', b[1], 'l', 't')
-    local l = tonumber(v[1])
-    if not l then l = b[2] else
-      l = l + (now - tonumber(v[2])) * b[2] / 60000
-      if l > b[2] then l = b[2] end
-    end
+    local l = level(b[1], b[2])
     levels[i] = l
     if l < n then
       local wait = n <= b[2] and math.ceil((n - l) * 60000 / b[2]) + 1 or -1
@@ -283,21 +281,14 @@ return {'ok'}
 # Charge tokens (ARGV[1]; negative: a reservation's unspent part given back) to the key's and tenant's tokens buckets
 # and budgets (ARGV[2], ARGV[3]: seconds the day's and the month's counters are kept), and add the usage counters
 # (ARGV[4:], field, amount, ...).
-CHARGE = """
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+CHARGE = LEVEL + """
 local n = tonumber(ARGV[1])
 if n ~= 0 then
   local r = redis.call('HMGET', KEYS[1], 'tpm')
   local tr = redis.call('HMGET', KEYS[2], 'tpm')
   for _, b in ipairs({{KEYS[4], tonumber(r[1] or '0')}, {KEYS[6], tonumber(tr[1] or '0')}}) do
     if b[2] > 0 then
-      local v = redis.call('HMGET', b[1], 'l', 't')
-      local l = tonumber(v[1])
-      if not l then l = b[2] else
-        l = l + (now - tonumber(v[2])) * b[2] / 60000
-        if l > b[2] then l = b[2] end
-      end
+      local l = level(b[1], b[2])
       redis.call('HSET', b[1], 'l', tostring(math.min(b[2], l - n)), 't', now)
       redis.call('PEXPIRE', b[1], 60000 + math.ceil(60000 * math.max(0, n - l) / b[2]) + 60000)
     end
