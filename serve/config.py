@@ -161,6 +161,13 @@ class GatewayOptions(CommandConfig):
                                            "tenant's answers to itself): only for models whose answers hold nothing "
                                            "tenant-specific", json_schema_extra={"cli": {"flag": "--shared-cache-model",
                                                                                          "metavar": "MODEL"}})
+    reasoning_parser: Literal["deepseek_r1", "deepseek_v3"] | None = Field(
+        None, description="read a chat answer's thinking (<think>...</think>) into reasoning_content, as vLLM's parser "
+        "of the name; a grammar (response_format, tools) applies after </think>; deepseek_v3: only for requests with "
+        "chat_template_kwargs thinking (V3.1's toggle)")
+    tool_call_parser: Literal["hermes", "deepseek_v3", "deepseek_v31"] = Field(
+        "hermes", description="how tool_choice auto reads calls: hermes <tool_call>{...}</tool_call>, or DeepSeek "
+        "V3's / V3.1's <｜tool▁calls▁begin｜> tokens")
     forward_headers: str | None = Field(None, description="regular expression of the request headers (gRPC "
                                         "metadata) Triton forwards to models — the same as its "
                                         "--http/grpc-header-forward-pattern: they reach Triton on a miss and are "

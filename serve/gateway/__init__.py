@@ -111,6 +111,8 @@ class Gateway:
         shared = frozenset(c.shared_cache_models)
         self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers, self.guard,
                                           shared)
+        self.http_frontend.openai.reasoning_parser = c.reasoning_parser  # DeepSeek's formats (deepseek.py)
+        self.http_frontend.openai.tool_call_parser = c.tool_call_parser
         loop = asyncio.get_running_loop()
         try:
             self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,

@@ -29,6 +29,7 @@ from typing import Any
 
 import orjson
 
+from dstool.serve.gateway import deepseek
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens
@@ -107,6 +108,7 @@ class Choice:
     def __init__(self, index: int, stops: Stops, whole: bool = True, calls: Calls | None = None):
         self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
         self.calls = calls  # the text read as tool calls, when the request has tools
+        self.reasoning: deepseek.Reasoning | None = None  # the text split into thinking and answer (--reasoning-parser)
         self.ranked: list[Ranked] = []
         self.prompt_tokens = self.cached_tokens = 0  # the prompt's tokens, and those the engine's prefix cache held
         self.finish_reason: str | None = None
@@ -163,8 +165,15 @@ class Reply:
             c.end(self.max_tokens)
             lp = logprobs_field(self.chat, c.ranked) if self.logprobs else None
             message: dict[str, Any] = {"role": "assistant", "content": c.text}
+            text = c.text
+            if c.reasoning is not None:  # the thinking apart, the rest the answer (None when there is none: vLLM's)
+                thought, text = c.reasoning.feed(c.text)
+                more, rest = c.reasoning.end()
+                thought, text = thought + more, text + rest
+                message.update(content=text or None, reasoning_content=thought or None, reasoning=thought or None)
             if c.calls is not None:
-                content, _, _ = c.calls.feed(c.text)
+                content, _, _ = c.calls.feed(text)
+
                 content += c.calls.end()
                 message["content"] = content or None
                 named = c.calls.mode not in ("auto", "required")
@@ -178,7 +187,7 @@ class Reply:
                 "created": self.created, "model": self.model, "choices": rows, "usage": self.usage()}
 
     def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
-              rows: list[Ranked] | None = None, calls: list[dict] | None = None) -> bytes:
+              rows: list[Ranked] | None = None, calls: list[dict] | None = None, thought: str | None = None) -> bytes:
         lp = None
         if self.logprobs and rows:
             lp = logprobs_field(self.chat, rows, self.offsets[index])
@@ -188,6 +197,8 @@ class Reply:
                 {"content": text}
             if calls:
                 delta["tool_calls"] = calls
+            if thought:  # thinking, under both names vLLM has used (reasoning_content, reasoning)
+                delta = {"reasoning_content": thought, "reasoning": thought}
             row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
         else:
             row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
@@ -203,6 +214,9 @@ class Reply:
 
 
 class OpenAIFrontend:
+    reasoning_parser: str | None = None  # --reasoning-parser (deepseek.py), set by the gateway
+    tool_call_parser: str = "hermes"  # --tool-call-parser
+
     def __init__(self, upstreams, generation: GenerationCache, guard: Guard | None = None,
                  shared_models: frozenset[str] = frozenset(), default_max_tokens: int = 16):
         self.upstreams = upstreams
@@ -277,12 +291,21 @@ class OpenAIFrontend:
             await meter.start(request.n, estimated_tokens(request.prompt_bytes()) + request.n * max_tokens)
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
-                          calls=Calls(request.tool_list, request.tool_mode, request.parallel_tool_calls is not False)
+                          calls=deepseek.tool_calls(self.tool_call_parser, request.tool_list, request.tool_mode,
+                                                    request.parallel_tool_calls is not False)
                           if tooled else None)
                    for i in range(request.n)]
+        thinking = chat and deepseek.thinks(self.reasoning_parser, getattr(request, "chat_template_kwargs", None))
+        thinks: dict = {}
+        if thinking:
+            if request.structured is not None:  # NAME_llm lets the model think before the grammar applies
+                thinks["reasoning_parser"] = "deepseek_r1"
+            for c in choices:
+                c.reasoning = deepseek.Reasoning()
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
         tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
-                                                                 "max_new_tokens": max_tokens}, c, events, opt_out,
+                                                                 "max_new_tokens": max_tokens, **thinks}, c, events,
+                                                 opt_out,
                                                  scope, meter, request.structured_param))
                  for c in choices]
         running = len(tasks)
@@ -344,7 +367,7 @@ class OpenAIFrontend:
             choice, text, rows = event
             if text is None:
                 rest = choice.end(reply.max_tokens)
-                for part in _stream_parts(reply, choice, rest, []):
+                for part in _stream_parts(reply, choice, rest, [], final=True):
                     yield part
                 if choice.calls is not None:
                     rest = choice.calls.end()
@@ -428,10 +451,23 @@ def refused(e: Refused) -> HttpResponse:
     return response
 
 
-def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:
-    """The chunks that new text of a choice makes: its text as content, or (with tools) the content and tool-call
-    deltas read from it — a named function's arguments as they come (its id and name first), each call of
-    `required` or `auto` once it is complete."""
+def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked], final: bool = False) -> list[bytes]:
+    """The chunks that new text of a choice makes: its thinking as reasoning deltas (with a reasoning parser), its
+    text as content, or (with tools) the content and tool-call deltas read from it — a named function's arguments as
+    they come (its id and name first), each call of `required` or `auto` once it is complete. `final`: the choice's
+    last text."""
+    thought = []
+    if choice.reasoning is not None:
+        more, text = choice.reasoning.feed(text)
+        if final:
+            last, rest = choice.reasoning.end()
+            more, text = more + last, text + rest
+        if more:
+            thought.append(reply.chunk(choice.index, None, None, thought=more))
+    return thought + _answer_parts(reply, choice, text, rows)
+
+
+def _answer_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:
     if choice.calls is None:
         return [reply.chunk(choice.index, text, None, rows=rows)] if text or (reply.logprobs and rows) else []
     before = len(choice.calls.calls)

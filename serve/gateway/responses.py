@@ -197,7 +197,11 @@ class Writer:
         choice = completion["choices"][0]
         message = choice["message"]
         output = []
+        if message.get("reasoning_content"):  # the model's thinking (the gateway's --reasoning-parser)
+            output.append(_reasoning_item("rs_" + uuid.uuid4().hex, message["reasoning_content"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
+            output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"] or "", "completed"))
+
             output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"] or "", "completed"))
         for call in message.get("tool_calls") or []:
             output.append(_call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"],
@@ -217,6 +221,7 @@ class Writer:
         yield self._event("response.in_progress", response=self.response("in_progress", []))
         output: list[dict] = []
         text: dict | None = None  # the message item being written
+        thought: dict | None = None  # the reasoning item (--reasoning-parser)
         calls: dict[int, dict] = {}  # tool-call index -> its function_call item
         finish, usage = None, None
         async for chunk in chunks:
@@ -230,7 +235,21 @@ class Writer:
             usage = d.get("usage") or usage
             for c in d.get("choices") or []:
                 delta, finish = c.get("delta") or {}, c.get("finish_reason") or finish
+                if delta.get("reasoning_content"):
+                    if thought is None:
+                        thought = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
+                        output.append(thought)
+                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=thought)
+                    thought["content"][0]["text"] += delta["reasoning_content"]
+                    yield self._event("response.reasoning_text.delta", item_id=thought["id"],
+                                      output_index=output.index(thought), content_index=0,
+                                      delta=delta["reasoning_content"])
+                elif thought is not None and thought["status"] == "in_progress" and (delta.get("content") or
+                                                                                     delta.get("tool_calls")):
+                    for event in self._close_thought(thought, output):
+                        yield event
                 if delta.get("content"):
+
                     if text is None:
                         text = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
                         output.append(text)
@@ -258,6 +277,9 @@ class Writer:
                         item["arguments"] += piece
                         yield self._event("response.function_call_arguments.delta", item_id=item["id"],
                                           output_index=output.index(item), delta=piece)
+        if thought is not None and thought["status"] == "in_progress":
+            for event in self._close_thought(thought, output):
+                yield event
         if text is not None:
             for event in self._close_text(text, output):
                 yield event
@@ -271,6 +293,13 @@ class Writer:
                               "max_output_tokens" if cut else None)
         yield self._event("response.incomplete" if cut else "response.completed", response=final)
 
+    def _close_thought(self, thought: dict, output: list[dict]) -> list[bytes]:
+        at = output.index(thought)
+        thought["status"] = "completed"
+        return [self._event("response.reasoning_text.done", item_id=thought["id"], output_index=at, content_index=0,
+                            text=thought["content"][0]["text"]),
+                self._event("response.output_item.done", output_index=at, item=thought)]
+
     def _close_text(self, text: dict, output: list[dict]) -> list[bytes]:
         at, part = output.index(text), text["content"][0]
         text["status"] = "completed"
@@ -279,6 +308,11 @@ class Writer:
                 self._event("response.content_part.done", item_id=text["id"], output_index=at, content_index=0,
                             part=part),
                 self._event("response.output_item.done", output_index=at, item=text)]
+
+
+def _reasoning_item(ident: str, text: str, status: str) -> dict:
+    return {"type": "reasoning", "id": ident, "summary": [], "content": [{"type": "reasoning_text", "text": text}],
+            "encrypted_content": None, "status": status}
 
 
 def _part(text: str) -> dict:

@@ -422,6 +422,7 @@ class Grammars:
         self.quoted = self.commas = np.zeros(0, np.int64)  # the tokens with a '"' in them, and with a ','
         self.lock = threading.Lock()
         self.fresh: OrderedDict[str, Any] = OrderedDict()  # spec text -> a matcher at its start, first mask made
+        self.thought: frozenset[int] | None = None  # the ids of `</think>` (AfterThinking), once asked
 
     def _ll_tokenizer(self):
         with self.lock:
@@ -470,6 +471,54 @@ class Grammars:
         keys = _Keys(self.pieces, self.by_piece, self.quoted, self.commas) if kind in ("json", "json_object") \
             else None
         return Constraint(fresh.deep_copy(), self._ll_tokenizer().vocab_size, keys)
+
+    def after_thinking(self, constraint: Constraint) -> AfterThinking:
+        """`constraint` from the end of the model's thinking on (AfterThinking)."""
+        vocab = self._ll_tokenizer().vocab_size
+        with self.lock:
+            if self.thought is None:  # the token(s) that are `</think>` (an added token's piece reads b"" here)
+                own = self.tokenizer.convert_tokens_to_ids(THOUGHT.decode()) if hasattr(
+                    self.tokenizer, "convert_tokens_to_ids") else self.tokenizer.token_to_id(THOUGHT.decode())
+                self.thought = frozenset(self.by_piece.get(THOUGHT, ())) | (
+                    {own} if isinstance(own, int) and own != getattr(self.tokenizer, "unk_token_id", None) else set())
+        return AfterThinking(constraint, self.pieces, self.eos, vocab, self.thought)
+
+
+THOUGHT = b"</think>"  # where a reasoning model's thinking ends (DeepSeek-R1's, V3.1's, Qwen3's)
+
+
+def thought_over(prompt: str) -> bool:
+    """Whether a prompt leaves the model's thinking closed: its last think tag is </think> (V3.1's template with
+    thinking off); a prompt that opens one (R1's `<think>\n`) or has none lets the model think first (vLLM's rule)."""
+    return prompt.rfind("</think>") > prompt.rfind("<think>")
+
+
+class AfterThinking:
+    """A grammar that begins where the model's thinking ends (the gateway's --reasoning-parser, as vLLM's structured
+    outputs with a reasoning parser): every token but the end of the sequence may come until the answer's text holds
+    `</think>` (one token in DeepSeek's tokenizers, or spelled by several), then `constraint` rules from the next
+    token on. So the model thinks freely, and what follows its thinking is in the grammar: an answer cannot end while
+    thinking (vLLM lets it, and the answer is then no JSON at all)."""
+
+    def __init__(self, constraint: Constraint, pieces: list[bytes], eos: list[int], vocab: int, ends: frozenset[int]):
+        self.constraint, self.pieces, self.eos, self.vocab, self.ends = constraint, pieces, eos, vocab, ends
+        self.thinking, self.tail = True, b""
+        self.row: np.ndarray | None = None
+
+    def allowed(self, size: int) -> np.ndarray:
+        if not self.thinking:
+            return self.constraint.allowed(size)
+        if self.row is None or self.row.size != size:
+            self.row = np.arange(size) < self.vocab
+            self.row[[i for i in self.eos if i < size]] = False
+        return self.row
+
+    def accept(self, token: int) -> None:
+        if not self.thinking:
+            self.constraint.accept(token)
+            return
+        self.tail = (self.tail + (self.pieces[token] if token < len(self.pieces) else b""))[-64:]
+        self.thinking = token not in self.ends and THOUGHT not in self.tail
 
 
 class Constraint:

@@ -33,7 +33,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from engine import PrefixCache, Sequence, engine_for
-from grammar import Grammars
+from grammar import Grammars, thought_over
 from ort_options import session_options
 from sampling import SamplingError, request_choices
 from transformers import AutoTokenizer
@@ -43,7 +43,15 @@ CANCEL_POLL_S = 0.05  # how often the outbox asks Triton which requests were can
 AHEAD_STEPS = 2  # engine steps whose calls may wait in the outbox; beyond that the engine waits for it
 MAX_SALT_BYTES = 1024
 MAX_STOP_CHARS = 256  # a stop string's length
-OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop"})  # read here, besides sampling's
+MAX_TEMPLATE_KWARGS_BYTES = 4096  # chat_template_kwargs as JSON text
+MAX_TEMPLATE_KWARGS = 16  # names in it
+TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prompt", "continue_final_message",
+                          "tokenize", "chat_template", "return_dict", "return_tensors", "padding", "truncation",
+                          "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})  # not the client's
+REASONING_PARSERS = ("deepseek_r1",)  # the thinking a grammar waits for: <think> ... </think>
+# read here, besides sampling's
+OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop", "chat_template_kwargs",
+                            "reasoning_parser"})  # read here, besides sampling's
 
 
 class RequestError(ValueError):
@@ -325,7 +333,7 @@ class TritonPythonModel:
         """A response (or the final flag alone) to a request, through the outbox."""
         self.outbox.post(lambda: out.sender.send(response, flags=flags))
 
-    def _chat_prompt(self, messages, tools):
+    def _chat_prompt(self, messages, tools, kwargs=None):
         try:
             chat = json.loads(messages)
         except (ValueError, RecursionError):
@@ -341,7 +349,9 @@ class TritonPythonModel:
                 raise RequestError(f"messages[{i}] has {unread[0]!r}, which this model does not read: send role, "
                                    "content, name, tool_calls and tool_call_id only")
         if self.tokenizer.chat_template:
-            extra: dict = {"tools": tools} if tools else {}
+            extra: dict = {**(kwargs or {}), **({"tools": tools} if tools else {})}
+            if DEEPSEEK_CALL in self.tokenizer.chat_template:
+                chat = deepseek_messages(chat)
             prompt = self.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True, **extra)
             named = [i for i, m in enumerate(chat) if m.get("name")]
             if named and prompt == self.tokenizer.apply_chat_template(
@@ -378,7 +388,8 @@ class TritonPythonModel:
     def _sequence(self, read):
         tools = self._tools(read)
         try:
-            prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools)
+            prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools,
+                                                                                 _template_kwargs(read))
         except RecursionError:
             raise RequestError("messages or tools nest too deep to lay out: send flatter JSON") from None
         if len(prompt.encode()) > self.max_prompt_bytes:  # refused untokenized: it cannot fit
@@ -395,6 +406,8 @@ class TritonPythonModel:
                 self.eos, self.grammars, OWN_PARAMETERS)
         except SamplingError as e:
             raise RequestError(str(e)) from None
+        if _reasoning_parser(read) and sampler.constraint is not None and not thought_over(prompt):
+            sampler.constraint = self.grammars.after_thinking(sampler.constraint)  # the model thinks first
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,
                         salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant")), sampler
 
@@ -508,6 +521,67 @@ def default_layout(chat, tools):
                 "</tool_call>"
         speeches.append(((m.get("name") or m["role"]).upper(), content))
     return "".join(f"{who}:\n{content}\n\n" for who, content in speeches) + "ASSISTANT:\n"
+
+
+DEEPSEEK_CALL = "<｜tool▁call▁begin｜>"  # in a chat template: DeepSeek's (V3, R1, V3.1)
+
+
+def deepseek_messages(chat):
+    """Messages as DeepSeek's chat templates read them: an assistant's call arguments as JSON text (they join them
+    to strings). (V3's own template writes calls only beside a content of None, which transformers 5 cannot give
+    it: R1's and V3.1's write them.)"""
+    out = []
+    for m in chat:
+        if m.get("tool_calls"):
+            calls = [{**c, "function": {**c.get("function", {}), "arguments": json.dumps(
+                c.get("function", {}).get("arguments"), ensure_ascii=False)}}
+                if not isinstance(c.get("function", {}).get("arguments"), str) else c for c in m["tool_calls"]]
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def _template_kwargs(read):
+    """The `chat_template_kwargs` parameter (vLLM's): JSON text of an object of names to strings, numbers, booleans
+    or null, passed to the chat template (V3.1's `thinking`, Qwen3's `enable_thinking`); bounded, and never one of
+    the names the template call itself takes."""
+    try:
+        value = json.loads(read.parameters or "{}").get("chat_template_kwargs")
+    except ValueError:
+        return {}
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        if len(value.encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise RequestError(f"chat_template_kwargs is {len(value.encode())} bytes: at most "
+                               f"{MAX_TEMPLATE_KWARGS_BYTES}")
+        try:
+            value = json.loads(value)
+        except (ValueError, RecursionError):
+            value = None
+    if not isinstance(value, dict) or len(value) > MAX_TEMPLATE_KWARGS or not all(
+            isinstance(k, str) and k.isidentifier() and (v is None or isinstance(v, (str, int, float, bool)))
+            for k, v in value.items()) or len(json.dumps(value).encode()) > MAX_TEMPLATE_KWARGS_BYTES:
+        raise RequestError(f"chat_template_kwargs must be the JSON text of an object of at most {MAX_TEMPLATE_KWARGS} "
+                           "names to strings, numbers, booleans or null (e.g. {\"thinking\": true})")
+    own = sorted(set(value) & TEMPLATE_OWN)
+    if own:
+        raise RequestError(f"chat_template_kwargs.{own[0]} is not the template's to take: leave it out")
+    if read.messages is None and value:
+        raise RequestError("chat_template_kwargs go with messages (a chat)")
+    return value
+
+
+def _reasoning_parser(read):
+    """The `reasoning_parser` parameter (the gateway's --reasoning-parser): a grammar applies after the model's
+    thinking; None when not given."""
+    try:
+        value = json.loads(read.parameters or "{}").get("reasoning_parser")
+    except ValueError:
+        return None
+    if value is not None and value not in REASONING_PARSERS:
+        raise RequestError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {value!r:.60}")
+    return value
 
 
 def _text(request, name, limit, positions):
