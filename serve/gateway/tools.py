@@ -52,9 +52,10 @@ class Tool:
 
 def read_tools(value) -> list[Tool]:
     """The request's `tools`, checked: function tools with unique names and parameters schemas (compiled by the
-    request's check_grammars). ToolError naming the first mistake."""
-    if not isinstance(value, list) or not value or len(value) > MAX_TOOLS:
-        raise ToolError(f"'tools' must be a non-empty list of at most {MAX_TOOLS} function tools", "tools")
+    request's check_grammars); an empty list is no tools (openai-agents sends one). ToolError naming the first
+    mistake."""
+    if not isinstance(value, list) or len(value) > MAX_TOOLS:
+        raise ToolError(f"'tools' must be a list of at most {MAX_TOOLS} function tools", "tools")
     tools: list[Tool] = []
     for i, t in enumerate(value):
         at = f"tools[{i}]"
@@ -95,9 +96,9 @@ def read_choice(value, tools: list[Tool]) -> str:
         if value not in ("none", "auto", "required"):
             raise ToolError(f"'tool_choice' must be none, auto, required or {{\"type\": \"function\", \"function\": "
                             f"{{\"name\": ...}}}}, got {value!r}", "tool_choice")
-        if value != "none" and not tools:
-            raise ToolError(f"'tool_choice' {value!r} needs 'tools'", "tool_choice")
-        return value
+        if value == "required" and not tools:
+            raise ToolError("'tool_choice' 'required' needs 'tools'", "tool_choice")
+        return value if tools else "none"  # auto with no tools to call is text
     name = value.get("function", {}).get("name") if isinstance(value, dict) and value.get("type") == "function" \
         and isinstance(value.get("function"), dict) else None
     if not isinstance(name, str):

@@ -15,6 +15,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
@@ -117,10 +118,14 @@ class Sampler:
     `constraint` (grammar.Constraint: structured outputs), only the tokens its grammar allows are chosen from, after
     the penalties and before temperature and the rest."""
 
-    def __init__(self, params: SamplingParams, logprobs: int | None = None, constraint=None):
+    def __init__(self, params: SamplingParams, logprobs: int | None = None, constraint=None,
+                 bias: dict[int, float] | None = None, min_tokens: int = 0, stops: Iterable[int] = ()):
         self.params = params
         self.logprobs = logprobs
         self.constraint = constraint
+        # OpenAI's logit_bias (added to the logits first), and vLLM's min_tokens (no stop token before that many)
+        self.bias = (np.fromiter(bias, np.int64), np.fromiter(bias.values(), np.float64)) if bias else None
+        self.min_tokens, self.held = min_tokens, np.fromiter(stops, np.int64) if min_tokens else None
         self.rng = np.random.default_rng(params.seed) if not params.greedy else None
         self.unpenalized_greedy = self.rng is None and params.repetition_penalty == 1.0 and not (
             params.presence_penalty or params.frequency_penalty)
@@ -174,6 +179,14 @@ class Sampler:
         return scores
 
     def next(self, logits: np.ndarray, prompt: list[int], output: list[int]) -> int:
+        if self.bias is not None or (self.held is not None and len(output) < self.min_tokens):
+            logits = np.array(logits, np.float64)
+            if self.bias is not None:
+                ids, values = self.bias
+                inside = ids < logits.size
+                logits[ids[inside]] += values[inside]
+            if self.held is not None and len(output) < self.min_tokens:
+                logits[self.held[self.held < logits.size]] = -np.inf
         allowed = None if self.constraint is None else self.constraint.allowed(logits.size)
         if self.unpenalized_greedy:  # argmax stops at the first NaN: a finite pick means no NaN and no inf, as below
             scores = logits if allowed is None else np.where(allowed, logits, -np.inf)
@@ -196,7 +209,8 @@ class Sampler:
         return token
 
 
-READ = frozenset({*SamplingParams.NAMES, "logprobs", "ignore_eos", "structured_outputs"})  # request_choices reads
+READ = frozenset({*SamplingParams.NAMES, "logprobs", "ignore_eos", "structured_outputs", "fill_context", "logit_bias",
+                  "min_tokens"})  # request_choices reads these
 INPUTS = ("max_new_tokens", "stop_token_ids", "stream", "text_input", "messages")  # inputs, never parameters
 ELSEWHERE = {"max_tokens": "max_new_tokens (an input)", "max_completion_tokens": "max_new_tokens (an input)"}
 
@@ -214,21 +228,34 @@ def unread(params: dict, also: frozenset[str] = frozenset()) -> None:
 
 def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndarray | None, default_new_tokens: int,
                     max_positions: int, stop_token_ids: np.ndarray | None,
-                    eos: set[int], grammars=None, also: frozenset[str] = frozenset()) -> tuple[int, Sampler, set[int]]:
+                    eos: set[int], grammars=None, also: frozenset[str] = frozenset(), vocab: int | None = None
+                    ) -> tuple[int, Sampler, set[int]]:
     """What one generation request asks for, checked: how many new tokens (its max_new_tokens, or the default;
     prompt and new tokens within `max_positions`), its sampler (from its parameters, the JSON text Triton gives),
     and where it stops (its stop_token_ids and, unless `ignore_eos` as in vLLM, the model's end-of-sequence ids);
     the `logprobs` parameter (alternatives per token, 0-20) is the sampler's, and so is `structured_outputs` (a
     grammar the answer must follow, made by `grammars`, grammar.Grammars: a caller without one refuses it); any other
-    parameter (but `also`, those the caller reads) is refused by name. SamplingError names a mistake."""
-    new_tokens = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else default_new_tokens
+    parameter (but `also`, those the caller reads) is refused by name. With the `fill_context` parameter true, the
+    answer may run to the end of the positions (as vLLM's max_tokens unset), max_new_tokens then being a cap only.
+    `logit_bias` (JSON text: token id -> -100..100, ids within `vocab`) and `min_tokens` (no stop before) are the
+    sampler's too. SamplingError names a mistake."""
+    params = json.loads(parameters or "{}")
+    unread(params, also)
+    fill = params.get("fill_context", False)
+    if not isinstance(fill, bool):
+        raise SamplingError(f"fill_context must be true or false, got {shown(fill)}")
+    asked = int(np.asarray(max_new_tokens).reshape(-1)[0]) if max_new_tokens is not None else None
+    new_tokens = asked if asked is not None else default_new_tokens
+    if fill:
+        new_tokens = max_positions - prompt_tokens if asked is None else min(asked, max_positions - prompt_tokens)
+        if new_tokens < 1:
+            raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens (1) exceed the model's "
+                                f"{max_positions} positions: shorten the prompt")
     if new_tokens < 1:
         raise SamplingError(f"max_new_tokens must be at least 1, got {new_tokens}")
     if prompt_tokens + new_tokens > max_positions:
         raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
                             f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
-    params = json.loads(parameters or "{}")
-    unread(params, also)
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise SamplingError(f"ignore_eos must be true or false, got {shown(ignore_eos)}")
@@ -244,12 +271,30 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
             constraint = grammars.constraint(params["structured_outputs"])
         except ValueError as e:  # grammar.GrammarError: the grammar cannot be used
             raise SamplingError(str(e)) from None
-    sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS),
-                      constraint)
     stops = set() if ignore_eos else set(eos)
     if stop_token_ids is not None:
         stops |= set(np.asarray(stop_token_ids).reshape(-1).tolist())
+    min_tokens = _integer(params, "min_tokens", 0, new_tokens) or 0
+    sampler = Sampler(SamplingParams.from_parameters(params), _integer(params, "logprobs", 0, MAX_LOGPROBS),
+                      constraint, _bias(params.get("logit_bias"), vocab), min_tokens, stops)
     return new_tokens, sampler, stops
+
+
+def _bias(text, vocab: int | None) -> dict[int, float] | None:
+    """The logit_bias parameter (JSON text of OpenAI's map), checked."""
+    if text is None:
+        return None
+    try:
+        value = json.loads(text) if isinstance(text, str) and len(text) <= 65536 else None
+    except ValueError:
+        value = None
+    high = (vocab or 2**31) - 1
+    if not isinstance(value, dict) or len(value) > 300 or not all(
+            k.isdigit() and len(k) <= 10 and int(k) <= high and isinstance(b, (int, float)) and
+            not isinstance(b, bool) and -100 <= b <= 100 for k, b in value.items()):
+        raise SamplingError(f"logit_bias must be the JSON text of at most 300 token ids (0-{high}, as strings) to "
+                            f"numbers from -100 to 100, got {shown(text)}")
+    return {int(k): float(b) for k, b in value.items()} or None
 
 
 def _finite(scores: np.ndarray) -> np.ndarray:
