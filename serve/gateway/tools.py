@@ -26,6 +26,9 @@ import orjson
 NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")
 OPEN, CLOSE = "<tool_call>", "</tool_call>"
 MAX_TOOLS = 128
+# a call of `required` cut short: {"name": "NAME", "arguments": ... (the grammar writes the keys in this order)
+PARTIAL_CALL = re.compile(r'\{\s*"name"\s*:\s*"(?P<name>[a-zA-Z0-9_-]{1,64})"\s*'
+                          r'(?:,\s*"arguments"\s*:\s*(?P<arguments>.*))?', re.DOTALL)
 
 
 class ToolError(ValueError):
@@ -115,14 +118,40 @@ def call_schema(tool: Tool) -> dict:
 
 
 def grammar(tools: list[Tool], choice: str, parallel: bool) -> dict | None:
-    """The structured_outputs spec the answer must follow for this tool_choice (None: free text)."""
+    """The structured_outputs spec the answer must follow for this tool_choice (None: free text). Under `required`
+    each tool's parameters schema sits in the array's `$defs` under its own name, its local `$ref`s (`#/$defs/A`,
+    `#/definitions/A`, `#`) rebased there: they resolve as in the tool's own schema, and two tools may each have
+    their own `A`."""
     if choice in ("none", "auto"):
         return None
     if choice != "required":
         return {"json": next(t for t in tools if t.name == choice).parameters}
-    calls = [call_schema(t) for t in tools]
+    defs = {f"tool-{t.name}": rebased(t.parameters, f"#/$defs/tool-{t.name}") for t in tools}
+    calls = [call_schema(Tool(t.name, t.description, {"$ref": f"#/$defs/tool-{t.name}"})) for t in tools]
     item = calls[0] if len(calls) == 1 else {"anyOf": calls}
-    return {"json": {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1})}}
+    return {"json": {"type": "array", "items": item, "minItems": 1, **({} if parallel else {"maxItems": 1}),
+                     "$defs": defs}}
+
+
+VALUES = frozenset({"const", "enum", "default", "examples"})  # keywords whose contents are data, not schemas
+
+
+def rebased(schema: dict, root: str) -> dict:
+    """A copy of `schema` whose `$ref`s into itself (`#...`) point at `root` instead (iteratively: any depth)."""
+    top: dict = {}
+    stack: list[tuple[dict | list, dict | list]] = [(schema, top)]
+    while stack:
+        source, target = stack.pop()
+        items = source.items() if isinstance(source, dict) else enumerate(source)
+        for key, value in items:
+            if key == "$ref" and isinstance(value, str) and value.startswith("#") and isinstance(source, dict):
+                value = root + value[1:]
+            elif isinstance(value, (dict, list)) and not (isinstance(source, dict) and key in VALUES):
+                copy: dict | list = {} if isinstance(value, dict) else [None] * len(value)
+                stack.append((value, copy))
+                value = copy
+            target[key] = value  # type: ignore[index]
+    return top
 
 
 @dataclass
@@ -182,10 +211,25 @@ class Calls:
         self.calls += found
         return content, found, ""
 
+    def cut(self) -> Call | None:
+        """The call `required` had begun when the answer was cut short (max_tokens): its name and the arguments
+        written so far, as OpenAI returns a call cut by the limit; None when none had begun or its name had not."""
+        if self.mode != "required" or self.start < 0:
+            return None
+        begun = PARTIAL_CALL.match(self.buffer[self.start:])
+        if begun is None or begun["name"] not in self.names:
+            return None
+        call = Call(begun["name"], begun["arguments"] or "")
+        self.calls.append(call)
+        self.buffer, self.start = "", -1
+        return call
+
     def end(self) -> str:
         """What is left as content (an unfinished `<tool_call>` of auto stays text)."""
+        if self.mode != "auto":
+            return ""  # what `required` had begun stays for `cut`
         rest, self.buffer = self.buffer, ""
-        return rest if self.mode == "auto" else ""
+        return rest
 
     def _read(self, text: str) -> Call | None:
         """The call `text` holds: a known tool's name and its arguments, a JSON object (or the JSON text of one, as
