@@ -118,6 +118,7 @@ class _Connection(asyncio.Protocol):
         self.error = error
         if self.head is not None and not self.head.done():
             self.head.set_exception(error)
+            self.head.exception()  # marked seen: a waiter that went (its client hung up) leaves no loop warning
         if self.progress is not None:
             self.progress.set()
 
