@@ -18,6 +18,7 @@ from collections.abc import AsyncGenerator, Awaitable
 
 import orjson
 
+from dstool.serve.gateway.anthropic import AnthropicFrontend, anthropic_refused
 from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.generation import GenerationCache, data, json_object, read_request
@@ -40,6 +41,7 @@ from dstool.serve.gateway.transport import (
     HttpResponse,
     Response,
     StreamingResponse,
+    api_of,
     error_response,
     opts_out,
 )
@@ -71,6 +73,7 @@ class HttpFrontend:
 
         self.generation = GenerationCache(core, metrics)
         self.openai = OpenAIFrontend(core.upstreams, self.generation, guard, shared_models)
+        self.anthropic = AnthropicFrontend(self.openai)  # /v1/messages: run as the chat completion it asks for
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:
         """Health checks are open; everything else needs the bearer token, when one is set (compared as bytes), or
@@ -78,17 +81,17 @@ class HttpFrontend:
         if path.startswith("/v2/health/"):
             return True
         if self.guard is not None:
-            return self.guard.well_formed(headers.get("authorization", ""))
+            return self.guard.well_formed(credential(path, headers))
         if self.token is None:
             return True
-        return hmac.compare_digest(headers.get("authorization", "").encode("latin-1"), self.token)
+        return hmac.compare_digest(credential(path, headers).encode("latin-1"), self.token)
 
     def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if self.guard is None or req.path.startswith("/v2/health/"):
             return self._route(req)
         kind, model = tenant_route(req.method, req.path)
         try:  # a key with a lease is admitted here and now: a cache hit is still answered without a task
-            decided = self.guard.admit_now(req.headers.get("authorization", ""), kind in INFERENCE_KINDS)
+            decided = self.guard.admit_now(credential(req.path, req.headers), kind in INFERENCE_KINDS)
         except Refused as e:
             return self._refusal(e, req)
         if decided is None:
@@ -99,7 +102,7 @@ class HttpFrontend:
         """--auth keys, Redis asked: admit the request (key, model, limits), answer it, count what it used."""
         assert self.guard is not None
         try:
-            principal, rate = await self.guard.admit(req.headers.get("authorization", ""), kind in INFERENCE_KINDS)
+            principal, rate = await self.guard.admit(credential(req.path, req.headers), kind in INFERENCE_KINDS)
         except Refused as e:
             return self._refusal(e, req)
         answer = self._admitted(req, kind, model, principal, rate)
@@ -138,7 +141,10 @@ class HttpFrontend:
 
     @staticmethod
     def _refusal(e: Refused, req: HttpRequest) -> HttpResponse:
-        if req.path.startswith("/v1/"):
+        api = api_of(req.path, req.headers)
+        if api == "anthropic":
+            return anthropic_refused(e)
+        if api == "openai":
             return refused(e)
         refusal = error_response(e.status, e.message)
         refusal.headers += e.headers
@@ -148,6 +154,8 @@ class HttpFrontend:
         if req.path == "/metrics":
             return HttpResponse(200, [self.metrics.render()], [("Content-Type", "text/plain; version=0.0.4")])
         if req.path.startswith("/v1/"):
+            if api_of(req.path, req.headers) == "anthropic":
+                return self.anthropic.handle(req)
             return self.openai.handle(req)
         if req.path == "/v2/repository/index" and req.principal is not None and not req.principal.admin:
             return self._index(req)
@@ -349,8 +357,17 @@ class HttpFrontend:
 # shared memory, tracing, logging, every model's statistics, /metrics).
 MODEL_ACTIONS = frozenset({"ready", "config", "stats", "infer", "generate", "generate_stream"})
 INFERENCE_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
-OPENAI_INFERENCE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses"})
+OPENAI_INFERENCE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
 INFERENCE_KINDS = frozenset({"inference", "openai_inference"})
+
+
+def credential(path: str, headers: dict[str, str]) -> str:
+    """The request's Authorization header; on the /v1/ routes without one, Anthropic's `x-api-key` as a bearer token
+    (what the `anthropic` client sends). Neither is ever passed on to Triton."""
+    given = headers.get("authorization", "")
+    if not given and path.startswith("/v1/") and "x-api-key" in headers:
+        return "Bearer " + headers["x-api-key"]
+    return given
 
 
 def tenant_route(method: str, path: str) -> tuple[str, str | None]:

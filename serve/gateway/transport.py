@@ -93,14 +93,40 @@ def _phrase(status: int) -> str:
         return "Unknown"
 
 
-def error_response(status: int, message: str, openai: bool = False) -> HttpResponse:
-    """KServe v2 error body, or with `openai` (a /v1/ path) OpenAI's error object, as OpenAI words a wrong key."""
-    if openai:
+def error_response(status: int, message: str, api: str = "kserve") -> HttpResponse:
+    """KServe v2 error body; for `api` "openai" (a /v1/ path) OpenAI's error object, as OpenAI words a wrong key;
+    for "anthropic" (api_of) Anthropic's."""
+    if api == "anthropic":
+        body = anthropic_error(status, message)
+    elif api == "openai":
         body = OpenAIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error",
                            code="invalid_api_key" if status == 401 else None).body()
     else:
         body = orjson.dumps({"error": message})
     return HttpResponse(status, [body], [("Content-Type", "application/json")])
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> bytes:
+    """Anthropic's error body: {"type": "error", "error": {"type": ..., "message": ...}}."""
+    kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def api_of(path: str, headers: dict[str, str]) -> str:
+    """Which API a request speaks, so whose error shape it gets: Anthropic's for /v1/messages (and /v1/models with
+    the anthropic-version header, as the `anthropic` client sends it), OpenAI's for the other /v1/ routes, else
+    KServe's."""
+    if not path.startswith("/v1/"):
+        return "kserve"
+    if path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in headers):
+        return "anthropic"
+    return "openai"
 
 
 def opts_out(req: HttpRequest) -> bool:
@@ -358,25 +384,25 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- answering -----------------------------------------------------------------------------------------
     def _dispatch(self, req: HttpRequest, keep_alive: bool, held: int) -> None:
-        openai = req.path.startswith("/v1/")
+        api = api_of(req.path, req.headers)
         try:
             response = self.frontend.handle(req)
         except Exception as e:  # a bug must not take the connection's other requests with it
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
+            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", api)
         if isinstance(response, HttpResponse):
             self.frontend.buffered -= held
             self._write(response, keep_alive)
         else:
             self.busy = True
-            self.task = asyncio.ensure_future(self._finish(response, keep_alive, openai, held))
+            self.task = asyncio.ensure_future(self._finish(response, keep_alive, api, held))
             self.frontend.answering.add(self.task)  # the loop holds tasks weakly: a cancelled one must still run
             self.task.add_done_callback(self.frontend.answering.discard)
 
-    async def _finish(self, pending, keep_alive: bool, openai: bool, held: int) -> None:
+    async def _finish(self, pending, keep_alive: bool, api: str, held: int) -> None:
         try:
             response = await pending
         except Exception as e:
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", openai)
+            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", api)
         finally:
             self.frontend.buffered -= held  # (also when a hang-up cancels the answer)
         if isinstance(response, StreamingResponse):
@@ -451,7 +477,8 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is None:
             return
         target = _origin_form(self.url.decode("latin-1")) or ""
-        self.transport.writelines(error_response(status, message, target.startswith("/v1/")).encode(keep_alive=False))
+        api = api_of(target.split("?", 1)[0], self.headers)
+        self.transport.writelines(error_response(status, message, api).encode(keep_alive=False))
         self._release()
         self.frontend.connections.discard(self)
         if self.transport.can_write_eof():
