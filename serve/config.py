@@ -168,6 +168,13 @@ class GatewayOptions(CommandConfig):
     tool_call_parser: Literal["hermes", "deepseek_v3", "deepseek_v31"] = Field(
         "hermes", description="how tool_choice auto reads calls: hermes <tool_call>{...}</tool_call>, or DeepSeek "
         "V3's / V3.1's <｜tool▁calls▁begin｜> tokens")
+    responses_ttl: float = Field(30 * 86400.0, gt=0, description="seconds a stored response of the Responses API "
+                                 "(store: true, OpenAI's default) is kept, in the --cache Redis (docs/responses.md)")
+    max_response_bytes: int = Field(4 << 20, ge=1024, description="the most a stored response may hold, its "
+                                    "conversation included: a larger one is not stored (store: false in it), a "
+                                    "conversation already larger is refused (400) unless sent with store: false")
+    responses_redis_timeout: float = Field(2.0, gt=0, description="seconds a call to the response store may take "
+                                           "in Redis before a request that needs it is refused (503)")
     forward_headers: str | None = Field(None, description="regular expression of the request headers (gRPC "
                                         "metadata) Triton forwards to models — the same as its "
                                         "--http/grpc-header-forward-pattern: they reach Triton on a miss and are "

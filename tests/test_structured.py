@@ -281,8 +281,10 @@ def test_the_responses_api_with_the_official_client(api):
 
     import openai
 
-    for extra, param in (({"previous_response_id": "resp_1"}, "previous_response_id"), ({"store": True}, "store"),
-                         ({"max_output_tokens": 0}, "max_output_tokens"),
+    with pytest.raises(openai.NotFoundError) as unknown:  # stored responses: tests/test_responses_store.py
+        client.responses.create(model="dstool_lm", input="Hi", previous_response_id="resp_1")
+    assert unknown.value.param == "previous_response_id"
+    for extra, param in (({"store": "yes"}, "store"), ({"max_output_tokens": 0}, "max_output_tokens"),
                          ({"tools": [{"type": "web_search"}]}, "tools[0]"),
                          ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "integr"}}}},
                           "text.format.schema")):

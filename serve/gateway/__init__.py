@@ -90,6 +90,15 @@ class Gateway:
                  + (" (--token-file is the admin key)" if c.token else ""))
         return Guard(store, c.token, c.auth_fallback, c.auth_stale, c.limits_fail, self.metrics, c.tenant_concurrency)
 
+    def _response_store(self):
+        """The Responses API's store (stored.py): on the cache's Redis, else in this process."""
+        from dstool.serve.gateway.stored import MemoryResponses, RedisResponses
+
+        c = self.config
+        if self.cache.redis is None:
+            return MemoryResponses(c.responses_ttl, c.max_response_bytes, c.memory_cache_bytes)
+        return RedisResponses(self.redis_url, c.responses_redis_timeout, c.responses_ttl, c.max_response_bytes)
+
     async def start(self) -> None:
         import grpc
 
@@ -113,6 +122,7 @@ class Gateway:
                                           shared)
         self.http_frontend.openai.reasoning_parser = c.reasoning_parser  # DeepSeek's formats (deepseek.py)
         self.http_frontend.openai.tool_call_parser = c.tool_call_parser
+        self.http_frontend.openai.responses.store = self._response_store()
         loop = asyncio.get_running_loop()
         try:
             self._http_server = await loop.create_server(lambda: HttpConnection(self.http_frontend), c.host,
@@ -159,6 +169,8 @@ class Gateway:
         if http_server is not None:
             for conn in list(self.http_frontend.connections):
                 conn._close()
+            # background responses: what is left of the grace to finish, then stored as failed
+            await self.http_frontend.openai.responses.close(max(0.0, deadline - asyncio.get_running_loop().time()))
             self.upstreams.close()
             await self.cache.close()
             if self.guard is not None:

@@ -1,5 +1,6 @@
 """The OpenAI API on the gateway's HTTP port: /v1/models, /v1/completions, /v1/chat/completions and /v1/responses
-(responses.py: run as the chat completion it asks for), served by a model family's NAME_llm (the streaming,
+(responses.py: run as the chat completion it asks for; stored, continued, read and run in the background by
+stored.py), served by a model family's NAME_llm (the streaming,
 continuous-batching model) through Triton's generate extension. Structured outputs (response_format, vLLM's
 guided_* and structured_outputs) are NAME_llm's grammar; tools (tools.py) are shown to the model, a forced call is
 made under its schema, and the text is read back as tool calls.
@@ -42,7 +43,7 @@ from dstool.serve.gateway.protocol import (
     Stops,
     parse,
 )
-from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
+from dstool.serve.gateway.stored import MemoryResponses, ResponsesRoutes
 from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
@@ -225,16 +226,17 @@ class OpenAIFrontend:
         self.shared_models = shared_models
         self.default_max_tokens = default_max_tokens
         self.choices: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
+        self.responses = ResponsesRoutes(MemoryResponses(), self._chat)  # the gateway gives it its Redis store
 
     async def handle(self, req: HttpRequest):
         try:
             if req.path == "/v1/models" and req.method == "GET":
                 return await self._models(req.principal)
-            if req.path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
+            if req.path == "/v1/responses" or req.path.startswith("/v1/responses/"):
+                return await self.responses.handle(req)
+            if req.path in ("/v1/completions", "/v1/chat/completions"):
                 if req.method != "POST":
                     raise OpenAIError(405, f"use POST for {req.path}")
-                if req.path == "/v1/responses":
-                    return await self._respond(req)
                 request = parse(req.body, ChatCompletionRequest if req.path == "/v1/chat/completions" else
                                 CompletionRequest)
                 _given(request.model, req.principal)  # before any work on what the request asks
@@ -263,22 +265,12 @@ class OpenAIFrontend:
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
 
-    async def _respond(self, req: HttpRequest):
-        """POST /v1/responses: the chat completion it asks for, written back in the Responses API's shape."""
-        asked = parse(req.body, ResponsesRequest)
-        body = asked.chat()
-        try:
-            request = parse(orjson.dumps(body), ChatCompletionRequest)
-            _given(request.model, req.principal)
-            await request.check_grammars()
-            answer = await self._complete(request, opts_out(req), req.principal)
-        except OpenAIError as e:
-            raise renamed(e) from None
-        writer = Writer(asked, body)
-        if isinstance(answer, StreamingResponse):
-            return StreamingResponse(200, answer.headers, writer.events(answer.body), answer.close)
-        return HttpResponse(200, [orjson.dumps(writer.whole(orjson.loads(b"".join(answer.chunks))))],
-                            [("Content-Type", "application/json")])
+    async def _chat(self, body: dict, req: HttpRequest):
+        """The chat completion a Responses request asks for (stored.py), as req's principal: its answer."""
+        request = parse(orjson.dumps(body), ChatCompletionRequest)
+        _given(request.model, req.principal)
+        await request.check_grammars()
+        return await self._complete(request, opts_out(req), req.principal)
 
     async def _complete(self, request, opt_out: bool, principal: Principal | None = None):
         """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a

@@ -1,17 +1,17 @@
-"""OpenAI's Responses API (POST /v1/responses), stateless: a request is read as its own type, turns into the chat
-completion it asks for (input items -> messages, `instructions` -> a system message first, function tools, `text.format`
--> response_format), runs as one, and its answer is written back as a Response object — or, streamed, as the
-Responses events (response.created ... response.completed) made from the chat chunks as they come.
+"""OpenAI's Responses API (POST /v1/responses): a request is read as its own type, turns into the chat completion it
+asks for (input items -> messages, after the previous response's conversation when it names one; `instructions` -> a
+system message first, function tools, `text.format` -> response_format), runs as one, and its answer is written back
+as a Response object — or, streamed, as the Responses events (response.created ... response.completed) made from the
+chat chunks as they come.
 
-Nothing is stored: `store` true, `previous_response_id` and `background` are refused (send the conversation as
-input items, as a stateless client does); so are fields that change the answer and are not served (`reasoning`,
-`include`, hosted tools)."""
+`store`, `previous_response_id` and `background` are stored.py's (the store on Redis); fields that change the answer
+and are not served are refused (`reasoning`, `include`, hosted tools)."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import orjson
@@ -54,20 +54,43 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
-    def chat(self) -> dict:
-        """The chat completion request this asks for; OpenAIError (400) naming a field not served or wrong."""
+    def state(self) -> tuple[bool, bool, str | None]:
+        """(store — OpenAI's default: true —, background, previous_response_id), checked."""
+        for name in ("store", "background"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise OpenAIError(400, f"'{name}' must be true or false, got {shown(getattr(self, name))}", name)
+        previous = self.previous_response_id
+        if previous is not None and not isinstance(previous, str):
+            raise OpenAIError(400, f"'previous_response_id' must be a string, got {shown(previous)}",
+                              "previous_response_id")
+        return self.store is not False, self.background is True, previous
+
+    def items(self) -> list[dict]:
+        """The request's input as the input items a stored conversation keeps (text is one user message), each with
+        an id."""
+        value = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) else \
+            self.input
+        items = []
+        for item in value:
+            kind = item.get("type", "message")
+            prefix = {"message": "msg_", "function_call": "fc_"}.get(kind, "fco_")
+            items.append({"type": kind, "id": prefix + uuid.uuid4().hex, **item})
+        return items
+
+    def chat(self, prior: list[dict] | None = None) -> dict:
+        """The chat completion request this asks for, after the conversation `prior` (input items: a previous
+        response's); OpenAIError (400) naming a field not served or wrong."""
         unserved: tuple[tuple[str, tuple[Any, ...]], ...] = (
-            ("store", (False, None)), ("previous_response_id", (None,)), ("background", (False, None)),
             ("reasoning", (None,)), ("include", (None, [])), ("truncation", (None, "disabled")),
             ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)))
         for name, asks_nothing in unserved:
             value = getattr(self, name)
             if not any(value == a and type(value) is type(a) for a in asks_nothing):
-                why = "this server keeps no responses: send the conversation as input items" if name in (
-                    "store", "previous_response_id", "background") else "it is not supported by this server"
-                raise OpenAIError(400, f"'{name}' {shown(value)}: {why}", name)
-        body: dict = {"model": self.model, "messages": [*self._instructions(), *_messages(self.input)],
-                      "stream": self.stream}
+                raise OpenAIError(400, f"'{name}' {shown(value)}: it is not supported by this server", name)
+        messages = _messages(self.input)  # its own input checked, its errors named as sent
+        if prior:
+            messages = _messages([*prior, *self.items()])
+        body: dict = {"model": self.model, "messages": [*self._instructions(), *messages], "stream": self.stream}
         for name, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("parallel_tool_calls", "parallel_tool_calls")):
             if getattr(self, name) is not None:
@@ -172,9 +195,11 @@ class Writer:
     """A Response object built from a chat completion: whole (`whole`), or as Responses events from its stream's
     chunks (`events`)."""
 
-    def __init__(self, request: ResponsesRequest, chat: dict):
+    def __init__(self, request: ResponsesRequest, chat: dict, ident: str | None = None, previous: str | None = None,
+                 store: bool = False, background: bool = False):
         self.request, self.chat = request, chat
-        self.ident = "resp_" + uuid.uuid4().hex
+        self.ident = ident or "resp_" + uuid.uuid4().hex
+        self.previous, self.store, self.background = previous, store, background
         self.created = int(time.time())
         self.sequence = 0
 
@@ -187,7 +212,8 @@ class Writer:
                 "error": None, "incomplete_details": {"reason": reason} if reason else None,
                 "instructions": r.instructions, "max_output_tokens": r.max_output_tokens, "model": r.model,
                 "output": output, "parallel_tool_calls": r.parallel_tool_calls is not False,
-                "previous_response_id": None, "reasoning": None, "store": False,
+                "previous_response_id": self.previous, "reasoning": None, "store": self.store,
+                "background": self.background,
                 "temperature": r.temperature if r.temperature is not None else 1.0, "text": {"format": fmt},
                 "tool_choice": r.tool_choice if r.tool_choice is not None else "auto",
                 "tools": r.tools or [], "top_p": r.top_p if r.top_p is not None else 1.0, "truncation": "disabled",
@@ -201,8 +227,6 @@ class Writer:
             output.append(_reasoning_item("rs_" + uuid.uuid4().hex, message["reasoning_content"], "completed"))
         if message.get("content") or not message.get("tool_calls"):
             output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"] or "", "completed"))
-
-            output.append(_message_item("msg_" + uuid.uuid4().hex, message["content"] or "", "completed"))
         for call in message.get("tool_calls") or []:
             output.append(_call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
@@ -215,8 +239,11 @@ class Writer:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
             {"type": kind, "sequence_number": self.sequence - 1, **fields}) + b"\n\n"
 
-    async def events(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """The Responses events of a chat stream (its `data:` chunks, the last with usage, then [DONE])."""
+    async def events(self, chunks: AsyncIterator[bytes],
+                     keep: Callable[[dict], Awaitable[dict | None]] | None = None) -> AsyncIterator[bytes]:
+        """The Responses events of a chat stream (its `data:` chunks, the last with usage, then [DONE]); `keep`
+        (the store) is given the final response before its event is sent, and may end the stream with an error
+        event instead (its fields)."""
         yield self._event("response.created", response=self.response("in_progress", []))
         yield self._event("response.in_progress", response=self.response("in_progress", []))
         output: list[dict] = []
@@ -249,7 +276,6 @@ class Writer:
                     for event in self._close_thought(thought, output):
                         yield event
                 if delta.get("content"):
-
                     if text is None:
                         text = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
                         output.append(text)
@@ -291,6 +317,10 @@ class Writer:
         cut = finish == "length"
         final = self.response("incomplete" if cut else "completed", output, usage,
                               "max_output_tokens" if cut else None)
+        failed = await keep(final) if keep is not None else None
+        if failed is not None:
+            yield self._event("error", **failed)
+            return
         yield self._event("response.incomplete" if cut else "response.completed", response=final)
 
     def _close_thought(self, thought: dict, output: list[dict]) -> list[bytes]:
