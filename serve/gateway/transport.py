@@ -9,6 +9,7 @@ rather than uvicorn or granian: docs/cache.md, "The HTTP server" (measured there
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from collections import deque
 from collections.abc import AsyncIterator, Callable
@@ -28,6 +29,8 @@ if TYPE_CHECKING:  # the router builds on this module's types; only its type is 
 
 # After refusing a request: for how long, and how much of, what the client still sends is read and dropped.
 LINGER_SECONDS, LINGER_BYTES = 2.0, 8 << 20
+
+log = logging.getLogger("dstool.gateway")
 
 
 @dataclass(frozen=True)
@@ -453,6 +456,10 @@ class HttpConnection(asyncio.Protocol):
                         break
         except (UpstreamUnavailable, UpstreamTimeout, ConnectionError):
             keep_alive = whole = False  # the stream broke off: the client sees the connection end, as from Triton
+        except Exception as e:  # noqa: BLE001 (a defect in a stream's source ends that stream, said, never hangs)
+            log.error(f"gateway: a streamed answer failed ({type(e).__name__}: {e}); its connection is closed")
+            self.frontend.metrics.error("stream")
+            keep_alive = whole = False
         finally:
             aclose = getattr(body, "aclose", None)
             if aclose is not None:
