@@ -30,6 +30,10 @@ With a `PrefixCache`, a newcomer's prompt starts from the longest prefix an earl
 blocks of tokens, the very same ids from the first one on): those positions' keys and values are its cache so far,
 as if an earlier chunk had computed them, and only the rest of the prompt is prefilled.
 
+A sequence with a `score` (prompt logprobs) is given its prompt's own logits as they are prefilled, chunk by chunk
+with the position each begins at; its prompt is computed whole, never from the prefix cache (kept positions carry no
+logits).
+
 A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
 its own sequence; a graph run that fails ends the sequences of that run (the prefilling group, or the running
 batch, whose cache is then dropped). Such a sequence comes out of `steps` with the token None and its `error` set;
@@ -65,6 +69,9 @@ class Sequence:
     salt: str = ""  # its prefix-cache scope: prefixes are shared only between sequences of the same salt
     tenant: str = ""  # whose it is: waiting sequences begin by turns of tenants (the fewest places in the batch first)
     paused: bool = False  # taken out of the batch for another tenant's turn: its cache kept in `partial`
+    # the prompt's own logits (prompt logprobs): each prefilled chunk's [chunk, vocab] with the position of its first
+    # token; such a prompt is computed whole (the prefix cache's positions have no logits)
+    score: Callable[[np.ndarray, int], None] | None = None
 
     @property
     def reserved(self) -> int:
@@ -217,7 +224,7 @@ class Engine:
             self.waiting.remove(s)
             places[s.tenant] = places.get(s.tenant, 0) + 1
             held += 0 if s.paused else s.reserved
-            if self.prefix_cache is not None and not s.prefilled:
+            if self.prefix_cache is not None and not s.prefilled and s.score is None:
                 s.cached, s.partial = self.prefix_cache.match(s.prompt, s.salt)
                 s.prefilled = s.cached
             admitted.append(s)
@@ -295,6 +302,15 @@ class Engine:
         produced: list[tuple[Sequence, int | None]] = []
         joining = []
         for b, (s, take) in enumerate(group):
+            if s.score is not None:
+                if logits.shape[1] < width:
+                    produced.append(s._fail("the graph gives the last position's logits only: it cannot score a "
+                                            "prompt"))
+                    continue
+                unscored = _scored(s, logits[b, :take])
+                if unscored is not None:
+                    produced.append(unscored)
+                    continue
             s.prefilled += take
             held = np.flatnonzero(mask[b])  # the row's own positions, the padding left out
             row = {name: value[b:b + 1, :, held] for name, value in present.items()}
@@ -481,6 +497,11 @@ class FusedEngine(Engine):
                 produced += [s._fail(e.cause) for s, _ in run]
                 continue
             for b, (s, take) in enumerate(run):
+                if s.score is not None:
+                    unscored = _scored(s, logits[b, :take])
+                    if unscored is not None:
+                        produced.append(unscored)
+                        continue
                 s.prefilled += take
                 if s.prefilled < len(s.prompt):
                     continue
@@ -609,6 +630,16 @@ class _RunFailed(Exception):
     def __init__(self, cause: BaseException):
         super().__init__(str(cause))
         self.cause = cause
+
+
+def _scored(s: Sequence, logits: np.ndarray) -> tuple[Sequence, None] | None:
+    """A prefilled chunk's logits to the sequence's `score` (before `prefilled` counts the chunk); a score that fails
+    ends this sequence alone: (it, None), else None."""
+    try:
+        s.score(logits, s.prefilled)  # type: ignore[misc]
+    except Exception as e:  # noqa: BLE001 (a request's own scoring must not reach the others)
+        return s._fail(e)
+    return None
 
 
 def _positions(cache: dict[str, np.ndarray] | None) -> int:

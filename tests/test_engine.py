@@ -202,6 +202,44 @@ def test_a_prefix_cache_reuses_shared_prefixes_of_every_length_and_stays_exact(s
     assert run(small) == plain and small.tokens == 8
 
 
+def test_a_scored_prompt_gets_its_own_logits_in_chunks_and_is_computed_whole(setup, trained):
+    """A sequence with `score` (prompt logprobs): every prompt position's logits reach it, in order, as transformers
+    computes them, whether the prompt is prefilled whole or in chunks beside running sequences, and never from the
+    prefix cache (its positions have no logits); its tokens and the others' stay the greedy ones."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    session, shapes, tokenizer = setup
+    ids = tokenizer(PROMPTS[2])["input_ids"]
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(trained).eval()(torch.tensor([ids])).logits[0].numpy()
+    cache = PrefixCache(block=4, max_tokens=4096)
+    engine = engine_for(session, shapes, max_batch=4, max_prefill_tokens=5, prefix_cache=cache)
+    engine.add(_sequence("warm", ids, 3))  # leaves the prompt's blocks in the prefix cache
+    assert _run(engine)["warm"] == _greedy(trained, ids, 3)
+    engine.add(_sequence("running", ids[:6], 12))
+    engine.step()
+    chunks: list[tuple[int, np.ndarray]] = []
+    scored = _sequence("scored", ids, 4)
+    scored.score = lambda logits, start: chunks.append((start, np.array(logits)))
+    engine.add(scored)
+    out = _run(engine)
+    assert scored.cached == 0 and out["scored"] == _greedy(trained, ids, 4)
+    assert [c[0] for c in chunks] == list(range(0, len(ids), 5))  # chunks of 5 (others were running)
+    got = np.concatenate([c[1] for c in chunks])
+    assert got.shape == expected.shape and np.abs(got - expected).max() < 1e-3
+
+    def failing(logits, start):
+        raise ValueError("no")
+
+    bad = _sequence("bad", ids, 4)
+    bad.score = failing
+    engine.add(bad)
+    engine.add(_sequence("good", ids[:5], 4))
+    out = _run(engine)
+    assert out["bad"] == [None] and "ValueError: no" in bad.error and out["good"] == _greedy(trained, ids[:5], 4)
+
+
 def test_the_prefix_cache_keeps_the_recently_used_blocks_within_its_budget():
     cache = PrefixCache(block=2, max_tokens=6)
 

@@ -62,7 +62,7 @@ def _generate_kinds() -> list[tuple[str, str, dict | bytes]]:
         for route in ("generate", "generate_stream"):
             path = f"/v2/models/{model}/{route}"
             base = {"text_input": "JULIET:", "max_new_tokens": 3}
-            inputs = ["text_input", "max_new_tokens", "stop_token_ids", "stream", "id", "parameters"]
+            inputs = ["text_input", "max_new_tokens", "stop_token_ids", "stream", "id", "parameters", "input_ids"]
             for field in inputs + (SAMPLING + ["logprobs", "ignore_eos", "structured_outputs", "tools"]
                                    if route == "generate_stream" else []):
                 for value in ODD:
@@ -90,7 +90,7 @@ def _well_formed(path: str, sent, status: int, headers: dict, body: bytes) -> bo
         return bool(events) and all(isinstance(e, dict) and ("error" in e or "text_output" in e) for e in events)
     answer = json.loads(body)
     if path.startswith("/v1/"):
-        n = sent.get("n", 1) if isinstance(sent, dict) else 1
+        n = (sent.get("n") or 1) if isinstance(sent, dict) else 1  # null: the field left out
         return not streamed and len(answer["choices"]) == n and answer["usage"]["completion_tokens"] >= 0
     if "error" in answer:  # `stream` on generate: Triton's own 200 with an error
         return True
@@ -120,6 +120,11 @@ def _grpc_cases():
         [("messages", np.array([b'{"a": 1}'], dtype=np.object_), "BYTES")],
         [("messages", np.array([b"[" * 5000], dtype=np.object_), "BYTES")],
         [*good, ("messages", np.array([b"[]"], dtype=np.object_), "BYTES")],
+        [*good, ("input_ids", np.array([1, 2], np.int64), "INT64")],
+        [("input_ids", np.array([-1], np.int64), "INT64")],
+        [("input_ids", np.array([2**62], np.int64), "INT64")],
+        [("input_ids", np.array([], np.int64), "INT64")],
+        [("input_ids", np.zeros(100_000, np.int64), "INT64")],
         [],
     ]
     for i, inputs in enumerate(odd_inputs):

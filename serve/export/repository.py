@@ -105,13 +105,19 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
                  [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1]),
                   ("prompt_tokens", mc.TYPE_INT32, [1])]),
     "llm": ("llm.py", [("text_input", mc.TYPE_STRING, [1], True), ("messages", mc.TYPE_STRING, [1], True),
+                       ("input_ids", mc.TYPE_INT64, [-1], True),
                        ("max_new_tokens", mc.TYPE_INT32, [1], True), ("stop_token_ids", mc.TYPE_INT64, [-1], True),
                        ("stream", mc.TYPE_BOOL, [1], True)],
             [("text_output", mc.TYPE_STRING, [1]), ("output_ids", mc.TYPE_INT64, [-1]),
              ("prompt_tokens", mc.TYPE_INT32, [1]), ("prompt_cached_tokens", mc.TYPE_INT32, [1]),
              # with the `logprobs` parameter (K): each token's text and log-probability, and the K most likely
              ("tokens", mc.TYPE_STRING, [-1]), ("logprobs", mc.TYPE_FP32, [-1]),
-             ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1])]),
+             ("top_tokens", mc.TYPE_STRING, [-1, -1]), ("top_logprobs", mc.TYPE_FP32, [-1, -1]),
+             # the first response's, with the `echo` and `prompt_logprobs` parameters: the prompt's text, and its
+             # tokens' texts and log-probabilities (from the second token on) with the K most likely
+             ("prompt_text", mc.TYPE_STRING, [1]), ("prompt_token_texts", mc.TYPE_STRING, [-1]),
+             ("prompt_logprobs", mc.TYPE_FP32, [-1]), ("prompt_top_tokens", mc.TYPE_STRING, [-1, -1]),
+             ("prompt_top_logprobs", mc.TYPE_FP32, [-1, -1])]),
 }
 # Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path): the
 # decode loop is the core's (dstool/engine.py, numpy only), the rest sit beside the models in triton_models/.

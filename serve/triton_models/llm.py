@@ -1,7 +1,8 @@
 """Triton python-backend model (decoupled): text generation on the continuous-batching engine (engine.py beside
 this file) with the decoder graph of NAME_decoder, the tokenizer in its own folder and sampling.py's choices.
 
-text_input BYTES [1], or messages BYTES [1] (a chat: JSON [{"role", "content", optional "name", "tool_calls",
+text_input BYTES [1], or input_ids INT64 [-1] (a prompt as token ids, each of the vocabulary, as they are), or
+messages BYTES [1] (a chat: JSON [{"role", "content", optional "name", "tool_calls",
 "tool_call_id"}, ...], laid out by the tokenizer's chat template, or without one as the corpus lays out a play's
 speeches: "NAME-OR-ROLE:\nCONTENT\n\n" ending in "ASSISTANT:\n"; the `tools` parameter, JSON text of OpenAI tool
 objects, goes to the template or starts the layout) (+ optional max_new_tokens INT32 [1], stop_token_ids INT64 [-1],
@@ -10,6 +11,10 @@ text_output BYTES [1], output_ids INT64 [-1], prompt_tokens INT32 [1], prompt_ca
 tokens the engine's prefix cache held, not computed again: only prefixes of requests with the same `cache_salt`
 parameter count). Waiting requests begin by turns of their `tenant` parameter. With `stream` true, one response per
 token (the text it adds, and its id) and the last one marked final; otherwise one response with the whole text and ids.
+The `echo` parameter adds the prompt's text (prompt_text) to the first response, and `prompt_logprobs` K (as vLLM's)
+the prompt's tokens' texts and log-probabilities with K alternatives each (prompt_token_texts, prompt_logprobs,
+prompt_top_tokens, prompt_top_logprobs; the first token has none), computed from the prompt's logits as it is
+prefilled (such a prompt is computed whole, not from the prefix cache).
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
@@ -35,7 +40,7 @@ import triton_python_backend_utils as pb_utils
 from engine import PrefixCache, Sequence, engine_for
 from grammar import Grammars, thought_over
 from ort_options import session_options
-from sampling import SamplingError, request_choices
+from sampling import FINITE, SamplingError, request_choices
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -50,8 +55,10 @@ TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prom
                           "max_length", "tokenizer_kwargs", "return_assistant_tokens_mask"})  # not the client's
 REASONING_PARSERS = ("deepseek_r1",)  # the thinking a grammar waits for: <think> ... </think>
 # read here, besides sampling's
-OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop", "chat_template_kwargs",
-                            "reasoning_parser"})  # read here, besides sampling's
+OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop", "skip_special_tokens",
+                            "prompt_logprobs", "echo", "chat_template_kwargs", "reasoning_parser"})
+MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt token, at most (as for generated ones)
+SCORE_ROWS = 64  # prompt positions scored at once (a float64 block of SCORE_ROWS x vocab)
 
 
 class RequestError(ValueError):
@@ -67,6 +74,11 @@ class Stream:
         self.pending: list[int] = []  # streamed tokens not sent yet (the stream interval)
         self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
         self.stops: list[str] = []  # its stop strings: generation ends as soon as the text holds one
+        self.skip_special = True  # special tokens left out of its text
+        self.echo: str | None = None  # the prompt's text, for its first response (the `echo` parameter)
+        self.prompt_ranked: list[tuple[float, np.ndarray, np.ndarray]] | None = None  # with prompt_logprobs
+        self.prompt_k = 0
+        self.prompt_sent = False
 
 
 class Outbox:
@@ -226,11 +238,14 @@ class Request:
         self.sender, self.arrived = sender, time.monotonic()
         limit = model.max_prompt_bytes
         self.prompt = _text(request, "text_input", limit, model.max_positions)
+        self.ids = _ids(request, model.max_positions, model.vocab)
         self.messages = _text(request, "messages", 8 * limit, model.max_positions)  # JSON escapes, keys, roles
-        if (self.prompt is None) == (self.messages is None):
-            raise RequestError("send text_input (a prompt) or messages (a chat), one of them")
+        if (self.prompt is not None) + (self.messages is not None) + (self.ids is not None) != 1:
+            raise RequestError("send text_input (a prompt), input_ids (a prompt's token ids) or messages (a chat), "
+                               "one of them")
         self.max_new_tokens, self.stop_ids = _values(request, "max_new_tokens"), _values(request, "stop_token_ids")
         self.parameters = request.parameters()
+        self.text = self.prompt  # the prompt's text as the model reads it (a chat's laid out), once known
         flag = _values(request, "stream")
         self.stream = bool(flag.reshape(-1)[0]) if flag is not None and flag.size else False
 
@@ -251,6 +266,7 @@ class TritonPythonModel:
         self.engine = engine_for(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
                              PrefixCache(block, prefix_tokens) if prefix_tokens else None)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
+        self.vocab = len(self.tokenizer)  # token ids a prompt may hold (input_ids): those the tokenizer can read
         self.eos = set(json.loads(params["eos_token_ids"]))
         self.grammars = Grammars(self.tokenizer, self.eos)
         self.default_new_tokens = int(params["default_max_new_tokens"])
@@ -293,7 +309,8 @@ class TritonPythonModel:
         """Tokenize and check one request (an intake thread), then hand it to the engine."""
         try:
             sequence, sampler = self._sequence(read)
-            stops = _stops(read)
+            stops, skip = _stops(read), _skip_special(read)
+            echo, prompt_k = _prompt_asks(read)
         except RequestError as e:
             read.sender.send(pb_utils.InferenceResponse(
                 error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
@@ -303,7 +320,12 @@ class TritonPythonModel:
                 f"could not read the request: {type(e).__name__}: {e}")), flags=FINAL)
             return
         out = Stream(read.sender, read.stream)
-        out.arrived, out.stops = read.arrived, stops
+        out.arrived, out.stops, out.skip_special = read.arrived, stops, skip
+        if echo:
+            out.echo = read.text if read.text is not None else self.tokenizer.decode(sequence.prompt)
+        if prompt_k is not None:  # the prompt's own log-probabilities, computed as it is prefilled
+            out.prompt_ranked, out.prompt_k = [], prompt_k
+            sequence.score = _prompt_scorer(sequence.prompt, prompt_k, out.prompt_ranked)
         if sampler.logprobs is not None:
             sequence.choose = _ranking(sampler, out.ranked)
         with self.wake:
@@ -344,10 +366,10 @@ class TritonPythonModel:
             raise RequestError('messages must be a JSON list of {"role": ..., "content": ..., optional "name": ...} '
                                "with text content")
         for i, m in enumerate(chat):
-            unread = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id"})
+            unread = sorted(set(m) - {"role", "content", "name", "tool_calls", "tool_call_id", "reasoning_content"})
             if unread:
                 raise RequestError(f"messages[{i}] has {unread[0]!r}, which this model does not read: send role, "
-                                   "content, name, tool_calls and tool_call_id only")
+                                   "content, name, tool_calls, tool_call_id and reasoning_content only")
         if self.tokenizer.chat_template:
             extra: dict = {**(kwargs or {}), **({"tools": tools} if tools else {})}
             if DEEPSEEK_CALL in self.tokenizer.chat_template:
@@ -382,31 +404,35 @@ class TritonPythonModel:
             raise RequestError("tools must be the JSON text of a list of tool objects "
                                '({"type": "function", "function": {"name": ..., "parameters": {...}}})')
         if read.messages is None:
-            raise RequestError("tools go with messages (a chat), not text_input")
+            raise RequestError("tools go with messages (a chat), not text_input or input_ids")
         return tools
 
     def _sequence(self, read):
         tools = self._tools(read)
-        try:
-            prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools,
-                                                                                 _template_kwargs(read))
-        except RecursionError:
-            raise RequestError("messages or tools nest too deep to lay out: send flatter JSON") from None
-        if len(prompt.encode()) > self.max_prompt_bytes:  # refused untokenized: it cannot fit
-            raise RequestError(f"messages are {len(prompt.encode())} bytes as the chat template lays them out: more "
-                               f"than the model's {self.max_positions} positions can hold (at most "
-                               f"{self.max_prompt_bytes} bytes); shorten the messages or tools")
-        ids = self.tokenizer(prompt)["input_ids"]
-        if not ids:
-            raise RequestError("text_input is empty: send at least one token of text")
+        ids = getattr(read, "ids", None)  # token ids, checked by execute: the prompt as they are
+        if ids is None:
+            try:
+                prompt = read.prompt if read.messages is None else self._chat_prompt(read.messages, tools,
+                                                                                     _template_kwargs(read))
+            except RecursionError:
+                raise RequestError("messages or tools nest too deep to lay out: send flatter JSON") from None
+            if len(prompt.encode()) > self.max_prompt_bytes:  # refused untokenized: it cannot fit
+                raise RequestError(f"messages are {len(prompt.encode())} bytes as the chat template lays them out: "
+                                   f"more than the model's {self.max_positions} positions can hold (at most "
+                                   f"{self.max_prompt_bytes} bytes); shorten the messages or tools")
+            read.text = prompt
+            ids = self.tokenizer(prompt)["input_ids"]
+            if not ids:
+                raise RequestError("text_input is empty: send at least one token of text")
         positions = min(self.max_positions, self.engine.max_cache_tokens or self.max_positions)
         try:
             new_tokens, sampler, stop_ids = request_choices(
                 read.parameters, len(ids), read.max_new_tokens, self.default_new_tokens, positions, read.stop_ids,
-                self.eos, self.grammars, OWN_PARAMETERS)
+                self.eos, self.grammars, OWN_PARAMETERS, len(self.tokenizer))
         except SamplingError as e:
             raise RequestError(str(e)) from None
-        if _reasoning_parser(read) and sampler.constraint is not None and not thought_over(prompt):
+        if _reasoning_parser(read) and sampler.constraint is not None and \
+                not thought_over(read.text if read.ids is None else self.tokenizer.decode(read.ids)):
             sampler.constraint = self.grammars.after_thinking(sampler.constraint)  # the model thinks first
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,
                         salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant")), sampler
@@ -455,32 +481,36 @@ class TritonPythonModel:
     def _emit(self, sequence, token):
         out = self.streams[sequence.id]
         if out.stops and not sequence.finished:  # a stop string: what would follow it is not wanted, nor generated
-            tail = self.tokenizer.decode(sequence.output[-(max(map(len, out.stops)) + 4):], skip_special_tokens=True)
+            tail = self.tokenizer.decode(sequence.output[-(max(map(len, out.stops)) + 4):],
+                                         skip_special_tokens=out.skip_special)
             sequence.finished = any(stop in tail for stop in out.stops)
         if out.stream:
             out.pending.append(token)
         if not sequence.finished and (not out.stream or 1 < len(sequence.output) and
                                       len(out.pending) < self.stream_interval):
             return  # the first token goes at once; then a response every stream_interval tokens, and the last
-        text = self.tokenizer.decode(sequence.output, skip_special_tokens=True)
+        text = self.tokenizer.decode(sequence.output, skip_special_tokens=out.skip_special)
         if out.stream:  # the new tokens' text
             if text.endswith("\ufffd") and not sequence.finished:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
             ids, out.pending = out.pending, []
-            response = self._response(delta, ids, sequence, out.ranked[-len(ids):] if out.ranked else [])
+            response = self._response(delta, ids, sequence, out.ranked[-len(ids):] if out.ranked else [], out)
         else:  # the whole text
-            response = self._response(text, sequence.output, sequence, out.ranked)
+            response = self._response(text, sequence.output, sequence, out.ranked, out)
         self._send(out, response, FINAL if sequence.finished else 0)
         if sequence.finished:
             self.streams.pop(sequence.id, None)
 
-    def _response(self, text, ids, sequence, ranked):
+    def _response(self, text, ids, sequence, ranked, out=None):
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
                    pb_utils.Tensor("output_ids", np.asarray(ids, dtype=np.int64)),
                    pb_utils.Tensor("prompt_tokens", np.array([len(sequence.prompt)], dtype=np.int32)),
                    pb_utils.Tensor("prompt_cached_tokens", np.array([sequence.cached], dtype=np.int32))]
+        if out is not None and not out.prompt_sent:  # the first response: what was asked of the prompt
+            out.prompt_sent = True
+            tensors += self._prompt_tensors(sequence, out)
         if ranked:  # the tokens' own text and log-probabilities, and the most likely alternatives'
             tensors += [
                 pb_utils.Tensor("tokens", self._texts(ids)),
@@ -488,6 +518,24 @@ class TritonPythonModel:
                 pb_utils.Tensor("top_tokens", np.stack([self._texts(r[1]) for r in ranked])),
                 pb_utils.Tensor("top_logprobs", np.stack([r[2] for r in ranked]).astype(np.float32))]
         return pb_utils.InferenceResponse(tensors)
+
+    def _prompt_tensors(self, sequence, out):
+        """With `echo`, the prompt's text (prompt_text); with `prompt_logprobs` K, each prompt token's text
+        (prompt_token_texts) and, from the second on (the first has no context to be predicted from), its
+        log-probability (prompt_logprobs) and the K most likely there (prompt_top_tokens / prompt_top_logprobs)."""
+        tensors = []
+        if out.echo is not None:
+            tensors.append(pb_utils.Tensor("prompt_text", np.array([out.echo.encode("utf-8")], dtype=np.object_)))
+        ranked = out.prompt_ranked
+        if ranked is None:
+            return tensors
+        tensors.append(pb_utils.Tensor("prompt_token_texts", self._texts(sequence.prompt)))
+        if ranked:
+            tensors.append(pb_utils.Tensor("prompt_logprobs", np.array([r[0] for r in ranked], dtype=np.float32)))
+            if out.prompt_k:
+                tensors += [pb_utils.Tensor("prompt_top_tokens", np.stack([self._texts(r[1]) for r in ranked])),
+                            pb_utils.Tensor("prompt_top_logprobs", np.stack([r[2] for r in ranked]).astype(np.float32))]
+        return tensors
 
     def _texts(self, ids):
         return np.array([self.tokenizer.decode([int(i)]).encode("utf-8") for i in ids], dtype=np.object_)
@@ -599,6 +647,75 @@ def _text(request, name, limit, positions):
         return text[0].decode("utf-8") if isinstance(text[0], bytes) else str(text[0])
     except UnicodeDecodeError as e:
         raise RequestError(f"{name} is not valid UTF-8 (byte {e.start}): send UTF-8 text") from None
+
+
+def _ids(request, positions, vocab):
+    """The input_ids input (a prompt as token ids) as a list, None when not sent: 1 to `positions` integers, each a
+    token id of the vocabulary (0 to vocab - 1); checked before anything else is done."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "input_ids")
+    if tensor is None:
+        return None
+    ids = tensor.as_numpy()
+    if ids.dtype.kind not in "iu":
+        raise RequestError(f"input_ids must be integers (INT64), got {ids.dtype}")
+    ids = ids.reshape(-1)
+    if not 0 < ids.size <= positions:
+        raise RequestError(f"input_ids holds {ids.size} token ids: send 1 to {positions} (the model's positions)")
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab))
+    if bad.size:
+        raise RequestError(f"input_ids[{int(bad[0])}] is {int(ids[bad[0]])}: not a token id of this model's "
+                           f"vocabulary (0 to {vocab - 1})")
+    return ids.astype(np.int64).tolist()
+
+
+def _prompt_asks(read):
+    """(echo, K): the `echo` parameter (true: the first response carries the prompt's text, prompt_text) and
+    `prompt_logprobs` (K, 0-MAX_PROMPT_LOGPROBS: the prompt's tokens' log-probabilities and K alternatives each, or
+    None)."""
+    params = json.loads(read.parameters or "{}")
+    echo, k = params.get("echo", False), params.get("prompt_logprobs")
+    if not isinstance(echo, bool):
+        raise RequestError(f"echo must be true or false, got {json.dumps(echo)[:60]}")
+    if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
+        raise RequestError(f"prompt_logprobs must be an integer from 0 to {MAX_PROMPT_LOGPROBS}, got "
+                           f"{json.dumps(k)[:60]}")
+    return echo, k
+
+
+def _prompt_scorer(prompt, k, ranked):
+    """The engine's `score` for a prompt: from each prefilled chunk's logits (position p predicts token p + 1), each
+    prompt token's log-probability under the model's own distribution and the K most likely there (as the
+    sampler's `ranked` gives a generated token's), appended to `ranked` in order; the last position's logits
+    choose the answer's first token and are not scored."""
+    targets = np.asarray(prompt, np.int64)
+
+    def score(logits, start):
+        end = min(logits.shape[0], len(prompt) - 1 - start)
+        for at in range(0, end, SCORE_ROWS):
+            rows = min(SCORE_ROWS, end - at)
+            x = np.nan_to_num(np.array(logits[at:at + rows], np.float64), nan=-FINITE)
+            np.clip(x, -FINITE, FINITE, out=x)
+            x -= x.max(axis=1, keepdims=True)
+            x -= np.log(np.exp(x).sum(axis=1, keepdims=True))
+            np.maximum(x, -1e30, out=x)  # finite in float32 and in JSON
+            own = x[np.arange(rows), targets[start + at + 1:start + at + 1 + rows]]
+            if k:
+                top = np.argpartition(-x, k - 1, axis=1)[:, :k]
+                order = np.argsort(-np.take_along_axis(x, top, axis=1), axis=1, kind="stable")
+                top = np.take_along_axis(top, order, axis=1)
+            for r in range(rows):
+                ids = top[r] if k else np.zeros(0, np.int64)
+                ranked.append((float(own[r]), ids, x[r, ids].astype(np.float32)))
+
+    return score
+
+
+def _skip_special(read):
+    """vLLM's skip_special_tokens parameter (default true): false keeps special tokens in the text."""
+    value = json.loads(read.parameters or "{}").get("skip_special_tokens", True)
+    if not isinstance(value, bool):
+        raise RequestError(f"skip_special_tokens must be true or false, got {value!r:.60}")
+    return value
 
 
 def _stops(read):
