@@ -142,8 +142,8 @@ def test_errors_in_openais_form(api):
     with pytest.raises(openai.BadRequestError, match="'top_logprobs' needs 'logprobs': true"):
         _client(api).chat.completions.create(model="dstool_lm", messages=[{"role": "user", "content": "x"}],
                                              max_tokens=2, top_logprobs=2)
-    with pytest.raises(openai.BadRequestError, match="'echo' is not supported"):
-        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, echo=True)
+    with pytest.raises(openai.BadRequestError, match="'suffix' is not supported"):
+        _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, suffix="y")
     with pytest.raises(openai.BadRequestError, match="top_p must be"):
         _client(api).completions.create(model="dstool_lm", prompt="x", max_tokens=2, top_p=0)
     # Refused before the route is known (a wrong key, a body over the limit): still OpenAI's error object on /v1

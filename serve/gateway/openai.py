@@ -6,10 +6,11 @@ guided_* and structured_outputs) are NAME_llm's grammar; tools (tools.py) are sh
 made under its schema, and the text is read back as tool calls.
 
 `model` is the family's name (`dstool_lm`: its NAME_llm answers). Sampling parameters go to the model as they
-are (temperature — OpenAI's default 1 —, top_p, seed, presence/frequency_penalty, and vLLM's top_k, min_p,
-repetition_penalty); `max_tokens` (or `max_completion_tokens`) is max_new_tokens; `stop` strings end a choice
-here, the text cut before them; `n` choices run side by side (with a seed, choice i uses seed + i, modulo 2**63);
-`stream`
+are (temperature — OpenAI's default 1 —, top_p, seed, presence/frequency_penalty, logit_bias, and vLLM's top_k,
+min_p, repetition_penalty, min_tokens, stop_token_ids); `max_tokens` (or `max_completion_tokens`) is max_new_tokens:
+without it a chat answer runs to the model's end or the context's (completions: 16 tokens, the legacy default), at
+most --max-tokens-limit; `stop` strings end a choice here, the text cut before them (after them with vLLM's
+include_stop_str_in_output); `n` choices run side by side (with a seed, choice i uses seed + i, modulo 2**63); `stream`
 answers with server-sent events ending in `[DONE]`. Requests are typed (protocol.py): a mistake, an unknown field or
 one not served is a 400 naming it, in OpenAI's form. A client that hangs up, streamed or not, cancels its choices
 on Triton; a slow reader holds at most EVENTS_AHEAD events here. The gateway's bearer token, when set, is the API
@@ -23,6 +24,7 @@ import asyncio
 import contextlib
 import re
 import time
+import urllib.parse
 import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import orjson
 
 from dstool.serve.gateway import deepseek
 from dstool.serve.gateway.auth import Principal
+from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens
 from dstool.serve.gateway.protocol import (
@@ -48,12 +51,14 @@ from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
+from dstool.serve.triton_models.sampling import shown
 
 # how the engine words a request longer than the model's positions (sampling.request_choices)
 TOO_LONG = re.compile(r"prompt \((\d+) tokens\) \+ max_new_tokens \((\d+)\) exceed the model's (\d+) positions")
 # Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
 # Triton's sending waits), so a slow reader holds a bounded amount here.
 EVENTS_AHEAD = 64
+COMPLETION_TOKENS = 16  # /v1/completions without max_tokens (OpenAI's and vLLM's legacy default)
 
 
 def error_response(e: OpenAIError) -> HttpResponse:
@@ -62,10 +67,11 @@ def error_response(e: OpenAIError) -> HttpResponse:
 
 @dataclass(slots=True)
 class Ranked:
-    """One generated token's text and log-probability, and the most likely alternatives'."""
+    """One token's text and log-probability, and the most likely alternatives' (a prompt's first token has none:
+    logprob None)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
 
 
@@ -79,6 +85,19 @@ def ranked(event: dict) -> list[Ranked]:
     k = len(top_lps) // len(lps) if lps else 0
     return [Ranked(tokens[i], lps[i], list(zip(top_tokens[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])))
             for i in range(len(lps))]
+
+
+def prompt_ranked(event: dict) -> list[Ranked] | None:
+    """The prompt's tokens and their log-probabilities in a first generate_stream event (NAME_llm's prompt_logprobs:
+    none for the first token, then each one's with its alternatives), or None when it has none."""
+    if "prompt_token_texts" not in event:
+        return None
+    tokens, lps = _listed(event["prompt_token_texts"]), _listed(event.get("prompt_logprobs"))
+    top_tokens, top_lps = _listed(event.get("prompt_top_tokens")), _listed(event.get("prompt_top_logprobs"))
+    k = len(top_lps) // len(lps) if lps else 0
+    return [Ranked(tokens[0], None, [])] + [
+        Ranked(tokens[i + 1], lps[i], list(zip(top_tokens[i * k:(i + 1) * k], top_lps[i * k:(i + 1) * k])))
+        for i in range(min(len(lps), len(tokens) - 1))] if tokens else []
 
 
 def _listed(value) -> list:
@@ -97,7 +116,8 @@ def logprobs_field(chat: bool, rows: list[Ranked], offset: int = 0) -> dict:
         offsets.append(offset)
         offset += len(r.token)
     return {"tokens": [r.token for r in rows], "token_logprobs": [r.logprob for r in rows],
-            "top_logprobs": [{**dict(r.top), r.token: r.logprob} for r in rows], "text_offset": offsets}
+            "top_logprobs": [None if r.logprob is None else {**dict(r.top), r.token: r.logprob} for r in rows],
+            "text_offset": offsets}
 
 
 class Choice:
@@ -106,14 +126,22 @@ class Choice:
     answer under a grammar leaves it unfinished (not in the grammar, not a complete call): its finish reason is
     `length`, as when max_tokens cuts it."""
 
-    def __init__(self, index: int, stops: Stops, whole: bool = True, calls: Calls | None = None):
+    def __init__(self, index: int, stops: Stops, whole: bool = True, calls: Calls | None = None,
+                 keep_stop: bool = False):
         self.index, self.stops, self.text, self.sent, self.tokens, self.whole = index, stops, "", 0, 0, whole
+        self.keep_stop = keep_stop  # vLLM's include_stop_str_in_output: the stop string ends the text
+        self.limit: int | None = None  # the tokens it may have, once known (an answer running to the context's end)
         self.calls = calls  # the text read as tool calls, when the request has tools
         self.reasoning: deepseek.Reasoning | None = None  # the text split into thinking and answer (--reasoning-parser)
         self.ranked: list[Ranked] = []
         self.prompt_tokens = self.cached_tokens = 0  # the prompt's tokens, and those the engine's prefix cache held
         self.finish_reason: str | None = None
         self.hold = max((len(s) for s in stops), default=1) - 1  # characters that may begin a stop string
+        # /v1/completions: whether it counts its prompt's tokens (its prompt's first choice), the prompt's text and
+        # tokens put before its own (echo), whether its answer is dropped (echo with max_tokens 0), what its
+        # prompt is called in errors
+        self.lead, self.echo, self.discard, self.prompt_name = True, "", False, "prompt"
+        self.prompt_ranked: list[Ranked] = []
 
     def add(self, text: str) -> str:
         """Take the model's next text; what can be sent now."""
@@ -121,14 +149,15 @@ class Choice:
         for stop in self.stops:
             at = self.text.find(stop)
             if at >= 0:
-                self.text, self.finish_reason = self.text[:at], "stop"
+                self.text, self.finish_reason = self.text[:at + (len(stop) if self.keep_stop else 0)], "stop"
         upto = len(self.text) if self.finish_reason else max(self.sent, len(self.text) - self.hold)
         new, self.sent = self.text[self.sent:upto], upto
         return new
 
     def end(self, max_tokens: int) -> str:
         if self.finish_reason is None:
-            self.finish_reason = "length" if self.tokens >= max_tokens else "stop"
+            limit = self.limit if self.limit is not None else max_tokens
+            self.finish_reason = "length" if self.tokens >= limit else "stop"
         elif self.stops.grammar:  # a stop string cut it
             self.finish_reason = "length"
         new, self.sent = self.text[self.sent:], len(self.text)
@@ -155,10 +184,11 @@ class Reply:
         self.offsets = {c.index: 0 for c in self.choices}  # each choice's text offset so far (completions' logprobs)
 
     def usage(self) -> dict:
+        """Every prompt's tokens (a batch's, each once: its first choice's), every choice's."""
         completion = sum(c.tokens for c in self.choices)
-        prompt = self.choices[0].prompt_tokens
+        prompt = sum(c.prompt_tokens for c in self.choices if c.lead)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
-                "prompt_tokens_details": {"cached_tokens": self.choices[0].cached_tokens}}
+                "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in self.choices if c.lead)}}
 
     def whole(self) -> dict:
         rows = []
@@ -174,16 +204,18 @@ class Reply:
                 message.update(content=text or None, reasoning_content=thought or None, reasoning=thought or None)
             if c.calls is not None:
                 content, _, _ = c.calls.feed(text)
-
                 content += c.calls.end()
                 message["content"] = content or None
-                named = c.calls.mode not in ("auto", "required")
-                if c.calls.calls and not (named and c.finish_reason == "length"):  # a named call cut short is none
+                if c.finish_reason == "length":  # a call cut short comes back as far as it got, as OpenAI's
+                    c.calls.cut()
+                if c.calls.calls:
                     message["tool_calls"] = [call.whole() for call in c.calls.calls]
                     c.finish_reason = "tool_calls" if c.finish_reason == "stop" else c.finish_reason
             rows.append({"index": c.index, "message": message, "logprobs": lp,
                          "finish_reason": c.finish_reason} if self.chat else
-                        {"index": c.index, "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason})
+                        {"index": c.index, "text": c.echo + c.text, "logprobs": logprobs_field(
+                            False, c.prompt_ranked + c.ranked) if self.logprobs else None,
+                         "finish_reason": c.finish_reason})
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": rows, "usage": self.usage()}
 
@@ -219,12 +251,12 @@ class OpenAIFrontend:
     tool_call_parser: str = "hermes"  # --tool-call-parser
 
     def __init__(self, upstreams, generation: GenerationCache, guard: Guard | None = None,
-                 shared_models: frozenset[str] = frozenset(), default_max_tokens: int = 16):
+                 shared_models: frozenset[str] = frozenset(), max_tokens_limit: int | None = None):
         self.upstreams = upstreams
         self.generation = generation
         self.guard = guard
         self.shared_models = shared_models
-        self.default_max_tokens = default_max_tokens
+        self.max_tokens_limit = max_tokens_limit  # --max-tokens-limit: the most tokens one choice may have
         self.choices: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
         self.responses = ResponsesRoutes(MemoryResponses(), self._chat)  # the gateway gives it its Redis store
 
@@ -232,6 +264,8 @@ class OpenAIFrontend:
         try:
             if req.path == "/v1/models" and req.method == "GET":
                 return await self._models(req.principal)
+            if req.path.startswith("/v1/models/") and req.method == "GET":
+                return await self._model(req.path[len("/v1/models/"):], req.principal)
             if req.path == "/v1/responses" or req.path.startswith("/v1/responses/"):
                 return await self.responses.handle(req)
             if req.path in ("/v1/completions", "/v1/chat/completions"):
@@ -254,16 +288,45 @@ class OpenAIFrontend:
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             return error_response(OpenAIError(503, str(e), kind="server_error"))
 
-    async def _models(self, principal: Principal | None) -> HttpResponse:
+    async def _positions(self, model: str) -> int:
+        """The positions (prompt and answer) of the model's NAME_llm, from its config (kept by core.Deployments)."""
+        try:
+            config = (await self.generation.core.deployments.get(f"{model}_llm")).config
+        except GatewayError as e:
+            raise _upstream_error(e.status, orjson.dumps({"error": e.message}), model, True) from None
+        try:
+            return int(config["parameters"]["max_positions"]["string_value"])
+        except (KeyError, TypeError, ValueError):
+            raise OpenAIError(500, f"the model '{model}' has no max_positions parameter: export it again with this "
+                                   "dstool", kind="server_error") from None
+
+    async def _served(self, principal: Principal | None) -> list[str]:
+        """The model families whose NAME_llm is ready on Triton (those the key is given, with a key)."""
         r = await self.upstreams.request("POST", "/v2/repository/index", b"{}", (("Content-Type", "application/json"),))
         if r.status != 200:
             raise OpenAIError(502, f"Triton answered {r.status} to its repository index", kind="server_error")
-        names = sorted(m["name"][:-len("_llm")] for m in orjson.loads(r.body)
-                       if m.get("name", "").endswith("_llm") and m.get("state") == "READY" and
-                       (principal is None or principal.allows(m["name"])))
-        data = [{"id": n, "object": "model", "created": 0, "owned_by": "dstool"} for n in names]
+        return sorted(m["name"][:-len("_llm")] for m in orjson.loads(r.body)
+                      if m.get("name", "").endswith("_llm") and m.get("state") == "READY" and
+                      (principal is None or principal.allows(m["name"])))
+
+    async def _models(self, principal: Principal | None) -> HttpResponse:
+        data = [_model_object(n) for n in await self._served(principal)]
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
+
+    async def _model(self, raw: str, principal: Principal | None) -> HttpResponse:
+        """GET /v1/models/{id}: the model object GET /v1/models lists, or OpenAI's 404 (model_not_found)."""
+        try:  # the path's bytes (a latin-1 string of them), percent escapes decoded, as UTF-8
+            name = urllib.parse.unquote_to_bytes(raw.encode("latin-1")).decode("utf-8")
+        except (UnicodeError, ValueError):
+            name = ""
+        if not name or not addressable(name + "_llm"):
+            raise OpenAIError(404, f"The model {shown(name)} does not exist: a model's id is a served family's name "
+                                   "(GET /v1/models lists them)", "model", code="model_not_found")
+        if name not in await self._served(principal):
+            raise OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", "model",
+                              code="model_not_found")
+        return HttpResponse(200, [orjson.dumps(_model_object(name))], [("Content-Type", "application/json")])
 
     async def _chat(self, body: dict, req: HttpRequest):
         """The chat completion a Responses request asks for (stored.py), as req's principal: its answer."""
@@ -278,27 +341,40 @@ class OpenAIFrontend:
         chat = isinstance(request, ChatCompletionRequest)
         meter = self.guard.meter(principal) if self.guard is not None and principal is not None else None
         scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
-        max_tokens = request.max_new_tokens or self.default_max_tokens
+        asked = request.max_new_tokens if request.max_new_tokens is not None or chat else COMPLETION_TOKENS
+        cap = self.max_tokens_limit
+        if asked is not None and cap is not None and asked > cap:
+            raise OpenAIError(400, f"'max_tokens' is {asked}: this server gives a choice at most {cap} tokens "
+                                   "(--max-tokens-limit); ask for fewer", "max_tokens")
+        limits: dict = {} if asked is None and cap is None else {"max_new_tokens": asked if asked is not None else cap}
+        if asked is None:  # chat without a limit: to the model's end or the context's (as OpenAI and vLLM)
+            limits["fill_context"] = True
+            positions = await self._positions(request.model)
+            max_tokens = min(cap or positions, positions)
+        else:
+            max_tokens = asked
+        prompts = 1 if chat else len(request.prompts)  # a completion's batch: n choices of each prompt
         if meter is not None:  # its tenant's turn for its choices, and the most it may use, before anything runs
-            await meter.start(request.n, estimated_tokens(request.prompt_bytes()) + request.n * max_tokens)
+            await meter.start(prompts * request.n, estimated_tokens(request.prompt_bytes()) +
+                              prompts * request.n * max_tokens)
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
                           calls=deepseek.tool_calls(self.tool_call_parser, request.tool_list, request.tool_mode,
                                                     request.parallel_tool_calls is not False)
-                          if tooled else None)
-                   for i in range(request.n)]
+                          if tooled else None, keep_stop=request.include_stop_str_in_output)
+                   for i in range(prompts * request.n)]
+        for c in choices if not chat else []:
+            c.lead, c.discard = c.index % request.n == 0, request.echo_only
+            c.prompt_name = f"prompt[{c.index // request.n}]" if prompts > 1 else "prompt"
         thinking = chat and deepseek.thinks(self.reasoning_parser, getattr(request, "chat_template_kwargs", None))
-        thinks: dict = {}
         if thinking:
             if request.structured is not None:  # NAME_llm lets the model think before the grammar applies
-                thinks["reasoning_parser"] = "deepseek_r1"
+                limits["reasoning_parser"] = "deepseek_r1"
             for c in choices:
                 c.reasoning = deepseek.Reasoning()
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
-        tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index),
-                                                                 "max_new_tokens": max_tokens, **thinks}, c, events,
-                                                 opt_out,
-                                                 scope, meter, request.structured_param))
+        tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index), **limits}, c, events,
+                                                 opt_out, scope, meter, request.structured_param))
                  for c in choices]
         running = len(tasks)
 
@@ -365,6 +441,10 @@ class OpenAIFrontend:
                     rest = choice.calls.end()
                     if rest:
                         yield reply.chunk(choice.index, rest, None)
+                    cut = choice.calls.cut() if choice.finish_reason == "length" else None
+                    if cut is not None:
+                        yield reply.chunk(choice.index, None, None, calls=[
+                            {"index": len(choice.calls.calls) - 1, **cut.whole()}])
                     if choice.calls.calls and choice.finish_reason == "stop":
                         choice.finish_reason = "tool_calls"
                 yield reply.chunk(choice.index, None if reply.chat else "", choice.finish_reason)
@@ -399,14 +479,27 @@ class OpenAIFrontend:
                         continue
                     if "error" in d:
                         raise _upstream_error(400, orjson.dumps(d), model, "messages" in fields, grammar_param)
-                    new = len(_listed(d.get("output_ids"))) or 1  # several with a stream interval
+                    new = 0 if choice.discard else len(_listed(d.get("output_ids"))) or 1  # several: stream interval
                     choice.tokens += new
                     prompt_known = choice.prompt_tokens
                     choice.prompt_tokens = int(d.get("prompt_tokens", choice.prompt_tokens))
+                    if fields.get("fill_context") and choice.limit is None and choice.prompt_tokens:
+                        positions = await self._positions(model)
+                        cap = fields.get("max_new_tokens")
+                        choice.limit = positions - choice.prompt_tokens if cap is None else \
+                            min(cap, positions - choice.prompt_tokens)
                     choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
-                    if meter is not None:  # what the answer's usage says, charged as it comes
-                        first = choice.index == 0 and not prompt_known and choice.prompt_tokens
+                    if meter is not None:  # what the answer's usage says, charged as it comes (a prompt's once)
+                        first = choice.lead and not prompt_known and choice.prompt_tokens
                         meter.add(choice.prompt_tokens if first else 0, new, choice.cached_tokens if first else 0)
+                    if not prompt_known and ("prompt_text" in d or "prompt_token_texts" in d):  # echo: first
+                        choice.echo, choice.prompt_ranked = str(d.get("prompt_text", "")), prompt_ranked(d) or []
+                        if not choice.whole:
+                            await events.put((choice, choice.echo, choice.prompt_ranked))
+                    if choice.discard:  # echo with max_tokens 0: the prompt alone
+                        choice.finish_reason = "length"
+                        await events.put((choice, None, []))
+                        return
                     rows = ranked(d)
                     if choice.whole:
                         choice.ranked += rows
@@ -417,16 +510,29 @@ class OpenAIFrontend:
                         return
             await events.put((choice, None, []))
         except OpenAIError as e:
-            await events.put(e)
+            await events.put(_prompt_named(e, choice))
         except GatewayError as e:
-            await events.put(_upstream_error(e.status, orjson.dumps({"error": e.message}), model,
-                                             "messages" in fields, grammar_param))
+            await events.put(_prompt_named(_upstream_error(e.status, orjson.dumps({"error": e.message}), model,
+                                                           "messages" in fields, grammar_param), choice))
         except UnsafeRequest as e:
             await events.put(OpenAIError(400, str(e)))
         except (UpstreamUnavailable, UpstreamTimeout) as e:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+def _model_object(name: str) -> dict:
+    return {"id": name, "object": "model", "created": 0, "owned_by": "dstool"}
+
+
+def _prompt_named(e: OpenAIError, choice: Choice) -> OpenAIError:
+    """NAME_llm's words for a completion's prompt (text_input, input_ids) as the client named it: `prompt`, or
+    `prompt[i]` in a batch."""
+    for name in ("input_ids", "text_input"):
+        if e.message.startswith(name):
+            return OpenAIError(e.status, choice.prompt_name + e.message[len(name):], "prompt", e.kind, e.code)
+    return e
 
 
 def _given(model: str, principal: Principal | None) -> None:

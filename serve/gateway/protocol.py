@@ -2,11 +2,15 @@
 the wrong type or out of range, a field OpenAI does not define, or one this server does not serve yet is an
 OpenAIError naming it, in OpenAI's error shape — and turns itself into the generate request its model's NAME_llm
 takes. Sampling values are checked by the engine's own rule (sampling.SamplingParams), before anything goes
-upstream. Fields that do not change the answer (`user`, `metadata`, `store`, ...) are taken and not used."""
+upstream. A null is the field left out (as OpenAI reads it). Fields that cannot change this model's answer (`user`,
+`metadata`, `store`, routing and bookkeeping fields, `reasoning_effort` on a model without a thinking mode, no-op
+values) are taken and not used, logged once at debug level; a value that would change the answer and is not served
+is refused by name."""
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import re
 from typing import Any, ClassVar, TypeVar
 
@@ -20,9 +24,16 @@ from dstool.serve.triton_models.grammar import GrammarError
 from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
 
 MAX_N = 16  # choices per request
+MAX_PROMPTS = 64  # prompts in one /v1/completions batch
+MAX_CHOICES = 256  # choices of one /v1/completions request: prompts x n
+MAX_PROMPT_IDS = 65536  # token ids in one prompt (the model's positions bound it further)
 MAX_GRAMMAR_BYTES = 2 * grammar.MAX_SPEC_BYTES  # one request's schemas and grammars (tools' included), in all
 MAX_SALT_BYTES = 1024  # a cache_salt (NAME_llm's bound)
 MAX_STOP_CHARS = 256  # a stop string (NAME_llm's bound)
+MAX_BIASED = 300  # logit_bias entries (OpenAI's limit)
+MAX_STOP_IDS = 64  # stop_token_ids entries
+MAX_TEMPLATE_KWARGS_BYTES = 4096  # chat_template_kwargs as JSON
+MAX_TOKEN_ID = 2**31 - 1
 GRAMMAR_SUBJECT = re.compile(r"^structured_outputs(\.\w+)?")  # how the grammar engine names what it was given
 MAX_TOKENS = 2**31 - 1  # max_new_tokens is an INT32 input
 SAMPLING = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
@@ -52,6 +63,22 @@ def _flag(name: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ValueError(f"'{name}' must be true or false, got {shown(value)}")
     return value
+
+
+log = logging.getLogger("dstool.gateway")
+_NOTED: set[str] = set()
+
+
+def _noted(name: str) -> None:
+    """A field taken that cannot change this model's answer: said once, at debug level."""
+    if name not in _NOTED:
+        _NOTED.add(name)
+        log.debug("gateway: '%s' is accepted and cannot change this model's answers", name)
+
+
+def _unset_nulls(data: Any) -> Any:
+    """A request object with its null fields left out: OpenAI reads a null as the field not sent."""
+    return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
 def _unserved(name: str, value: Any, *asks_nothing: Any) -> None:
@@ -101,6 +128,10 @@ class _Request(BaseModel):
     guided_choice: Any = None
     guided_grammar: Any = None
     cache_salt: Any = None  # vLLM's: prefixes computed for requests of another salt are not reused
+    min_tokens: Any = None  # vLLM's, as are the three below
+    stop_token_ids: Any = None
+    include_stop_str_in_output: Any = False
+    skip_special_tokens: Any = True
     _structured: dict | None = PrivateAttr(default=None)  # the grammar asked for, as NAME_llm takes it
     _structured_param: str = PrivateAttr(default="")  # the field it came from
     # taken, not used: they do not change the answer
@@ -108,6 +139,13 @@ class _Request(BaseModel):
     metadata: dict[str, str] | None = None
     store: bool | None = None
     service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        return _unset_nulls(data)
 
     @field_validator("model", mode="before")
     @classmethod
@@ -165,8 +203,44 @@ class _Request(BaseModel):
 
     @field_validator("logit_bias", mode="before")
     @classmethod
-    def _logit_bias(cls, v: Any) -> None:
-        _unserved("logit_bias", v, {})
+    def _logit_bias(cls, v: Any) -> dict[str, float] | None:
+        """Token id (as a string, as JSON keys are) -> a bias from -100 to 100 added to its logit."""
+        if v is None or v == {}:
+            return None
+        if not isinstance(v, dict) or len(v) > MAX_BIASED or not all(
+                isinstance(k, str) and k.isdigit() and len(k) <= 10 and int(k) <= MAX_TOKEN_ID and
+                isinstance(b, (int, float)) and not isinstance(b, bool) and -100 <= b <= 100 for k, b in v.items()):
+            raise ValueError(f"'logit_bias' must map at most {MAX_BIASED} token ids (\"50256\") to numbers from -100 "
+                             f"to 100, got {shown(v)}")
+        return {str(int(k)): float(b) for k, b in v.items()}
+
+    @field_validator("min_tokens", mode="before")
+    @classmethod
+    def _min_tokens(cls, v: Any) -> int | None:
+        return None if v is None or v == 0 else _integer("min_tokens", v, 0, MAX_TOKENS)
+
+    @field_validator("stop_token_ids", mode="before")
+    @classmethod
+    def _stop_token_ids(cls, v: Any) -> list[int] | None:
+        if v is None or v == []:
+            return None
+        if not isinstance(v, list) or len(v) > MAX_STOP_IDS or not all(
+                isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in v):
+            raise ValueError(f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids, got {shown(v)}")
+        return v
+
+    @field_validator("include_stop_str_in_output", "skip_special_tokens", mode="before")
+    @classmethod
+    def _more_flags(cls, v: Any, info) -> bool:
+        return _flag(info.field_name, v)
+
+    @field_validator("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
+                     mode="after")
+    @classmethod
+    def _bookkeeping(cls, v: Any, info) -> Any:
+        if v is not None:
+            _noted(info.field_name)
+        return v
 
     @model_validator(mode="after")
     def _grammar(self):
@@ -246,6 +320,8 @@ class _Request(BaseModel):
     def _together(self):
         if self.stream_options is not None and not self.stream:
             raise ValueError("'stream_options' is only allowed with 'stream': true")
+        if self.min_tokens is not None and self.max_new_tokens is not None and self.min_tokens > self.max_new_tokens:
+            raise ValueError(f"'min_tokens' ({self.min_tokens}) must not exceed 'max_tokens' ({self.max_new_tokens})")
         params = {k: getattr(self, k) for k in SAMPLING if getattr(self, k) is not None}
         try:
             SamplingParams.from_parameters(params)  # the engine's own rule, before anything goes upstream
@@ -269,6 +345,14 @@ class _Request(BaseModel):
             fields["ignore_eos"] = True
         if self.cache_salt is not None:
             fields["cache_salt"] = self.cache_salt
+        if self.logit_bias:
+            fields["logit_bias"] = orjson.dumps(self.logit_bias).decode()
+        if self.min_tokens:
+            fields["min_tokens"] = self.min_tokens
+        if self.stop_token_ids:
+            fields["stop_token_ids"] = self.stop_token_ids
+        if not self.skip_special_tokens:
+            fields["skip_special_tokens"] = False
         if self.stop:  # the engine stops as soon as one comes (the text is cut here)
             fields["stop"] = orjson.dumps(self.stop).decode()
         if self.top_logprobs_asked is not None:
@@ -300,41 +384,129 @@ class _Request(BaseModel):
 
 
 class CompletionRequest(_Request):
-    """POST /v1/completions."""
+    """POST /v1/completions. `prompt` is a string, a list of token ids, or a batch: a list of strings or of lists of
+    token ids (at most MAX_PROMPTS; each prompt's `n` choices, indexed prompt by prompt: prompt i's choice j is
+    choice i * n + j, as OpenAI and vLLM index them). Token ids go to the model as they are (it checks them against
+    its vocabulary). `echo` puts the prompt's text before each choice's (with `logprobs`, the prompt's tokens'
+    log-probabilities before the answer's, the first one null); with `echo`, `max_tokens` 0 asks for the prompt's
+    alone (as vLLM: lm-evaluation-harness scores prompts so)."""
 
     prompt: Any
-    echo: Any = None
+    echo: Any = False
     suffix: Any = None
     best_of: Any = None
+    _echo_only: bool = PrivateAttr(default=False)  # echo with max_tokens 0: no answer, the prompt alone
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _echo_alone(cls, data: Any, handler):
+        """`max_tokens` 0 with `echo` (vLLM's rule): one token is computed (the prompt's logits are those of a
+        generation step) and not shown."""
+        alone = isinstance(data, dict) and data.get("echo") is True and type(data.get("max_tokens")) is int and \
+            data["max_tokens"] == 0
+        request = handler({**data, "max_tokens": 1} if alone else data)
+        request._echo_only = alone
+        return request
 
     @field_validator("prompt", mode="before")
     @classmethod
-    def _prompt(cls, v: Any) -> str:
-        if isinstance(v, list) and len(v) == 1 and isinstance(v[0], str):
-            v = v[0]
-        if not isinstance(v, str):
-            raise ValueError("'prompt' must be a string (or a list of one string)")
-        return v
+    def _prompt(cls, v: Any) -> list[str | list[int]]:
+        """The batch of prompts: each a string or a list of token ids."""
+        if isinstance(v, str):
+            return [v]
+        if not isinstance(v, list) or not v:
+            raise ValueError("'prompt' must be a string, a list of token ids, or a list of (at most "
+                             f"{MAX_PROMPTS}) strings or lists of token ids, got {shown(v)}")
+        if all(_is_id(x) for x in v):
+            return [_token_ids("prompt", v)]
+        if len(v) > MAX_PROMPTS:
+            raise ValueError(f"'prompt' holds {len(v)} prompts: send at most {MAX_PROMPTS} a request")
+        prompts: list[str | list[int]] = []
+        for i, x in enumerate(v):
+            if isinstance(x, str):
+                prompts.append(x)
+            elif isinstance(x, list) and x and all(_is_id(t) for t in x):
+                prompts.append(_token_ids(f"prompt[{i}]", x))
+            else:
+                raise ValueError(f"'prompt[{i}]' must be a string or a non-empty list of token ids (integers), got "
+                                 f"{shown(x)}: a batch is a list of strings or of lists of token ids")
+            if type(prompts[-1]) is not type(prompts[0]):
+                raise ValueError(f"'prompt[{i}]': a batch is a list of strings or a list of lists of token ids, "
+                                 "not both")
+        if sum(len(x) if isinstance(x, list) else len(x.encode()) // 4 for x in prompts) > MAX_PROMPT_IDS * 4:
+            raise ValueError(f"'prompt': the batch is over {MAX_PROMPT_IDS * 4} tokens in all: send fewer prompts")
+        return prompts
 
     @field_validator("logprobs", mode="before")
     @classmethod
     def _logprobs(cls, v: Any) -> int | None:
         return None if v is None else _integer("logprobs", v, 0, MAX_LOGPROBS)
 
-    @field_validator("echo", "suffix", "best_of", mode="before")
+    @field_validator("echo", mode="before")
+    @classmethod
+    def _echo(cls, v: Any) -> bool:
+        return _flag("echo", v)
+
+    @field_validator("suffix", "best_of", mode="before")
     @classmethod
     def _unserved(cls, v: Any, info) -> None:
         _unserved(info.field_name, v, False, "", 1)
 
-    def prompt_fields(self) -> dict:
-        return {"text_input": self.prompt}
+    @model_validator(mode="after")
+    def _batch(self):
+        if len(self.prompt) * self.n > MAX_CHOICES:
+            raise OpenAIError(400, f"{len(self.prompt)} prompts x n={self.n} is {len(self.prompt) * self.n} "
+                                   f"choices: at most {MAX_CHOICES} a request; send fewer prompts", "prompt")
+        return self
+
+    @property
+    def prompts(self) -> list[str | list[int]]:
+        return self.prompt
+
+    @property
+    def echo_only(self) -> bool:
+        """`echo` with `max_tokens` 0: the prompt alone, no answer."""
+        return self._echo_only
+
+    def fields(self, choice: int) -> dict:
+        """Choice i * n + j: prompt i's choice j (with a seed, seed + j, as a request of prompt i alone)."""
+        prompt, j = divmod(choice, self.n)
+        fields = super().fields(j)
+        fields.pop("text_input", None)
+        fields.pop("input_ids", None)
+        fields.update(self.prompt_fields(prompt))
+        if self.echo:
+            fields["echo"] = True
+            if self.logprobs is not None:  # the prompt's tokens' log-probabilities too (vLLM's prompt_logprobs)
+                fields["prompt_logprobs"] = self.logprobs
+        return fields
+
+    def prompt_fields(self, prompt: int = 0) -> dict:
+        given = self.prompt[prompt]
+        return {"text_input": given} if isinstance(given, str) else {"input_ids": given}
 
     def prompt_bytes(self) -> int:
-        return len(self.prompt.encode())
+        """Every prompt's (a token id counted as 4 bytes, a token as estimated_tokens reads them)."""
+        return sum(4 * len(p) if isinstance(p, list) else len(p.encode()) for p in self.prompt)
 
     @property
     def top_logprobs_asked(self) -> int | None:
         return self.logprobs
+
+
+def _is_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _token_ids(name: str, ids: list) -> list[int]:
+    """A prompt of token ids, each an integer 0-MAX_TOKEN_ID (the model checks its vocabulary), at most
+    MAX_PROMPT_IDS."""
+    if len(ids) > MAX_PROMPT_IDS:
+        raise ValueError(f"'{name}' holds {len(ids)} token ids: at most {MAX_PROMPT_IDS}")
+    bad = next((i for i, t in enumerate(ids) if not 0 <= t <= MAX_TOKEN_ID), None)
+    if bad is not None:
+        raise ValueError(f"'{name}[{bad}]' is {shown(ids[bad])}: a token id is an integer from 0 to {MAX_TOKEN_ID}")
+    return ids
 
 
 class ChatMessage(BaseModel):
@@ -346,6 +518,39 @@ class ChatMessage(BaseModel):
     name: Any = None
     tool_calls: Any = None  # an assistant's calls
     tool_call_id: Any = None  # a tool message's answer to a call
+    reasoning_content: Any = None  # an assistant's thinking, as a reasoning parser returned it (vLLM's, DeepSeek's)
+    reasoning: Any = None  # vLLM's newer name for it
+    refusal: Any = None  # an assistant's refusal, fed back: its text
+    annotations: Any = None  # an assistant's citations: bookkeeping
+    audio: Any = None
+    function_call: Any = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls(cls, data: Any) -> Any:
+        """An answer's message fed back as it came (`message.model_dump()`: refusal, annotations, audio,
+        function_call as null) is a message."""
+        return _unset_nulls(data)
+
+    @field_validator("reasoning_content", "reasoning", "refusal", mode="before")
+    @classmethod
+    def _texts(cls, v: Any, info) -> str | None:
+        if v is not None and not isinstance(v, str):
+            raise ValueError(f"'{info.field_name}' must be text, got {shown(v)}")
+        return v
+
+    @field_validator("annotations", mode="before")
+    @classmethod
+    def _annotations(cls, v: Any) -> None:
+        if not isinstance(v, list):
+            raise ValueError(f"'annotations' must be a list, got {shown(v)}")
+
+    @field_validator("audio", "function_call", mode="before")
+    @classmethod
+    def _not_served(cls, v: Any, info) -> None:
+        why = "this server serves text only" if info.field_name == "audio" else \
+            "OpenAI's deprecated form: send 'tool_calls'"
+        raise ValueError(f"'{info.field_name}' in a message: {why}")
 
     @field_validator("role", mode="before")
     @classmethod
@@ -393,6 +598,11 @@ class ChatMessage(BaseModel):
         if (self.tool_call_id is not None) != (self.role == "tool"):
             raise ValueError("a tool message needs 'tool_call_id' (the call it answers), and only a tool message "
                              "has one")
+        if (self.reasoning_content is not None or self.reasoning is not None or self.refusal is not None) and \
+                self.role != "assistant":
+            raise ValueError("'reasoning_content', 'reasoning' and 'refusal' belong to assistant messages only")
+        if self.content is None and self.refusal is not None:
+            self.content = self.refusal
         if self.content is None and self.tool_calls is None:
             raise ValueError("'content' is required (an assistant message may have tool_calls instead)")
         return self
@@ -409,6 +619,9 @@ class ChatMessage(BaseModel):
                 for c in self.tool_calls]
         if self.tool_call_id:
             out["tool_call_id"] = self.tool_call_id
+        thinking = self.reasoning_content if self.reasoning_content is not None else self.reasoning
+        if thinking:
+            out["reasoning_content"] = thinking  # the chat template decides whether the model sees it again
         return out
 
 
@@ -432,9 +645,11 @@ class ChatCompletionRequest(_Request):
     parallel_tool_calls: Any = None
     modalities: Any = None
     audio: Any = None
-    prediction: Any = None
+    prediction: Any = None  # predicted output: speeds OpenAI's answer up, never changes it
     reasoning_effort: Any = None
+    verbosity: Any = None
     web_search_options: Any = None
+    chat_template_kwargs: Any = None  # vLLM's: given to the chat template (enable_thinking, thinking, ...)
 
     @field_validator("messages", mode="before")
     @classmethod
@@ -480,10 +695,7 @@ class ChatCompletionRequest(_Request):
         except tooling.ToolError as e:
             raise OpenAIError(400, str(e), e.param) from None
         if self._tool_choice not in ("none", "auto"):
-            if self._structured is not None:
-                raise OpenAIError(400, f"tool_choice {self.tool_choice!r} makes the answer a tool call: leave the "
-                                       "structured output ('response_format', guided_*) out, or use tool_choice "
-                                       "auto", "tool_choice")
+            # the answer is a call: the structured output asked for text has none to shape (as OpenAI takes both)
             self._structured = tooling.grammar(self._tools, self._tool_choice,
                                                self.parallel_tool_calls is not False)
             self._structured_param = "tools"
@@ -509,10 +721,46 @@ class ChatCompletionRequest(_Request):
     def _modalities(cls, v: Any) -> None:
         _unserved("modalities", v, ["text"])
 
-    @field_validator("audio", "prediction", "reasoning_effort", "web_search_options", mode="before")
+    @field_validator("audio", "web_search_options", mode="before")
     @classmethod
     def _others(cls, v: Any, info) -> None:
         _unserved(info.field_name, v)
+
+    @field_validator("prediction", mode="before")
+    @classmethod
+    def _prediction(cls, v: Any) -> None:
+        if v is None:
+            return
+        if not isinstance(v, dict) or v.get("type") != "content":
+            raise ValueError(f"'prediction' must be {{\"type\": \"content\", \"content\": ...}}, got {shown(v)}")
+        _noted("prediction")
+
+    @field_validator("reasoning_effort", "verbosity", mode="before")
+    @classmethod
+    def _effort(cls, v: Any, info) -> str | None:
+        """OpenAI's levels for reasoning models (and GPT-5's verbosity): they select how a reasoning model thinks,
+        which this model does not: taken, as vLLM takes them for models without a thinking mode."""
+        levels = ("none", "minimal", "low", "medium", "high") if info.field_name == "reasoning_effort" else \
+            ("low", "medium", "high")
+        if v is None:
+            return None
+        if v not in levels:
+            raise ValueError(f"'{info.field_name}' must be one of {', '.join(levels)}, got {shown(v)}")
+        _noted(info.field_name)
+        return v
+
+    @field_validator("chat_template_kwargs", mode="before")
+    @classmethod
+    def _template_kwargs(cls, v: Any) -> dict | None:
+        """Keyword arguments for the chat template (vLLM's): names to JSON scalars, bounded."""
+        if v is None:
+            return None
+        if not isinstance(v, dict) or not all(
+                isinstance(k, str) and k.isidentifier() and (x is None or isinstance(x, (str, int, float, bool)))
+                for k, x in v.items()) or len(orjson.dumps(v)) > MAX_TEMPLATE_KWARGS_BYTES:
+            raise ValueError("'chat_template_kwargs' must be an object of names to strings, numbers or booleans "
+                             f"(at most {MAX_TEMPLATE_KWARGS_BYTES} bytes), got {shown(v)}")
+        return v or None
 
     @model_validator(mode="after")
     def _logprobs_together(self):
@@ -533,6 +781,8 @@ class ChatCompletionRequest(_Request):
         fields = {"messages": orjson.dumps([m.wire() for m in self.messages]).decode()}
         if self._tools:
             fields["tools"] = orjson.dumps([t.wire() for t in self._tools]).decode()
+        if self.chat_template_kwargs:
+            fields["chat_template_kwargs"] = orjson.dumps(self.chat_template_kwargs).decode()
         return fields
 
     @property
