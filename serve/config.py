@@ -161,13 +161,9 @@ class GatewayOptions(CommandConfig):
                                            "tenant's answers to itself): only for models whose answers hold nothing "
                                            "tenant-specific", json_schema_extra={"cli": {"flag": "--shared-cache-model",
                                                                                          "metavar": "MODEL"}})
-    reasoning_parser: Literal["deepseek_r1", "deepseek_v3"] | None = Field(
-        None, description="read a chat answer's thinking (<think>...</think>) into reasoning_content, as vLLM's parser "
-        "of the name; a grammar (response_format, tools) applies after </think>; deepseek_v3: only for requests with "
-        "chat_template_kwargs thinking (V3.1's toggle)")
-    tool_call_parser: Literal["hermes", "deepseek_v3", "deepseek_v31"] = Field(
-        "hermes", description="how tool_choice auto reads calls: hermes <tool_call>{...}</tool_call>, or DeepSeek "
-        "V3's / V3.1's <｜tool▁calls▁begin｜> tokens")
+    max_tokens_limit: int | None = Field(None, ge=1, description="the most tokens one OpenAI choice may have: a "
+                                         "chat answer without max_tokens runs to the model's end or the context's, "
+                                         "at most this; a larger max_tokens is a 400 naming the limit")
     responses_ttl: float = Field(30 * 86400.0, gt=0, description="seconds a stored response of the Responses API "
                                  "(store: true, OpenAI's default) is kept, in the --cache Redis (docs/responses.md)")
     max_response_bytes: int = Field(4 << 20, ge=1024, description="the most a stored response may hold, its "
@@ -175,6 +171,13 @@ class GatewayOptions(CommandConfig):
                                     "conversation already larger is refused (400) unless sent with store: false")
     responses_redis_timeout: float = Field(2.0, gt=0, description="seconds a call to the response store may take "
                                            "in Redis before a request that needs it is refused (503)")
+    reasoning_parser: Literal["deepseek_r1", "deepseek_v3"] | None = Field(
+        None, description="read a chat answer's thinking (<think>...</think>) into reasoning_content, as vLLM's parser "
+        "of the name; a grammar (response_format, tools) applies after </think>; deepseek_v3: only for requests with "
+        "chat_template_kwargs thinking (V3.1's toggle)")
+    tool_call_parser: Literal["hermes", "deepseek_v3", "deepseek_v31"] = Field(
+        "hermes", description="how tool_choice auto reads calls: hermes <tool_call>{...}</tool_call>, or DeepSeek "
+        "V3's / V3.1's <｜tool▁calls▁begin｜> tokens")
     forward_headers: str | None = Field(None, description="regular expression of the request headers (gRPC "
                                         "metadata) Triton forwards to models — the same as its "
                                         "--http/grpc-header-forward-pattern: they reach Triton on a miss and are "

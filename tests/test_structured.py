@@ -197,7 +197,6 @@ def test_refused_structured_requests_name_the_field(api):
         ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools[0].function.name"),
         ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "objet"}}}]},
          "tools[0].function.parameters"),
-        ({"tools": TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice"),
         ({"functions": [WEATHER["function"]]}, "functions"),
         ({"guided_json": {"type": "object", "uniqueItems": True, "not": {}}}, "guided_json"),
     ]

@@ -119,7 +119,7 @@ class Gateway:
         limits = HttpLimits(**{name: getattr(c, name) for name in HttpLimits.__dataclass_fields__})
         shared = frozenset(c.shared_cache_models)
         self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers, self.guard,
-                                          shared)
+                                          shared, c.max_tokens_limit)
         self.http_frontend.openai.reasoning_parser = c.reasoning_parser  # DeepSeek's formats (deepseek.py)
         self.http_frontend.openai.tool_call_parser = c.tool_call_parser
         self.http_frontend.openai.responses.store = self._response_store()

@@ -57,7 +57,7 @@ class HttpFrontend:
 
     def __init__(self, core: GatewayCore, metrics: Metrics, token: str | None, limits: HttpLimits,
                  forward_headers: str | None = None, guard: Guard | None = None,
-                 shared_models: frozenset[str] = frozenset()):
+                 shared_models: frozenset[str] = frozenset(), max_tokens_limit: int | None = None):
         self.core = core
         self.guard = guard  # --auth keys: tenants' keys, limits and usage
         self.shared_models = shared_models
@@ -72,7 +72,7 @@ class HttpFrontend:
         self.draining = False
 
         self.generation = GenerationCache(core, metrics)
-        self.openai = OpenAIFrontend(core.upstreams, self.generation, guard, shared_models)
+        self.openai = OpenAIFrontend(core.upstreams, self.generation, guard, shared_models, max_tokens_limit)
         self.anthropic = AnthropicFrontend(self.openai)  # /v1/messages: run as the chat completion it asks for
 
     def authorized(self, path: str, headers: dict[str, str]) -> bool:

@@ -150,7 +150,7 @@ def rebased(schema: dict, root: str) -> dict:
                 copy: dict | list = {} if isinstance(value, dict) else [None] * len(value)
                 stack.append((value, copy))
                 value = copy
-            target[key] = value  # type: ignore[index]
+            target[key] = value
     return top
 
 
