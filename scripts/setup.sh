@@ -34,4 +34,7 @@ if [ -n "$missing" ] && command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; the
   { apt-get install -y -qq $pkgs || { apt-get update -qq && apt-get install -y -qq $pkgs; }; } >/dev/null \
     || echo "warning: apt-get could not install $pkgs; the multi-host and observability tests need them" >&2
 fi
+# lm-evaluation-harness in a venv of its own (its pins are not .venv's): tests/test_completions.py scores the served
+# model with it; cached, so a second run only checks it.
+bash "$(dirname "$0")/lm-eval-venv.sh" >/dev/null
 echo "dstool installed in .venv (torch $torch_version)"

@@ -240,8 +240,8 @@ def test_lm_evaluation_harness_scores_the_served_model_as_it_scores_the_model_it
     scores a multiple-choice task made from the corpus (scripts/lm_eval_task.py) on the gateway: the accuracy and
     every choice's log-likelihood are those its `hf` model computes on the trained model in-process."""
     venv = lm_eval_venv()
-    if not (venv / "bin" / "lm_eval").exists():
-        pytest.skip(f"no lm-evaluation-harness at {venv}: scripts/lm-eval-venv.sh makes it")
+    assert (venv / "bin" / "lm_eval").exists(), f"no lm-evaluation-harness at {venv}: scripts/setup.sh makes it " \
+        "(scripts/lm-eval-venv.sh)"
     task = tmp_path / "task"
     subprocess.run([sys.executable, str(ROOT / "scripts" / "lm_eval_task.py"), str(task), "--docs", "24"],
                    check=True, capture_output=True)
