@@ -341,7 +341,8 @@ REFUSED = [
     (_chat(response_format="nonsense"), "response_format"),
     (_chat(tool_choice="auto"), "tool_choice"),
     (_chat(modalities=["text", "audio"]), "modalities"),
-    (_chat(logit_bias={"13": 100}), "logit_bias"),
+    (_chat(logit_bias={"99999999": 100}), "logit_bias"),  # served, but not for an id outside the vocabulary
+    (_chat(audio={"voice": "alloy", "format": "wav"}), "audio"),
     (_chat(no_such_field=1), "no_such_field"),
     ({**_chat(), "messages": [{"role": "user", "content": "hi", "weight": 2}]}, "weight"),
     ({**_chat(), "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},

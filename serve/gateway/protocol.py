@@ -691,6 +691,8 @@ class ChatCompletionRequest(_Request):
     def _tooling(self):
         try:
             self._tools = tooling.read_tools(self.tools) if self.tools is not None else []
+            if self.tools is None and self.tool_choice not in (None, "none"):  # (`tools: []` is no tools: taken)
+                raise tooling.ToolError(f"'tool_choice' {shown(self.tool_choice)} needs 'tools'", "tool_choice")
             self._tool_choice = tooling.read_choice(self.tool_choice, self._tools)
         except tooling.ToolError as e:
             raise OpenAIError(400, str(e), e.param) from None
