@@ -37,4 +37,7 @@ fi
 # lm-evaluation-harness in a venv of its own (its pins are not .venv's): tests/test_completions.py scores the served
 # model with it; cached, so a second run only checks it.
 bash "$(dirname "$0")/lm-eval-venv.sh" >/dev/null
+# The client libraries the compatibility tests run against the gateway (tests/test_client_ecosystem.py), each group in
+# a venv of its own under .venv-clients/ (their pins conflict); a no-op once made.
+bash "$(dirname "$0")/client-venvs.sh"
 echo "dstool installed in .venv (torch $torch_version)"
