@@ -206,6 +206,14 @@ def test_tokens_are_reserved_before_they_are_spent(llm_tenants):
     assert {a[0] for a in answers} == {200, 429} and sum(_usage(redis, tpm)) <= 200 + 16, \
         ([a[0] for a in answers], _usage(redis, tpm))
 
+    # no max_tokens (what clients send by default) under a budget smaller than the context: the answer runs to
+    # what the budget has left, and stops there (not a 429 for the whole context's 1,024 tokens)
+    open_ended = new_key(redis.url, "--tenant", "thrifty", "--budget-tokens", "60", "--per", "day")
+    ended = post(gw.http_port, CHAT, {"model": "dstool_lm", "ignore_eos": True, "messages": [
+        {"role": "user", "content": "tell"}]}, {"Authorization": f"Bearer {open_ended}"})
+    assert ended[0] == 200 and json.loads(ended[2])["choices"][0]["finish_reason"] == "length", ended
+    assert 30 < sum(_usage(redis, open_ended)) <= 60, _usage(redis, open_ended)
+
     choices = new_key(redis.url, "--tenant", "greedy", "--tpm", "100")
     many = post(gw.http_port, CHAT, {"model": "dstool_lm", "max_tokens": 10, "n": 16, "messages": [
         {"role": "user", "content": "hi"}]}, {"Authorization": f"Bearer {choices}"})

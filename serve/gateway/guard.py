@@ -48,6 +48,7 @@ class Refused(Exception):
         self.status, self.message, self.code, self.kind = status, message, code, kind
         self.headers = headers or []
         self.tenant = tenant
+        self.left: int | None = None  # a token limit's: what it still holds
 
 
 class RedisDown(Exception):
@@ -251,7 +252,12 @@ class Guard:
         raise self._too_many(reply, tokens)
 
     def _too_many(self, reply: list, tokens: int) -> Refused:
-        """The refusal of a reservation the limits cannot hold (RESERVE's reply)."""
+        """The refusal of a reservation the limits cannot hold (RESERVE's reply), with what they still hold."""
+        refused = self._refusal_of(reply, tokens)
+        refused.left = int(reply[7])
+        return refused
+
+    def _refusal_of(self, reply: list, tokens: int) -> Refused:
         kind, who, limit, retry_ms, tenant, per, left = reply[1], reply[2], int(reply[3]), int(reply[4]), *reply[5:8]
         self.metrics.tenant(tenant, "limited")
         owner = f"tenant '{tenant}'" if who == "tenant" else "this key"
@@ -363,9 +369,10 @@ class Meter:
         self.closed = False
         self.slot: Slot | None = None
 
-    async def start(self, places: int, tokens: int) -> None:
-        """Wait for the tenant's turn for `places` sequences, then reserve `tokens`; Refused (closed) if either
-        cannot be had."""
+    async def start(self, places: int, tokens: int, least: int | None = None) -> int:
+        """Wait for the tenant's turn for `places` sequences, then reserve `tokens` — or, with `least`, as many as
+        the limits still hold if that is `least` or more (an answer without max_tokens: it gets what is left) —;
+        Refused (closed) if they cannot be had. The tokens the answer may use."""
         try:
             self.slot = await self.guard.fair.acquire(self.principal.tenant, places, self.principal.concurrency)
         except TooManyWaiting as e:
@@ -374,11 +381,19 @@ class Meter:
                                f"already (at most {e.cap} generate at once): retry later", "rate_limit_exceeded",
                           "requests", [("Retry-After", "1")], self.principal.tenant) from None
         try:
-            if await self.guard.reserve(self.principal, tokens):
-                self.reserved += tokens
+            try:
+                if await self.guard.reserve(self.principal, tokens):
+                    self.reserved += tokens
+            except Refused as e:
+                if least is None or e.left is None or e.left < least:
+                    raise
+                tokens = e.left
+                if await self.guard.reserve(self.principal, tokens):
+                    self.reserved += tokens
         except BaseException:
             self.close()
             raise
+        return tokens
 
     def add(self, prompt: int = 0, completion: int = 0, cached: int = 0) -> None:
         over = max(0, self.spent - self.reserved)

@@ -210,7 +210,7 @@ class Sampler:
 
 
 READ = frozenset({*SamplingParams.NAMES, "logprobs", "ignore_eos", "structured_outputs", "fill_context", "logit_bias",
-                  "min_tokens"})  # request_choices reads these
+                  "min_tokens", "max_total_tokens"})  # request_choices reads these
 INPUTS = ("max_new_tokens", "stop_token_ids", "stream", "text_input", "messages")  # inputs, never parameters
 ELSEWHERE = {"max_tokens": "max_new_tokens (an input)", "max_completion_tokens": "max_new_tokens (an input)"}
 
@@ -248,6 +248,12 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
     new_tokens = asked if asked is not None else default_new_tokens
     if fill:
         new_tokens = max_positions - prompt_tokens if asked is None else min(asked, max_positions - prompt_tokens)
+        total = _integer(params, "max_total_tokens", 1, 2**31 - 1)  # what a tenant's token limits have left
+        if total is not None and total - prompt_tokens < min(new_tokens, 1):
+            raise SamplingError(f"max_total_tokens ({total}: what the token limits have left) is used up by the "
+                                f"prompt's {prompt_tokens} tokens: ask later, or with a shorter prompt")
+        if total is not None:
+            new_tokens = min(new_tokens, total - prompt_tokens)
         if new_tokens < 1:
             raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens (1) exceed the model's "
                                 f"{max_positions} positions: shorten the prompt")
