@@ -185,7 +185,7 @@ class _Request(BaseModel):
             raise ValueError(f"'cache_salt' must be a non-empty string of at most {MAX_SALT_BYTES} bytes")
         return v
 
-    @field_validator("stream", "ignore_eos", mode="before")
+    @field_validator("stream", "ignore_eos", "include_stop_str_in_output", "skip_special_tokens", mode="before")
     @classmethod
     def _flags(cls, v: Any, info) -> bool:
         return _flag(info.field_name, v)
@@ -228,11 +228,6 @@ class _Request(BaseModel):
                 isinstance(i, int) and not isinstance(i, bool) and 0 <= i <= MAX_TOKEN_ID for i in v):
             raise ValueError(f"'stop_token_ids' must be a list of at most {MAX_STOP_IDS} token ids, got {shown(v)}")
         return v
-
-    @field_validator("include_stop_str_in_output", "skip_special_tokens", mode="before")
-    @classmethod
-    def _more_flags(cls, v: Any, info) -> bool:
-        return _flag(info.field_name, v)
 
     @field_validator("user", "metadata", "store", "service_tier", "prompt_cache_key", "safety_identifier",
                      mode="after")
