@@ -355,8 +355,14 @@ class OpenAIFrontend:
             max_tokens = asked
         prompts = 1 if chat else len(request.prompts)  # a completion's batch: n choices of each prompt
         if meter is not None:  # its tenant's turn for its choices, and the most it may use, before anything runs
-            await meter.start(prompts * request.n, estimated_tokens(request.prompt_bytes()) +
-                              prompts * request.n * max_tokens)
+            sequences, prompt = prompts * request.n, estimated_tokens(request.prompt_bytes())
+            granted = await meter.start(sequences, prompt + sequences * max_tokens,
+                                        prompt + sequences if asked is None else None)
+            if granted < prompt + sequences * max_tokens:  # a limit holds less than the context: the answer
+                max_tokens = limits["max_new_tokens"] = (granted - prompt) // sequences  # runs to what is left,
+                if sequences == 1:  # the prompt as the engine counts it included
+                    max_tokens = limits["max_new_tokens"] = granted - 1
+                    limits["max_total_tokens"] = granted
         tooled = chat and request.tool_mode != "none"
         choices = [Choice(i, request.stop, whole=not request.stream,
                           calls=deepseek.tool_calls(self.tool_call_parser, request.tool_list, request.tool_mode,
@@ -486,8 +492,8 @@ class OpenAIFrontend:
                     if fields.get("fill_context") and choice.limit is None and choice.prompt_tokens:
                         positions = await self._positions(model)
                         cap = fields.get("max_new_tokens")
-                        choice.limit = positions - choice.prompt_tokens if cap is None else \
-                            min(cap, positions - choice.prompt_tokens)
+                        choice.limit = min(positions if cap is None else cap, positions - choice.prompt_tokens,
+                                           fields.get("max_total_tokens", positions) - choice.prompt_tokens)
                     choice.cached_tokens = int(d.get("prompt_cached_tokens", choice.cached_tokens))
                     if meter is not None:  # what the answer's usage says, charged as it comes (a prompt's once)
                         first = choice.lead and not prompt_known and choice.prompt_tokens
