@@ -3,20 +3,21 @@
 # tests/test_client_ecosystem.py (which runs small scripts with each one's python against the gateway):
 #   scripts/client-venvs.sh [DIR]      # DIR defaults to .venv-clients/ (git-ignored); one folder per group
 # Their pins conflict: instructor 1.17 wants jiter<0.15 (so openai<=3.3), llama-index-llms-openai 0.8 wants openai<3,
-# the rest take the newest openai. Each group is what `pip install LIBRARY` gives a user who installs it alone.
+# the rest take the newest openai (outlines 1.3 and guidance 0.3 too: they only add packages to that group). Each
+# group is what `pip install LIBRARY` gives a user who installs it alone.
 # A group whose pins are already installed is left as it is (re-running is a no-op); a changed pin rebuilds it.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 dir=${1:-${DSTOOL_CLIENT_VENVS:-.venv-clients}}
 python=${PYTHON:-python3}
 declare -A groups=(
-  [openai]="openai==3.63.0 langchain-openai==1.8.1 litellm==1.110.2 openai-agents==0.24.0 pydantic-ai-slim[openai]==2.78.0 anthropic==2.17.0"
+  [openai]="openai==3.63.0 langchain-openai==1.8.1 litellm==1.110.2 openai-agents==0.24.0 pydantic-ai-slim[openai]==2.78.0 anthropic==2.17.0 outlines==1.3.3 guidance==0.3.1"
   [instructor]="instructor==1.17.0 openai==3.3.0"
   [llamaindex]="llama-index-llms-openai-like==0.8.1 openai==2.54.0"
 )
 # what each group's python must import (a broken install fails here, not in the tests)
 declare -A imports=(
-  [openai]="openai, langchain_openai, litellm, agents, pydantic_ai, anthropic"
+  [openai]="openai, langchain_openai, litellm, agents, pydantic_ai, anthropic, outlines, guidance"
   [instructor]="instructor, openai"
   [llamaindex]="llama_index.llms.openai_like, openai"
 )

@@ -1,6 +1,7 @@
 """The ecosystem's client libraries on their default paths against the gateway (issue 41): what each library sends
 when its user sets nothing but the server's address, key and model — openai, langchain-openai, litellm (as an SDK),
-openai-agents, pydantic-ai, anthropic, instructor and LlamaIndex's OpenAILike — over the real Triton.
+openai-agents, pydantic-ai, anthropic, outlines, guidance, instructor and LlamaIndex's OpenAILike — over the real
+Triton.
 
 Their pins conflict, so each runs in a virtual environment of its group (scripts/client-venvs.sh makes them, under
 .venv-clients/; this test runs the script, a no-op once they are made): the test runs a small script of checks
@@ -28,8 +29,8 @@ VENVS = Path(os.environ.get("DSTOOL_CLIENT_VENVS", ROOT / ".venv-clients"))
 TOKEN = "sk-dstool-clients"
 # script (tests/clients/NAME.py) -> its virtual environment's group (scripts/client-venvs.sh)
 SCRIPTS = {"openai_sdk": "openai", "langchain": "openai", "litellm_sdk": "openai", "agents_sdk": "openai",
-           "pydantic_ai_sdk": "openai", "anthropic_sdk": "openai", "instructor_sdk": "instructor",
-           "llamaindex": "llamaindex"}
+           "pydantic_ai_sdk": "openai", "anthropic_sdk": "openai", "outlines_sdk": "openai", "guidance_sdk": "openai",
+           "instructor_sdk": "instructor", "llamaindex": "llamaindex"}
 
 
 @pytest.fixture(scope="session")
