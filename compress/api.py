@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from dstool import artifacts, models
+from dstool import artifacts, gguf, models
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel
 from dstool.compress.config import CompressConfig
@@ -75,6 +75,7 @@ def _check_modes(cfg: CompressConfig, src: Path) -> None:
 
 def compress(cfg: CompressConfig) -> CompressedModel:
     """Run the steps; returns the manifest (also written to OUTPUT/dstool.json)."""
+    cfg = cfg.model_copy(update={"model": gguf.resolve(cfg.model)})
     src = _check_input(cfg)
     out = Path(cfg.output)
     stage = out.with_name(out.name + ".tmp")

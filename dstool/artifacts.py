@@ -1,6 +1,7 @@
 """Typed artefacts: the manifest (`dstool.json`) each stage writes beside what it produces, and the next
 stage reads — never a glob, a guess or prose.
 
+    --model X.gguf    CACHE/gguf/D/dstool.json       GGUFModel        a GGUF file converted to a Hugging Face folder
     dstool train      RUN/dstool.json                TrainRun         tokenizer, data split, checkpoints, model
                       RUN/model/dstool.json          HFModel          a Hugging Face folder, its run and data split
                       RUN/checkpoints/step-N/...     Checkpoint       a DeepSpeed tag folder, hashed
@@ -204,6 +205,21 @@ class HFModel(Manifest):
     run: str | None = Field(None, description="the run folder, relative to this one")
     data: DataSplit | None = Field(None, description="the run's data split (held-out tokens for measurements), "
                                    "its folder relative to this one")
+
+
+class GGUFModel(Manifest):
+    """A Hugging Face folder converted from a GGUF file (llama.cpp's format) given as --model: dequantized weights."""
+
+    PRODUCER: ClassVar[str] = "dstool (a .gguf given as --model)"
+
+    kind: Literal["gguf-model"] = "gguf-model"
+    source: str = Field(description="the .gguf file it was converted from (absolute)")
+    source_sha256: str = Field(description="that file's sha256")
+    source_bytes: int = Field(description="that file's size")
+    architecture: str = Field(description="the GGUF's general.architecture (llama, ...)")
+    tensor_types: dict[str, int] = Field(description="the GGUF's tensor types (Q4_1, F32, ...) and how many of each")
+    dequantized: bool = Field(description="its quantized blocks were expanded to float weights here")
+    precision: str = Field(description="the dtype of the saved weights")
 
 
 class Checkpoint(Manifest):
@@ -615,8 +631,8 @@ class BatchOutput(Manifest):
     figures: BatchFigures | None = None
 
 
-KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, Checkpoint, UniversalCheckpoint, CompressedModel, Repository,
-                                      EdgePackage, BatchOutput)
+KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, GGUFModel, Checkpoint, UniversalCheckpoint, CompressedModel,
+                                      Repository, EdgePackage, BatchOutput)
 
 
 def weights_sha256(folder: Path) -> str:

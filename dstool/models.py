@@ -78,7 +78,8 @@ def check_model_ref(ref: str) -> None:
         return
     p = Path(ref)
     if not p.exists():
-        raise UsageError(f"unknown model '{ref}': use a preset ({', '.join(PRESETS)}) or a local Hugging Face folder")
+        raise UsageError(f"unknown model '{ref}': use a preset ({', '.join(PRESETS)}), a real model (smollm2), a "
+                         "local Hugging Face folder or a .gguf file")
     if not (p / "config.json").is_file():
         hint = model_hint(p) or ": pass a Hugging Face model folder"
         raise UsageError(f"model folder {ref} has no config.json{hint}")

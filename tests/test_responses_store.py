@@ -14,7 +14,7 @@ import pytest
 
 from conftest import dstool
 from gatewaylib import GatewayProcess, RedisServer
-from llmlib import cancelled
+from llmlib import cancelled, metric
 
 TOKEN = "sk-responses-test"
 ADD = {"type": "function", "name": "add", "parameters": {
@@ -199,6 +199,11 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
         time.sleep(0.5)
         longs = [_client(a).responses.create(model="dstool_lm", input=f"Count to {i}.", max_output_tokens=900,
                                              temperature=1.0, text=LONG, background=True) for i in range(2)]
+        # both in the engine before their cancel (one cancelled while still queued never reaches it: nothing to stop)
+        deadline = time.monotonic() + 60
+        while metric(server, "dstool_llm_sequences") < 8:
+            assert time.monotonic() < deadline, "the two background responses never reached the engine"
+            time.sleep(0.05)
         stopped = [_client(gw).responses.cancel(r.id) for gw, r in zip((a, b), longs)]
         assert [r.status for r in stopped] == ["cancelled"] * 2, [(r.status, r.usage) for r in stopped]
         deadline = time.monotonic() + 10

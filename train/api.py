@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 
 from dstool import log as dlog
-from dstool import models
+from dstool import gguf, models
 from dstool.artifacts import DataSplit, HFModel, ManifestError, TrainRun, kind_of
 from dstool.config import changed, dump_yaml
 from dstool.errors import StageFailed, TrainingFailed, UsageError
@@ -59,6 +59,7 @@ class TrainResult:
 def train(cfg: TrainConfig) -> TrainResult:
     """Run DeepSpeed training as `cfg` says; returns where the outputs are and the final losses."""
     on_gpu = torch.cuda.is_available()
+    cfg = cfg.model_copy(update={"model": gguf.resolve(cfg.model)})
     precision = _precision(cfg, on_gpu)
     models.check_model_ref(cfg.model)
     if cfg.archive:  # an unknown protocol, an unwritable place: refused before anything is prepared

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pydantic import BaseModel, Field, ValidationError
 
-from dstool import models
+from dstool import gguf, models
 from dstool.artifacts import kind_of
 from dstool.errors import UsageError
 from dstool.train import deepspeed_config
@@ -172,6 +172,7 @@ class _Device:
 def plan(cfg: PlanConfig) -> Plan:
     """Memory per device for each ZeRO stage, throughput, time, cost and communication at each cluster size `cfg`
     names, under its layout."""
+    cfg = cfg.model_copy(update={"model": gguf.resolve(cfg.model)})
     device = _device(cfg)
     shape = _model_shape(cfg.model, cfg.vocab_size, cfg.seq_len)
     _check_layout(cfg, shape)

@@ -12,7 +12,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from dstool import artifacts
+from dstool import artifacts, gguf
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel, Deployment, ManifestError, Repository
 from dstool.errors import UsageError
@@ -34,6 +34,7 @@ def export(cfg: ExportConfig) -> Deployment:
     repo = Path(cfg.repository)
     if repo.exists() and not repo.is_dir():
         raise UsageError(f"repository {repo} is a file: pass a folder for --repository")
+    cfg = cfg.model_copy(update={"model": gguf.resolve(cfg.model)})
     source = Path(cfg.model)
     compressed = read_source(source)
     hf_dir = source / compressed.model if compressed else source

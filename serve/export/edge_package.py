@@ -18,7 +18,7 @@ from pathlib import Path
 
 import numpy as np
 
-from dstool import artifacts
+from dstool import artifacts, gguf
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
 from dstool.engine import Engine, Sequence
@@ -48,6 +48,7 @@ def export_edge(cfg: ExportConfig) -> EdgePackage:
     if out.is_dir() and any(out.iterdir()) and artifacts.kind_of(out) != "edge-package":
         raise UsageError(f"--output {out} holds other files: pass a new folder (or an earlier edge package, which is "
                          "replaced)")
+    cfg = cfg.model_copy(update={"model": gguf.resolve(cfg.model)})
     source = Path(cfg.model)
     compressed = read_source(source)
     layers = int(json.loads(((source / compressed.model) if compressed else source).joinpath("config.json")
