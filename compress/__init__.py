@@ -15,8 +15,9 @@ def compress(cfg: CompressConfig):
     return run(cfg)
 
 
-def quantize_dynamic(model_dir: str, output: str, bits: int = 8, **options):
-    """Quantize a Hugging Face causal LM for ONNX Runtime (8: dynamic int8, 4: weight-only); returns the manifest."""
+def quantize_model(model_dir: str, output: str, bits: int = 8, **options):
+    """Quantize a Hugging Face causal LM for ONNX Runtime (8: int8, weight-only unless int8="dynamic"; 4: weight-only
+    4-bit); returns the manifest."""
     return compress(CompressConfig(model=model_dir, output=output, bits=bits, **options))
 
 
@@ -28,4 +29,4 @@ def load(folder, **options):
     return load_sparse(folder, **options)
 
 
-__all__ = ["CompressConfig", "compress", "load", "quantize_dynamic"]
+__all__ = ["CompressConfig", "compress", "load", "quantize_model"]

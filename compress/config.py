@@ -14,10 +14,17 @@ from dstool.config import CommandConfig, positional
 class CompressConfig(CommandConfig):
     """Options of `dstool compress` (field names are the flags with dashes)."""
 
-    model: str = positional("Hugging Face causal-LM folder (e.g. the model/ of a dstool train run)",
+    model: str = positional("Hugging Face causal-LM folder (e.g. the model/ of a dstool train run), a .gguf file "
+                            "(converted once) or smollm2 (a real pretrained model, fetched once)",
                             metavar="MODEL_DIR")
     output: str = Field(description="folder for model/, onnx/ (both graphs), dstool.json and report.{md,png}")
-    bits: int | None = Field(None, description="8: dynamic int8 (ONNX Runtime); 4: weight-only 4-bit MatMulNBits")
+    bits: int | None = Field(None, description="8: int8 (ONNX Runtime, --int8 says which); 4: weight-only 4-bit "
+                             "MatMulNBits")
+    int8: Literal["weight-only", "dynamic"] = Field("weight-only", description="--bits 8: weight-only int8 "
+                                                    "(MatMulNBits, per-block scales, activations quantized per block "
+                                                    "or fp32), or dynamic (MatMulInteger: per-tensor activations, "
+                                                    "fast on VNNI; real models' activation outliers cost accuracy)")
+    group_size: int = Field(128, description="weight-only (4-bit, weight-only int8): input channels per scale")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
                                 "key/value groups, query heads and MLP channels (MoE: heads, routed experts and "
                                 "expert channels) is chosen by measured calibration loss and ONNX Runtime latency")
@@ -38,13 +45,17 @@ class CompressConfig(CommandConfig):
     distill: bool = Field(False, description="recovery loss = cross-entropy + KL to the original model's logits")
     calibration: str | None = Field(None, description="text/jsonl data for importance, held-out perplexity and "
                                     "recovery")
-    max_ppl_increase: float = Field(1.0, gt=0, description="int8: keep layers in fp32 until perplexity rises less "
-                                    "than this %")
+    max_ppl_increase: float = Field(1.0, gt=0, description="--int8 dynamic: keep layers in fp32 until perplexity "
+                                    "rises less than this %")
     speed_gate: SpeedTarget | None = Field(None, description="opt-in: fail, writing nothing, when the quantized "
                                            "model measures slower than fp32 on this figure: decode (tokens/s at "
                                            "batch 1), batched-decode (batch 16) or prefill (latency at batch 8 x "
                                            "128); without it the speeds are measured and reported, slower too",
                                            json_schema_extra={"cli": {"metavar": "FIGURE"}})
+    min_recovery: float | None = Field(None, gt=0, le=100, description="opt-in: fail, writing nothing, when the "
+                                       "result keeps less than this % of the input's quality (held-out perplexity: "
+                                       "before / after; cloze accuracy: after / before)",
+                                       json_schema_extra={"cli": {"metavar": "PCT"}})
     latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure (per decoding "
                                  "figure: at most 5 generations of 32 tokens)")
     baseline_cache: bool = Field(True, description="reuse the fp32 baseline (both graphs, their figures) of an input "
@@ -85,6 +96,16 @@ class CompressConfig(CommandConfig):
             if not (m and 0 < int(m.group(1)) < int(m.group(2)) or f and 0 < float(self.sparsity) < 1):
                 raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4) or a fraction strictly "
                                  f"between 0 and 1 (e.g. 0.65), got '{self.sparsity}'")
+        if self.group_size not in (16, 32, 64, 128, 256):
+            raise ValueError(f"group_size must be 16, 32, 64, 128 or 256 (MatMulNBits blocks), not {self.group_size}")
+        if "int8" in self.model_fields_set and self.bits != 8:
+            raise ValueError("--int8 chooses how --bits 8 quantizes: give --bits 8 with it")
+        if "group_size" in self.model_fields_set and not (self.bits == 4 or self.bits == 8
+                                                          and self.int8 == "weight-only"):
+            raise ValueError("--group-size is the weight-only block: give it with --bits 4 or --bits 8 (weight-only)")
+        if "max_ppl_increase" in self.model_fields_set and not (self.bits == 8 and self.int8 == "dynamic"):
+            raise ValueError("--max-ppl-increase chooses what --int8 dynamic keeps in fp32: give --bits 8 --int8 "
+                             "dynamic with it")
         if self.engine == "torchao" and self.bits != 8:
             raise ValueError("engine torchao is the PyTorch int8 path: use it with bits 8")
         if not (self.bits or self.prune or given or self.sparsity):

@@ -82,11 +82,15 @@ def recipe_lines(r: Recipe) -> list[str]:
                          + "; ".join(f"{'+'.join(t.fp32_layers) or 'all int8'}"
                                      f"{' (+activation MatMuls)' if t.activation_matmuls else ''}: {t.perplexity:.3f}"
                                      for t in q.trials))
-        elif q.format == "int4-matmulnbits":
-            lines.append(f"4-bit: weight-only, MatMul -> MatMulNBits and embedding Gather -> GatherBlockQuantized, "
-                         f"block {q.block_size}, symmetric; the logits graph computes in fp32, the decoder in "
-                         f"{'int8' if q.accuracy_level else 'fp32'} (a batch-1 decoding step: "
-                         + ", ".join(f"{k} {v:.2f} ms" for k, v in q.decoding_step_ms.items()) + ")")
+        elif q.format in ("int4-matmulnbits", "int8-matmulnbits"):
+            four = q.bits == 4
+            lines.append(f"{q.bits}-bit: weight-only, MatMul -> MatMulNBits"
+                         + (" and embedding Gather -> GatherBlockQuantized" if four else " (embedding fp32)")
+                         + f", {q.weight_type}, a scale per {q.block_size} input channels; the logits graph "
+                         f"computes in {'fp32' if four or not q.accuracy_level else 'int8'}, the decoder in "
+                         f"{'int8 (activations quantized per block)' if q.accuracy_level else 'fp32'} (a batch-1 "
+                         "decoding step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in q.decoding_step_ms.items())
+                         + ")")
         else:
             lines.append("torchao int8: Int8DynamicActivationInt8WeightConfig via TorchAoConfig in "
                          f"{q.torchao_folder}/ "
@@ -114,11 +118,13 @@ def markdown(m: CompressedModel) -> str:
     b, a = f.before, f.after
     rows = [("parameters", f"{b.parameters:,}", f"{a.parameters:,}", f"{a.parameters / b.parameters:.3f}x"),
             ("ONNX file size", _mb(b.onnx_bytes), _mb(a.onnx_bytes), f"{f.compression_ratio:.3f}x"),
-            ("held-out perplexity", f"{b.perplexity:.3f}", f"{a.perplexity:.3f}", f"{f.perplexity_change_pct:+.2f} %"),
+            ("held-out perplexity", f"{b.perplexity:.3f}", f"{a.perplexity:.3f}", f"{f.perplexity_change_pct:+.2f} %"
+             + (f" (recovery {f.recovery['perplexity']:.2f} %)" if "perplexity" in f.recovery else "")),
             ("top-1 next token = the input model's (held-out positions)", "100.00%", f"{f.top1_agreement:.2%}", ""),
             (f"zero-shot cloze accuracy ({f.zero_shot_items} items, chance {1 / f.zero_shot_choices:.0%})",
              _pct(b.zero_shot_accuracy), _pct(a.zero_shot_accuracy),
              f"{100 * (a.zero_shot_accuracy - b.zero_shot_accuracy):+.1f} points"
+             + (f" (recovery {f.recovery['cloze']:.1f} %)" if "cloze" in f.recovery else "")
              if a.zero_shot_accuracy is not None and b.zero_shot_accuracy is not None else "")]
     for batch in ("1", "8"):
         before, after = getattr(b, f"latency_ms_batch{batch}"), getattr(a, f"latency_ms_batch{batch}")
@@ -134,7 +140,7 @@ def markdown(m: CompressedModel) -> str:
     lines = [f"# dstool compress report: {Path(m.source.path).name}", "", f"Settings: {settings}", "",
              "| | before | after | ratio |", "|---|---:|---:|---:|"]
     lines += [f"| {a_} | {b_} | {c_} | {d_} |" for a_, b_, c_, d_ in rows]
-    lines += ["", speed_gate_line(m)]
+    lines += ["", quality_gate_line(m), "", speed_gate_line(m)]
     lines += ["", "## Recipe", ""] + [f"- {line}" for line in recipe_lines(m.recipe)]
     lines += ["", "## Graphs", ""] + [f"- {role}: `{g.path}` (fp32 parity before quantization: max |logit diff| "
                                        f"{g.fp32_parity:.2e})" for role, g in m.graphs.items()]
@@ -152,6 +158,16 @@ def _faster(speedup: float) -> str:
 
 def _pct(x: float | None) -> str:
     return "n/a" if x is None else f"{x:.1%}"
+
+
+def quality_gate_line(m: CompressedModel) -> str:
+    """What the quality gate asked (its figures held, or the run would have failed)."""
+    f = m.figures
+    kept = ", ".join(f"{k} {v:.2f} %" for k, v in f.recovery.items())
+    if f.min_recovery is None:
+        return (f"Recovery (the result's quality as a share of the input's): {kept}; gate: none (opt-in: "
+                "--min-recovery).")
+    return f"Recovery: {kept}; gate --min-recovery {f.min_recovery:g} %: passed."
 
 
 def speed_gate_line(m: CompressedModel) -> str:

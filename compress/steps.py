@@ -361,10 +361,10 @@ class Quantize(CompressStep):
         logits, decoder = work.deploy["logits"], work.deploy["decoder"]
         for path in (logits, decoder):  # MoE: each routed expert's weights their own initializers, so they quantize
             quantize.fold_weight_constants(path)
-        if cfg.bits == 8:
-            q_logits, q_decoder = self._int8(work, logits, decoder)
+        if cfg.bits == 8 and cfg.int8 == "dynamic":
+            q_logits, q_decoder = self._int8_dynamic(work, logits, decoder)
         else:
-            q_logits, q_decoder = self._int4(work, logits, decoder)
+            q_logits, q_decoder = self._weight_only(work, logits, decoder)
         quantized = {"logits": q_logits, "decoder": q_decoder}
         if "fused" in work.deploy and (q_fused := self._fused(work, work.deploy["fused"])):
             quantized["fused"] = q_fused
@@ -373,16 +373,19 @@ class Quantize(CompressStep):
         vocab = work.model.config.vocab_size
         diff = quantize.decoder_prefill_diff(q_logits, q_decoder, vocab)
         assert work.recipe.quantization is not None
-        mixed = work.recipe.quantization.accuracy_level is not None  # the decoder computes in int8, logits in fp32
+        mixed = work.recipe.quantization.accuracy_level is not None  # activations quantized per block, as they come
         limit = quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE
         if diff > limit:
             raise StageFailed(f"the quantized decoder's prefill disagrees with the quantized logits graph (max |logit "
                               f"diff| {diff:.3g} > {limit})")
         if "fused" in quantized:
-            diff = quantize.fused_prefill_diff(q_decoder, quantized["fused"], vocab)
-            if diff > quantize.FUSED_TOLERANCE:
-                raise StageFailed(f"the quantized fused-attention decoder disagrees with the quantized decoder on a "
-                                  f"prefill (max |logit diff| {diff:.3g} > {quantize.FUSED_TOLERANCE})")
+            errors = quantize.fused_prefill_errors(work.deploy["decoder"], q_decoder, quantized["fused"], vocab)
+            if not quantize.fused_holds_the_recipe(*errors):  # an optimisation that does not hold: served without it
+                log.warning(f"the quantized fused-attention decoder's prefill is further from fp32 than the quantized "
+                            f"decoder's (max |logit diff| {errors[1]:.3g} against {errors[0]:.3g}): left out, NAME_llm "
+                            "will run the decoder graph")
+                del quantized["fused"]
+                shutil.rmtree(work.deploy.pop("fused").parent)
         for path in work.deploy.values():  # the quantized files are the artefact
             path.unlink()
             Path(str(path) + ".data").unlink(missing_ok=True)
@@ -393,8 +396,10 @@ class Quantize(CompressStep):
         """The fused-attention decoder with the decoder's recipe (None where that recipe has no fused form)."""
         q = work.recipe.quantization
         assert q is not None
-        if q.bits == 4:
-            return quantize.quantize_int4(fused, fused.with_name("model.int4.onnx"), accuracy_level=q.accuracy_level)
+        if q.format.endswith("matmulnbits"):
+            assert q.block_size is not None
+            return quantize.quantize_nbits(fused, fused.with_name(f"model.int{q.bits}.onnx"), q.bits, q.block_size,
+                                           q.bits == 8, q.accuracy_level)
         if q.activation_matmuls:  # the fused op computes attention scores in fp32: not the recipe measured
             log.info("int8: no fused-attention decoder (the recipe quantizes the attention-score MatMuls, which the "
                      "fused attention op computes in fp32): NAME_llm will run the decoder graph")
@@ -405,7 +410,7 @@ class Quantize(CompressStep):
         return quantize.quantize_int8(fused, fused.with_name("model.int8.onnx"), choice)
 
     @staticmethod
-    def _int8(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
+    def _int8_dynamic(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
         cfg = work.cfg
         choice, trials = quantize.choose_int8_exclusions(
             logits, work.scratch, work.calib, measure.perplexity_onnx(logits, work.calib), cfg.max_ppl_increase / 100,
@@ -426,17 +431,26 @@ class Quantize(CompressStep):
         return q_logits, q_decoder
 
     @staticmethod
-    def _int4(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
-        # the logits graph (scoring, long sequences) computes in fp32; the decoder (generation, a token per step) in
-        # whichever compute decodes faster on this CPU, measured
-        level, step_ms = quantize.choose_int4_accuracy(decoder, work.scratch, work.model.config.vocab_size)
-        q_logits = quantize.quantize_int4(logits, logits.with_name("model.int4.onnx"))
-        q_decoder = quantize.quantize_int4(decoder, decoder.with_name("model.int4.onnx"), accuracy_level=level)
-        work.recipe.quantization = Quantization(bits=4, engine="onnxruntime", format="int4-matmulnbits",
-                                                weight_type="int4 symmetric", block_size=quantize.INT4_BLOCK,
-                                                accuracy_level=level, decoding_step_ms=step_ms)
-        log.info(f"4-bit: the decoder computes in {'int8' if level else 'fp32'}, measured faster per decoding step "
-                 f"here ({', '.join(f'{k} {v:.2f} ms' for k, v in step_ms.items())})")
+    def _weight_only(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
+        # int8 symmetric (asymmetric buys nothing at 8 bits); 4-bit asymmetric (measured on SmolLM2-135M: held-out
+        # perplexity recovery 89.6 % against 84.0 % symmetric, group 128; docs/real-model.md). The decoder (generation,
+        # a token per step) computes in whichever of fp32 and int8 decodes faster on this CPU, measured; the 4-bit
+        # logits graph (scoring, long sequences) in fp32, the int8 one as the decoder (fp32 compute on 8-bit weights
+        # measured 2.2x slower than the fp32 graph there).
+        bits, block = work.cfg.bits or 4, work.cfg.group_size
+        symmetric = bits == 8
+        level, step_ms = quantize.choose_nbits_accuracy(decoder, work.scratch, work.model.config.vocab_size, bits,
+                                                        block, symmetric)
+        q_logits = quantize.quantize_nbits(logits, logits.with_name(f"model.int{bits}.onnx"), bits, block, symmetric,
+                                           level if bits == 8 else None)
+        q_decoder = quantize.quantize_nbits(decoder, decoder.with_name(f"model.int{bits}.onnx"), bits, block,
+                                            symmetric, level)
+        work.recipe.quantization = Quantization(
+            bits=bits, engine="onnxruntime", format=f"int{bits}-matmulnbits",
+            weight_type=f"int{bits} {'symmetric' if symmetric else 'asymmetric'}", block_size=block,
+            accuracy_level=level, decoding_step_ms=step_ms)
+        log.info(f"{bits}-bit weight-only, group {block}: the decoder computes in {'int8' if level else 'fp32'}, "
+                 f"measured faster per decoding step here ({', '.join(f'{k} {v:.2f} ms' for k, v in step_ms.items())})")
         return q_logits, q_decoder
 
 
@@ -537,6 +551,7 @@ class Measure(CompressStep):
             speedup={"1": b.latency_ms_batch1 / a.latency_ms_batch1, "8": b.latency_ms_batch8 / a.latency_ms_batch8},
             decode_speedup={"1": a.decode_tokens_per_s_batch1 / b.decode_tokens_per_s_batch1,
                             "16": a.decode_tokens_per_s_batch16 / b.decode_tokens_per_s_batch16},
+            recovery=recovery(b, a), min_recovery=work.cfg.min_recovery,
             decode_prompt_len=DECODE_PROMPT, decode_new_tokens=DECODE_TOKENS, speed_target=work.cfg.speed_gate,
             latency_seq_len=128, heldout=work.heldout_label,
             machine=f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, onnxruntime CPU provider")
@@ -549,7 +564,7 @@ class Measure(CompressStep):
         return f
 
     def gate(self, work, result):
-        return speed_gate(work.cfg, result)
+        return quality_gate(result) or speed_gate(work.cfg, result)
 
 
 class Write(CompressStep):
@@ -566,6 +581,23 @@ class Write(CompressStep):
             figures=work.figures, torchao=work.torchao)
         report.write(m, work.stage)
         m.write(work.stage)
+
+
+def recovery(before: Measured, after: Measured) -> dict[str, float]:
+    """The result's quality as a % of the input's, per measure (the cloze only where the input scores above 0)."""
+    out = {"perplexity": 100 * before.perplexity / after.perplexity}
+    if before.zero_shot_accuracy and after.zero_shot_accuracy is not None:
+        out["cloze"] = 100 * after.zero_shot_accuracy / before.zero_shot_accuracy
+    return out
+
+
+def quality_gate(figures: Figures) -> str | None:
+    """--min-recovery: why the result keeps too little of the input's quality (None: it keeps enough, or no gate)."""
+    low = {k: v for k, v in figures.recovery.items() if figures.min_recovery and v < figures.min_recovery}
+    if not low:
+        return None
+    return ("keeps too little of the input's quality: " + ", ".join(f"{k} recovery {v:.2f} %" for k, v in low.items())
+            + f" < --min-recovery {figures.min_recovery:g} %")
 
 
 def speed_gate(cfg: CompressConfig, figures: Figures) -> str | None:

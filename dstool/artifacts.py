@@ -286,21 +286,24 @@ class Quantization(_Model):
 
     bits: Literal[8, 4]
     engine: Literal["onnxruntime", "torchao"]
-    format: Literal["int8-dynamic-qoperator", "int4-matmulnbits", "torchao-int8-dynamic"] = Field(
-        description="int8: ORT dynamic (MatMulInteger); 4-bit: weight-only MatMulNBits; torchao: PyTorch int8")
-    weight_type: str | None = Field(None, description="QInt8 / QUInt8 (int8), int4 symmetric (4-bit)")
+    format: Literal["int8-matmulnbits", "int8-dynamic-qoperator", "int4-matmulnbits", "torchao-int8-dynamic"] = Field(
+        description="int8: weight-only MatMulNBits, or ORT dynamic (MatMulInteger); 4-bit: weight-only MatMulNBits; "
+        "torchao: PyTorch int8")
+    weight_type: str | None = Field(None, description="QInt8 / QUInt8 (dynamic int8); int8/int4 symmetric or "
+                                    "asymmetric (weight-only)")
     activation_type: str | None = None
     per_channel: bool | None = None
     reduce_range: bool | None = Field(None, description="7-bit weights: chosen on CPUs without VNNI")
     cpu_vnni: bool | None = Field(None, description="whether this CPU has VNNI (decides reduce_range)")
     activation_matmuls: bool | None = Field(None, description="MatMuls of two activations (attention scores) "
                                             "quantized too; kept only if measured more accurate")
-    block_size: int | None = Field(None, description="4-bit block size")
-    accuracy_level: int | None = Field(None, description="4-bit: the decoder graph's MatMulNBits compute (4 = int8, "
-                                       "None = fp32), the faster decoding step measured on this CPU; the logits "
-                                       "graph computes in fp32")
-    decoding_step_ms: dict[str, float] = Field(default_factory=dict, description="4-bit: one batch-1 decoding "
-                                               "step's time with each compute (fp32, int8)")
+    block_size: int | None = Field(None, description="weight-only: input channels per scale (--group-size)")
+    accuracy_level: int | None = Field(None, description="weight-only: the decoder graph's MatMulNBits compute (4 = "
+                                       "int8, activations quantized per block; None = fp32), the faster decoding "
+                                       "step measured on this CPU; the 4-bit logits graph computes in fp32, the "
+                                       "int8 one as the decoder")
+    decoding_step_ms: dict[str, float] = Field(default_factory=dict, description="weight-only: one batch-1 "
+                                               "decoding step's time with each compute (fp32, int8)")
     fp32_layers: list[str] = Field(default_factory=list, description="layers kept fp32 by measured perplexity "
                                    "(lm_head, layer N)")
     fp32_nodes: dict[str, list[str]] = Field(default_factory=dict, description="graph role -> MatMul nodes kept fp32")
@@ -444,6 +447,11 @@ class Figures(_Model):
     perplexity_change_pct: float = Field(description="held-out perplexity change")
     top1_agreement: float = Field(description="share of the held-out positions perplexity scores where the result's "
                                   "most likely next token is the input model's")
+    recovery: dict[str, float] = Field(default_factory=dict, description="the result's quality as a % of the input's "
+                                       "(the field's measure): perplexity = before / after x 100 on the held-out "
+                                       "tokens, cloze = accuracy after / before x 100")
+    min_recovery: float | None = Field(None, description="the opt-in quality gate (--min-recovery): every recovery "
+                                       "figure at least this %; null: no gate")
     zero_shot_items: int = Field(description="items of the cloze task (dstool.compress.quality) on the held-out text")
     zero_shot_choices: int = Field(description="candidate words per item (chance: 1 / choices)")
     speedup: dict[str, float] = Field(description="prefill: batch size -> latency before / after (ONNX Runtime CPU)")

