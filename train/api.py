@@ -20,8 +20,8 @@ from pathlib import Path
 
 import torch
 
-from dstool import log as dlog
 from dstool import gguf, models
+from dstool import log as dlog
 from dstool.artifacts import DataSplit, HFModel, ManifestError, TrainRun, kind_of
 from dstool.config import changed, dump_yaml
 from dstool.errors import StageFailed, TrainingFailed, UsageError
