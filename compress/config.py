@@ -53,8 +53,8 @@ class CompressConfig(CommandConfig):
                                            "128); without it the speeds are measured and reported, slower too",
                                            json_schema_extra={"cli": {"metavar": "FIGURE"}})
     min_recovery: float | None = Field(None, gt=0, le=100, description="opt-in: fail, writing nothing, when the "
-                                       "result keeps less than this % of the input's quality (held-out perplexity: "
-                                       "before / after; cloze accuracy: after / before)",
+                                       "result keeps less than this % of the input's held-out perplexity (before / "
+                                       "after x 100)",
                                        json_schema_extra={"cli": {"metavar": "PCT"}})
     latency_repeats: int = Field(20, ge=1, description="timed ONNX Runtime runs per latency figure (per decoding "
                                  "figure: at most 5 generations of 32 tokens)")

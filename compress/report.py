@@ -167,7 +167,7 @@ def quality_gate_line(m: CompressedModel) -> str:
     if f.min_recovery is None:
         return (f"Recovery (the result's quality as a share of the input's): {kept}; gate: none (opt-in: "
                 "--min-recovery).")
-    return f"Recovery: {kept}; gate --min-recovery {f.min_recovery:g} %: passed."
+    return f"Recovery: {kept}; gate --min-recovery {f.min_recovery:g} % (perplexity): passed."
 
 
 def speed_gate_line(m: CompressedModel) -> str:

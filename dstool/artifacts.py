@@ -450,8 +450,8 @@ class Figures(_Model):
     recovery: dict[str, float] = Field(default_factory=dict, description="the result's quality as a % of the input's "
                                        "(the field's measure): perplexity = before / after x 100 on the held-out "
                                        "tokens, cloze = accuracy after / before x 100")
-    min_recovery: float | None = Field(None, description="the opt-in quality gate (--min-recovery): every recovery "
-                                       "figure at least this %; null: no gate")
+    min_recovery: float | None = Field(None, description="the opt-in quality gate (--min-recovery): the perplexity "
+                                       "recovery at least this %; null: no gate")
     zero_shot_items: int = Field(description="items of the cloze task (dstool.compress.quality) on the held-out text")
     zero_shot_choices: int = Field(description="candidate words per item (chance: 1 / choices)")
     speedup: dict[str, float] = Field(description="prefill: batch size -> latency before / after (ONNX Runtime CPU)")

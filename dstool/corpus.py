@@ -15,6 +15,12 @@ from dstool.errors import UsageError
 EMBEDDED = "embedded:tinyshakespeare"
 
 
+def conversations(split: str) -> Path:
+    """The shipped real English conversations (chatterbot-corpus, BSD; dstool/data/NOTICE) as a chat .jsonl.gz:
+    `train` (1,762) or `heldout` (264), split by a hash of each conversation's first line (scripts/chat_data.py)."""
+    return Path(str(resources.files("dstool").joinpath(f"data/conversations-{split}.jsonl.gz")))
+
+
 def read_documents(data: str | None) -> list[str]:
     """Documents from a text file, a folder of .txt/.jsonl files (field `text`), or the embedded corpus."""
     if data is None or data == EMBEDDED:

@@ -75,3 +75,49 @@ def test_int8_keeps_the_real_models_quality(real_logits, tmp_path):
     asym, sym = (100 * base / measure.perplexity_onnx(p, heldout, limit=8) for p in (four, four_sym))
     assert asym > sym, (asym, sym)  # the default 4-bit recipe (a zero point per block) is the better one here
     assert np.isfinite(asym) and asym > 80
+
+
+@pytest.mark.slow
+def test_the_served_greedy_answer_is_transformers(real_model, tmp_path):
+    """The real model exported (fp32) and served by Triton behind the gateway: its greedy chat answer through the
+    OpenAI client is transformers' `generate` on the same folder, token for token, and a structured answer holds its
+    schema."""
+    import openai
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from dstool.proc import free_port
+    from dstool.serve.runtime import triton
+
+    from conftest import dstool
+    from gatewaylib import GatewayProcess
+
+    repo = tmp_path / "repo"
+    dstool("export", "smollm2", "--repository", str(repo), "--name", "smol", "--max-batch-size", "4",
+           "--instances", "1", timeout=900)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    tokenizer = AutoTokenizer.from_pretrained(real_model)
+    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
+    ids = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                        return_dict=True)["input_ids"]
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=20, do_sample=False)
+    expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    assert "Paris" in expected  # a model that knows something
+    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
+    gw = GatewayProcess(tmp_path / "gw.log", config={"upstreams": [srv.http_url], "upstreams_grpc": [srv.grpc_url],
+                                                     "cache": "memory"})
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{gw.http_port}/v1", api_key="x", max_retries=0,
+                               timeout=300)
+        answer = client.chat.completions.create(model="smol", messages=messages, temperature=0, max_tokens=20)
+        assert answer.choices[0].message.content == expected
+        city = client.chat.completions.create(
+            model="smol", messages=[{"role": "user", "content": "The capital of France, as JSON."}], temperature=0,
+            max_tokens=40, response_format={"type": "json_schema", "json_schema": {"name": "c", "strict": True,
+                "schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"],
+                           "additionalProperties": False}}})
+        assert set(json.loads(city.choices[0].message.content)) == {"city"}
+    finally:
+        gw.stop()
+        assert srv.stop() == 0
