@@ -13,7 +13,15 @@ sequence ignored so every system makes the same number of tokens), in interleave
 - onnxruntime-genai fp32 and int4 (its own model builder), vLLM-CPU (offline LLM.generate) and vLLM's OpenAI server
   (`vllm serve`, asked by the same openai client code as the gateway): each in its own virtual environment
   (PEERS/genai, PEERS/vllm: `bash bench/peers.sh PEERS` makes them), skipped when absent (or `--skip vllm-serve`);
-- dstool's int8 and 4-bit graphs (`dstool compress`) served the same way, at 1 stream.
+- dstool's int8 and 4-bit graphs (`dstool compress`) served the same way, at 1 stream;
+- llama.cpp's `llama-server` (PEERS/llama.cpp, built by `bash bench/peers.sh PEERS llama.cpp`; its OpenAI route
+  /v1/completions, -np STREAMS slots, continuous batching, threads = the cores), asked by the same openai client code
+  as the gateway, on GGUFs of the same weights (bench/llama_cpp_quality.py makes them; `--model` runs only).
+With `--model smollm2` (the real SmolLM2-135M-Instruct, scripts/real-model.sh): dstool's fp32 export of its Hugging
+Face folder on Triton (gRPC) and through the gateway (OpenAI), beside llama-server on the F32, Q8_0 and the shipped
+Q4_1 GGUF (and the optional peers when installed); the prompt is the same text for all (PROMPT_TOKENS tokens under
+the model's tokenizer), each engine's prompt cache left as it ships (dstool's prefix cache, llama-server's
+cache_prompt: both on).
 Also 16 streams arriving one decoding step apart on Triton: the queue wait (send to first token) in steps, p99.
 Targets (issue #14): at 16 streams >= 1.0x vLLM and onnxruntime-genai fp32, >= 0.85x the loop, the gateway within
 5 %; at 1 stream >= 0.9x the loop, first token <= 1.2x the loop's; int8/4-bit faster than fp32 at 1 stream.
@@ -70,6 +78,52 @@ def prepare(work: Path, keep_from: Path | None) -> tuple[Path, str, Path]:
     return model, prompt, root
 
 
+def prepare_real(work: Path, name: str) -> tuple[Path, str, Path]:
+    """The real model `name` (dstool.gguf's known name or a .gguf): its Hugging Face folder and dstool's fp32 export of
+    it in WORK/repo-fp32 (made once); (model, prompt, repository root)."""
+    from transformers import AutoTokenizer
+
+    from dstool import gguf
+    from dstool.corpus import read_documents
+
+    model = Path(gguf.resolve(name))
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    text = "\n\n".join(d for _, d in zip(range(8), read_documents(None)))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    prompt = tokenizer.decode(ids[:PROMPT_TOKENS - len(tokenizer("")["input_ids"])])
+    repo = work / "repo-fp32"
+    if not (repo / "dstool.json").exists():
+        subprocess.run([sys.executable, "-m", "dstool.cli", "export", name, "--repository", str(repo),
+                        "--name", "fp32"], check=True, capture_output=True)
+    return model, prompt, work
+
+
+def start_llama_server(peers: Path, gguf_file: Path, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's llama-server on `gguf_file`: `slots` parallel slots (-np) of 256 tokens each, continuous batching,
+    threads = the cores; (process, host:port) once /health answers 200."""
+    import urllib.error
+    import urllib.request
+
+    from dstool.proc import free_port
+
+    port, threads = free_port(), str(os.cpu_count() or 1)
+    proc = subprocess.Popen([str(peers / "llama.cpp" / "build" / "bin" / "llama-server"), "-m", str(gguf_file),
+                             "--host", "127.0.0.1", "--port", str(port), "-np", str(slots), "-cb",
+                             "-c", str(256 * slots), "-t", threads, "-tb", threads, "--alias", "model", "--no-webui"],
+                            stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    deadline = time.time() + 120
+    while True:
+        try:
+            if urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status == 200:
+                return proc, f"127.0.0.1:{port}"
+        except (OSError, urllib.error.URLError):
+            pass
+        if proc.poll() is not None or time.time() > deadline:
+            proc.kill()
+            raise RuntimeError(f"llama-server did not start on {gguf_file}: see {log}")
+        time.sleep(0.5)
+
+
 async def _grpc_streams(url: str, model: str, prompt: str, streams: int, new_tokens: int,
                         stagger: float = 0.0) -> dict:
     """`streams` concurrent gRPC streams (the n-th sent n*stagger s after the first): tokens/s over the whole run,
@@ -119,7 +173,7 @@ async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_t
     client = openai.AsyncOpenAI(base_url=f"http://{url}/v1", api_key="none", max_retries=0, timeout=600)
 
     async def one() -> tuple[int, float]:
-        sent, first, tokens = time.perf_counter(), 0.0, 0
+        sent, first, tokens, chunks = time.perf_counter(), 0.0, 0, 0
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
@@ -127,9 +181,10 @@ async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_t
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
                 first = first or time.perf_counter() - sent
+                chunks += 1
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
-        return tokens, first
+        return tokens or chunks, first
 
     try:
         started = time.perf_counter()
@@ -244,6 +299,9 @@ def main() -> int:
     p.add_argument("--peers", default="/work/peers", help="folder of the peers' virtual environments (genai, vllm)")
     p.add_argument("--skip", action="append", default=[], help="a system not to run (repeat)")
     p.add_argument("--work", help="keep the models and repositories here (reused when present)")
+    p.add_argument("--model", help="a real model (smollm2, or a .gguf): its fp32 export on Triton and through the "
+                                   "gateway beside llama-server on its GGUFs (and the optional peers); without it, "
+                                   "bench/compress.py's 42 M Llama and all systems")
     p.add_argument("--stream-interval", type=int, default=0,
                    help="also the fp32 engine streaming this many tokens per response (on Triton and through the "
                         "gateway's OpenAI route); 0: not")
@@ -252,11 +310,13 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="dstool-bench-serve-") as tmp:
         work = Path(a.work) if a.work else Path(tmp)
         work.mkdir(parents=True, exist_ok=True)
-        model_dir, prompt, root = prepare(work, work)
+        real = a.model is not None
+        model_dir, prompt, root = prepare_real(work, a.model) if real else prepare(work, work)
         procs: list[subprocess.Popen] = []
         servers, systems = [], {}
+        waits, step_ms, queue = [], 0.0, {}
         try:
-            for variant in ("fp32", "int8", "int4"):
+            for variant in ("fp32",) if real else ("fp32", "int8", "int4"):
                 srv = triton.start(root / f"repo-{variant}", triton.find_tritonserver(), free_port(), free_port(),
                                    free_port(), work / f"triton-{variant}.log", timeout=300)
                 servers.append(srv)
@@ -282,15 +342,16 @@ def main() -> int:
                 systems[f"dstool on Triton, stream interval {a.stream_interval} (gRPC)"] = \
                     lambda s, url=srv.grpc_url: asyncio.run(_grpc_streams(url, "fp32_llm", prompt, s, a.new_tokens))
                 interval_server = srv
-            os.environ["DSTOOL_ORT_SPIN"] = "0"  # the same fp32 engine, ONNX Runtime's idle threads sleeping
-            try:
-                srv = triton.start(root / "repo-fp32", triton.find_tritonserver(), free_port(), free_port(),
-                                   free_port(), work / "triton-fp32-nospin.log", timeout=300)
-            finally:
-                del os.environ["DSTOOL_ORT_SPIN"]
-            servers.append(srv)
-            systems["dstool on Triton, DSTOOL_ORT_SPIN=0 (gRPC)"] = lambda s, url=srv.grpc_url: asyncio.run(
-                _grpc_streams(url, "fp32_llm", prompt, s, a.new_tokens))
+            if not real:
+                os.environ["DSTOOL_ORT_SPIN"] = "0"  # the same fp32 engine, ONNX Runtime's idle threads sleeping
+                try:
+                    srv = triton.start(root / "repo-fp32", triton.find_tritonserver(), free_port(), free_port(),
+                                       free_port(), work / "triton-fp32-nospin.log", timeout=300)
+                finally:
+                    del os.environ["DSTOOL_ORT_SPIN"]
+                servers.append(srv)
+                systems["dstool on Triton, DSTOOL_ORT_SPIN=0 (gRPC)"] = lambda s, url=srv.grpc_url: asyncio.run(
+                    _grpc_streams(url, "fp32_llm", prompt, s, a.new_tokens))
             from cache import start_front
 
             front = start_front("gateway", {"upstreams": [fp32_server.http_url],
@@ -305,12 +366,29 @@ def main() -> int:
                                                          "cache": "memory"}, work, procs)
                 systems[f"dstool through the gateway (OpenAI), stream interval {a.stream_interval}"] = \
                     lambda s, url=front["http"]: asyncio.run(_openai_streams(url, "fp32", prompt, s, a.new_tokens))
-            loop = Loop(root / "repo-fp32", "fp32", model_dir)
-            systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
-            one_process = OneProcessEngine(root / "repo-fp32", "fp32", model_dir)
-            systems["dstool engine, one process"] = lambda s: one_process.run(prompt, s, a.new_tokens)
-            ids = loop.tokenizer(prompt)["input_ids"]
-            print(f"prompt: {len(ids)} tokens", flush=True)
+            if not real:
+                loop = Loop(root / "repo-fp32", "fp32", model_dir)
+                systems["one-process onnxruntime loop"] = lambda s: loop.run(prompt, s, a.new_tokens)
+                one_process = OneProcessEngine(root / "repo-fp32", "fp32", model_dir)
+                systems["dstool engine, one process"] = lambda s: one_process.run(prompt, s, a.new_tokens)
+            else:
+                from llama_cpp_quality import models as llama_cpp_models
+                from transformers import AutoTokenizer
+
+                llama = peers / "llama.cpp" / "build" / "bin" / "llama-server"
+                if "llama.cpp" in a.skip or not llama.exists():
+                    print("llama.cpp: skipped" if "llama.cpp" in a.skip else f"llama.cpp: skipped ({llama} absent)")
+                else:
+                    ggufs = llama_cpp_models(peers, ("Q8_0",), a.model)
+                    for label in ggufs:
+                        print(f"starting llama-server {label} ...", flush=True)
+                        proc, url = start_llama_server(peers, ggufs[label], a.streams,
+                                                       work / f"llama-server-{label}.log")
+                        procs.append(proc)
+                        systems[f"llama.cpp {label} (llama-server, OpenAI)"] = lambda s, url=url: asyncio.run(
+                            _openai_streams(url, "model", prompt, s, a.new_tokens))
+            ids = (loop.tokenizer if not real else AutoTokenizer.from_pretrained(model_dir))(prompt)["input_ids"]
+            print(f"prompt: {len(ids)} tokens: {prompt!r}", flush=True)
             started_peers = []
             for engine, venv in (("genai-fp32", "genai"), ("genai-int4", "genai"), ("vllm", "vllm")):
                 python = peers / venv / "bin" / "python"
@@ -336,6 +414,7 @@ def main() -> int:
             for run in systems.values():  # warm up: the first requests of each are slower
                 run(1)
             order = list(systems)
+            a.load = [os.getloadavg()[0]]  # the machine is shared: its 1-minute load around the rounds, reported
             for r in range(a.rounds):
                 # each round starts with the next system (none always runs right after the same neighbour, whose
                 # threads may still be winding down), with a pause between systems
@@ -346,10 +425,10 @@ def main() -> int:
                         time.sleep(1.0)
                         results[label].setdefault(streams, []).append(systems[label](streams))
                 print(f"round {r + 1} of {a.rounds} done", flush=True)
+            a.load.append(os.getloadavg()[0])
             # streams arriving one decoding step apart, each while the others decode: its wait for its first token,
             # in decoding steps of the batch it joins (1: the next step; prefill and all)
-            waits, step_ms, queue = [], 0.0, {}
-            for _ in range(a.rounds):
+            for _ in range(0 if real else a.rounds):
                 solo = results["dstool on Triton (gRPC)"][1]
                 before = queue_steps(fp32_server.metrics_port)
                 arrivals = asyncio.run(_grpc_streams(fp32_server.grpc_url, "fp32_llm", prompt, a.streams,
@@ -394,15 +473,27 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
     print(f"\n{cpu}, {os.cpu_count()} cores; {PROMPT_TOKENS}-token prompt, {a.new_tokens} new tokens, greedy; "
-          f"medians of {a.rounds} interleaved rounds\n")
-    print(f"| system | 1 stream, tokens/s | first token, ms | {a.streams} concurrent, tokens/s |\n|---|---:|---:|---:|")
+          f"medians of {a.rounds} interleaved rounds; 1-minute load average {a.load[0]:.2f} before the rounds, "
+          f"{max(a.load[1:]):.2f} at most after each\n")
+    print(f"| system | 1 stream, tokens/s | first token, ms | {a.streams} concurrent, tokens/s | first token at "
+          f"{a.streams}, ms (median stream) |\n|---|---:|---:|---:|---:|")
     for label in results:
         one, first, many = med(label, 1, "tokens_per_s"), med(label, 1, "first_token_ms"), med(label, a.streams,
                                                                                               "tokens_per_s")
-        cells = [f"{one:.0f}" if one else "–", f"{first:.1f}" if first else "–", f"{many:.0f}" if many else "–"]
+        first_many = med(label, a.streams, "first_token_ms")
+        cells = [f"{one:.0f}" if one else "–", f"{first:.1f}" if first else "–", f"{many:.0f}" if many else "–",
+                 f"{first_many:.1f}" if first_many else "–"]
         print(f"| {label} | " + " | ".join(cells) + " |")
     ours = "dstool on Triton (gRPC)"
     print()
+    # dstool's served fp32 against llama.cpp's server on each GGUF: both OpenAI routes, the same client code
+    for peer in (x for x in results if x.startswith("llama.cpp ")):
+        for x_label in ("dstool through the gateway (OpenAI)", ours):
+            for streams, key in ((1, "tokens_per_s"), (a.streams, "tokens_per_s"), (1, "first_token_ms"),
+                                 (a.streams, "first_token_ms")):
+                x, y = med(x_label, streams, key), med(peer, streams, key)
+                if x and y:
+                    print(f"{x_label} / {peer}, {key} at {streams}: {x / y:.2f}x")
     for peer in ("one-process onnxruntime loop", "onnxruntime-genai fp32", "vLLM-CPU", "dstool through the gateway "
                  "(gRPC)", "dstool through the gateway (OpenAI)"):
         if peer not in results:
@@ -426,6 +517,8 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
         x, y = med(x_label, streams, "tokens_per_s"), med(y_label, streams, "tokens_per_s")
         if x and y:
             print(f"{x_label} / {y_label}, tokens_per_s at {streams}: {x / y:.2f}x")
+    if not waits:
+        return
     total = queue.get(float("inf"), 0)
     p99 = next((le for le, n in sorted(queue.items()) if total and n >= 0.99 * total), None)
     print(f"{a.streams} streams arriving one decoding step apart, {total:.0f} requests: queue wait (Triton's "
