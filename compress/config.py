@@ -24,7 +24,8 @@ class CompressConfig(CommandConfig):
                                                     "(MatMulNBits, per-block scales, activations quantized per block "
                                                     "or fp32), or dynamic (MatMulInteger: per-tensor activations, "
                                                     "fast on VNNI; real models' activation outliers cost accuracy)")
-    group_size: int = Field(128, description="weight-only (4-bit, weight-only int8): input channels per scale")
+    group_size: int | None = Field(None, description="weight-only (4-bit, weight-only int8): input channels per "
+                                   "scale [default: 128 for int8, 32 for 4-bit]")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
                                 "key/value groups, query heads and MLP channels (MoE: heads, routed experts and "
                                 "expert channels) is chosen by measured calibration loss and ONNX Runtime latency")
@@ -75,6 +76,11 @@ class CompressConfig(CommandConfig):
         return None if self.sparsity is None or ":" in self.sparsity else float(self.sparsity)
 
     @property
+    def block(self) -> int:
+        """The weight-only block: --group-size, else what measured best on a real model (docs/real-model.md)."""
+        return self.group_size or (128 if self.bits == 8 else 32)
+
+    @property
     def prunes(self) -> bool:
         """Structured pruning asked for: --prune, or any of the explicit shares."""
         return bool(self.prune or self.prune_heads or self.prune_mlp or self.prune_experts)
@@ -96,7 +102,7 @@ class CompressConfig(CommandConfig):
             if not (m and 0 < int(m.group(1)) < int(m.group(2)) or f and 0 < float(self.sparsity) < 1):
                 raise ValueError(f"sparsity must be an N:M pattern with 0 < N < M (e.g. 2:4) or a fraction strictly "
                                  f"between 0 and 1 (e.g. 0.65), got '{self.sparsity}'")
-        if self.group_size not in (16, 32, 64, 128, 256):
+        if self.group_size is not None and self.group_size not in (16, 32, 64, 128, 256):
             raise ValueError(f"group_size must be 16, 32, 64, 128 or 256 (MatMulNBits blocks), not {self.group_size}")
         if "int8" in self.model_fields_set and self.bits != 8:
             raise ValueError("--int8 chooses how --bits 8 quantizes: give --bits 8 with it")

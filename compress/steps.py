@@ -432,12 +432,11 @@ class Quantize(CompressStep):
 
     @staticmethod
     def _weight_only(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
-        # int8 symmetric (asymmetric buys nothing at 8 bits); 4-bit asymmetric (measured on SmolLM2-135M: held-out
-        # perplexity recovery 89.6 % against 84.0 % symmetric, group 128; docs/real-model.md). The decoder (generation,
-        # a token per step) computes in whichever of fp32 and int8 decodes faster on this CPU, measured; the 4-bit
-        # logits graph (scoring, long sequences) in fp32, the int8 one as the decoder (fp32 compute on 8-bit weights
-        # measured 2.2x slower than the fp32 graph there).
-        bits, block = work.cfg.bits or 4, work.cfg.group_size
+        # int8 symmetric, 4-bit asymmetric (measured the better on a real model: docs/real-model.md). The decoder
+        # (generation, a token per step) computes in whichever of fp32 and int8 decodes faster on this CPU, measured;
+        # the 4-bit logits graph (scoring, long sequences) in fp32, the int8 one as the decoder (fp32 compute on 8-bit
+        # weights is slower than the fp32 graph itself: docs/real-model.md).
+        bits, block = work.cfg.bits or 4, work.cfg.block
         symmetric = bits == 8
         level, step_ms = quantize.choose_nbits_accuracy(decoder, work.scratch, work.model.config.vocab_size, bits,
                                                         block, symmetric)

@@ -112,7 +112,7 @@ def test_int4_cli(int8_output, int4_output):
     assert set(m.graphs) == {"logits", "decoder", "fused"}  # the fused-attention decoder by the same recipe
     assert all("MatMulNBits" in _ops(out / g.path) for g in m.graphs.values())
     assert "GroupQueryAttention" in _ops(out / m.graphs["fused"].path)
-    assert m.recipe.quantization.block_size == 128 and m.recipe.quantization.weight_type == "int4 asymmetric"
+    assert m.recipe.quantization.block_size == 32 and m.recipe.quantization.weight_type == "int4 asymmetric"
     assert m.figures.compression_ratio < 0.25 and abs(m.figures.perplexity_change_pct) < 5
 
 
