@@ -260,6 +260,9 @@ class SourceModel(_Model):
     path: str = Field(description="the folder as given (absolute)")
     kind: str = Field(description="its manifest's kind (hf-model for a dstool train run), or 'huggingface'")
     weights_sha256: str = Field(description="sha256 over its weight files (names and digests, sorted)")
+    gguf: str | None = Field(None, description="the .gguf file the folder was converted from (its weights "
+                             "dequantized), when it was")
+    gguf_sha256: str | None = Field(None, description="that file's sha256")
 
 
 class Graph(_Model):
@@ -654,5 +657,7 @@ def weights_sha256(folder: Path) -> str:
 
 
 def source_model(folder: Path) -> SourceModel:
-    return SourceModel(path=str(Path(folder).resolve()), kind=kind_of(folder) or "huggingface",
-                       weights_sha256=weights_sha256(folder))
+    kind = kind_of(folder) or "huggingface"
+    origin = GGUFModel.read(folder) if kind == "gguf-model" else None
+    return SourceModel(path=str(Path(folder).resolve()), kind=kind, weights_sha256=weights_sha256(folder),
+                       gguf=origin.source if origin else None, gguf_sha256=origin.source_sha256 if origin else None)

@@ -28,6 +28,10 @@ def test_a_gguf_is_read_as_users_have_it(real_model, tmp_path):
     holder.mkdir()
     (holder / "SmolLM2.gguf").symlink_to(m.source)
     assert gguf.resolve(m.source) == str(real_model) == gguf.resolve(str(holder))
+    from dstool.artifacts import source_model  # what every later stage's manifest records of it
+
+    recorded = source_model(real_model)
+    assert (recorded.kind, recorded.gguf, recorded.gguf_sha256) == ("gguf-model", m.source, m.source_sha256)
     # what is not a GGUF is refused in one line, before any work
     (tmp_path / "junk.gguf").write_bytes(b"not a gguf at all")
     one_line_usage_error(cli("compress", str(tmp_path / "junk.gguf"), "--bits", "8", "--output",
