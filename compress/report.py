@@ -137,7 +137,7 @@ def markdown(m: CompressedModel) -> str:
                      _faster(f.decode_speedup[batch])))
     unused = {"model", "output"} | (set() if m.settings.get("prune") else {"prune_ppl_tolerance"})
     settings = ", ".join(f"{k}={v}" for k, v in m.settings.items() if k not in unused and v not in (None, False, 0))
-    lines = [f"# dstool compress report: {Path(m.source.path).name}", "", f"Settings: {settings}", "",
+    lines = [f"# dstool compress report: {Path(m.source.gguf or m.source.path).name}", "", f"Settings: {settings}", "",
              "| | before | after | ratio |", "|---|---:|---:|---:|"]
     lines += [f"| {a_} | {b_} | {c_} | {d_} |" for a_, b_, c_, d_ in rows]
     lines += ["", quality_gate_line(m), "", speed_gate_line(m)]
