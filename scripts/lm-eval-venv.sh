@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# lm-evaluation-harness (lm_eval) in a virtual environment of its own, for tests/test_completions_lm_eval.py and
-# for scoring a served model by hand: its pins need not suit .venv's. torch is pinned first, as in setup.sh, so
-# that nothing resolves a bare `torch` to a multi-GB CUDA build.
+# lm-evaluation-harness (lm_eval) in a virtual environment of its own, for `dstool eval` (docs/eval.md),
+# tests/test_completions.py and for scoring a served model by hand: its pins need not suit .venv's. torch is pinned
+# first, as in setup.sh, so that nothing resolves a bare `torch` to a multi-GB CUDA build.
 #   scripts/lm-eval-venv.sh            # -> $DSTOOL_LM_EVAL_VENV, else <dstool cache>/lm-eval-venv
 # The folder it made is printed last; `VENV/bin/lm_eval --model local-completions ...` then scores a model served
 # by the gateway's /v1/completions (docs/export-serve.md, "Completions").
@@ -15,6 +15,9 @@ python=${PYTHON:-python3}
   "$venv/bin/pip" install -q --disable-pip-version-check "torch==${DSTOOL_TORCH:-2.13.0}"
 torch_version=$("$venv/bin/python" -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==$torch_version" > "$venv/constraints.txt"
-"$venv/bin/pip" install -q --disable-pip-version-check "lm-eval[api,hf]==${DSTOOL_LM_EVAL:-0.4.13}" -c "$venv/constraints.txt"
-"$venv/bin/python" -c "import lm_eval, lm_eval.models.openai_completions, lm_eval.models.huggingface" >/dev/null
+# onnxruntime: `dstool eval` scores ONNX graphs (a compress output's logits graph) with lm-eval's onnxruntime model
+"$venv/bin/pip" install -q --disable-pip-version-check "lm-eval[api,hf]==${DSTOOL_LM_EVAL:-0.4.13}" \
+  "onnxruntime==${DSTOOL_LM_EVAL_ORT:-1.32.0}" -c "$venv/constraints.txt"
+"$venv/bin/python" -c "import lm_eval, lm_eval.models.openai_completions, lm_eval.models.huggingface, \
+lm_eval.models.onnxruntime_ort, onnxruntime" >/dev/null
 echo "$venv"
