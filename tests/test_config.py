@@ -55,7 +55,8 @@ YAML = {"train": "max_steps: 7\n", "doctor": "nproc: 3\n", "compress": "model: m
         "export": "model: m\nname: lm\n", "serve": "http_port: 9000\ncache: memory\n",
         "gateway": "upstreams: [127.0.0.1:9000]\ncache_ttl: 5\n", "pipeline": "train_steps: 9\nprompts: [hi]\n",
         "infer": "prompt: hello\nprotocol: grpc\n", "keys": "action: create\ntenant: team-a\nrpm: 60\n",
-        "batch": "input: p.jsonl\ntask: score\nspark_conf:\n  spark.task.cpus: '2'\n"}
+        "batch": "input: p.jsonl\ntask: score\nspark_conf:\n  spark.task.cpus: '2'\n",
+        "eval": "model: m\ntasks: [sotu_ppl, convo_mc]\nlimit: 5\n"}
 
 
 @pytest.mark.parametrize("command", sorted(COMMANDS))

@@ -126,3 +126,21 @@ def test_the_hf_and_onnx_paths_agree_on_the_real_model(real_model, real_graph, t
     assert hf.tasks["sotu_cloze"].value > 0.25 and hf.tasks["convo_mc"].value > 0.25  # type: ignore[operator]
     print(f"hf {hf.seconds:.0f} s, onnx {onnx.seconds:.0f} s: " + ", ".join(
         f"{n} {t.metric} {t.value:.4f}/{onnx.tasks[n].value:.4f}" for n, t in hf.tasks.items()))
+
+
+def test_the_harness_runs_in_lm_evals_venv_alone():
+    """dstool/evaluation/harness.py runs with lm-eval's python, where dstool is not installed: it imports no dstool,
+    and nothing of dstool imports it."""
+    import ast
+
+    def imports(path: Path) -> set[str]:
+        tree = ast.parse(path.read_text())
+        return {a.name for node in ast.walk(tree) if isinstance(node, ast.Import) for a in node.names} | \
+            {f"{node.module}.{a.name}" for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module
+             for a in node.names}
+
+    harness = Path(task_defs.__file__).with_name("harness.py")
+    assert not any(n.startswith("dstool") for n in imports(harness))
+    assert any(n.startswith("lm_eval") for n in imports(harness))
+    for path in (Path(task_defs.__file__).parent.parent.parent / "dstool").rglob("*.py"):
+        assert not any("harness" in n for n in imports(path)), path

@@ -107,6 +107,10 @@ def test_static_checks_pass():
     assert "Success: no issues found" in proc.stdout
 
 
+# Files of the package that another interpreter runs, with packages of its own (never imported by dstool).
+OTHER_VENVS = {ROOT / "dstool" / "evaluation" / "harness.py": "lm-eval's venv (scripts/lm-eval-venv.sh)"}
+
+
 def _third_party_imports(folder: Path) -> set[str]:
     import ast
 
@@ -115,6 +119,8 @@ def _third_party_imports(folder: Path) -> set[str]:
     deployed = {p.stem for files in BESIDE.values() for p in files}  # copied beside the served models' model.py
     found = set()
     for path in folder.rglob("*.py"):
+        if path.resolve() in OTHER_VENVS:
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
