@@ -144,3 +144,20 @@ def test_the_harness_runs_in_lm_evals_venv_alone():
     assert any(n.startswith("lm_eval") for n in imports(harness))
     for path in (Path(task_defs.__file__).parent.parent.parent / "dstool").rglob("*.py"):
         assert not any("harness" in n for n in imports(path)), path
+
+
+def test_a_compress_output_is_scored_on_its_logits_graph(int8_output, tmp_path):
+    """`--model` a compress output: lm-eval's onnxruntime model on the graph its manifest names (int8 weight-only
+    here), the tokenizer from its model/; a tokenizer without a chat template leaves convo_chat out (a warning)."""
+    from dstool.artifacts import CompressedModel
+    from dstool.evaluation.api import EvalReport
+
+    proc = dstool("eval", "--model", str(int8_output), "--limit", "3", "--output", str(tmp_path / "out"))
+    report = EvalReport.model_validate_json((tmp_path / "out" / "results.json").read_text())
+    manifest = CompressedModel.read(int8_output)
+    assert report.path == "onnx" and Path(report.scored) == int8_output / manifest.graphs["logits"].path
+    assert Path(report.tokenizer) == int8_output / manifest.model
+    has_template = (int8_output / manifest.model / "chat_template.jinja").is_file()
+    assert ("convo_chat" in report.tasks) == has_template
+    assert has_template or "no chat template: convo_chat left out" in proc.stderr
+    assert all(t.docs == 3 and t.value is not None for t in report.tasks.values())

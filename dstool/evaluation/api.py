@@ -118,6 +118,13 @@ def _tokenizer(cfg: EvalConfig, default: Path | None) -> Path:
     return folder
 
 
+def _compressed(ref: Path) -> CompressedModel:
+    try:
+        return CompressedModel.read(ref)
+    except ManifestError as e:
+        raise UsageError(str(e)) from None
+
+
 def resolve(cfg: EvalConfig) -> tuple[str, Path | str, Path]:
     """(path, what it scores, tokenizer folder) for the config, or a one-line UsageError."""
     ref = Path(cfg.model)
@@ -125,7 +132,7 @@ def resolve(cfg: EvalConfig) -> tuple[str, Path | str, Path]:
         url = cfg.completions_url
         assert url is not None
         if kind_of(ref) == "compressed-model":
-            return "completions", url, _tokenizer(cfg, ref / CompressedModel.read(ref).model)
+            return "completions", url, _tokenizer(cfg, ref / _compressed(ref).model)
         folder = Path(gguf.resolve(cfg.model)) if not ref.suffix == ".onnx" else ref.parent
         return "completions", url, _tokenizer(cfg, folder if _has_tokenizer(folder) else None)
     if ref.suffix == ".onnx":
@@ -133,10 +140,7 @@ def resolve(cfg: EvalConfig) -> tuple[str, Path | str, Path]:
             raise UsageError(f"model {cfg.model} does not exist: pass an ONNX logits graph (model.onnx)")
         return "onnx", ref, _tokenizer(cfg, ref.parent if _has_tokenizer(ref.parent) else None)
     if kind_of(ref) == "compressed-model":
-        try:
-            manifest = CompressedModel.read(ref)
-        except ManifestError as e:
-            raise UsageError(str(e)) from None
+        manifest = _compressed(ref)
         graph = ref / manifest.graphs["logits"].path
         if not graph.is_file():
             raise UsageError(f"{ref}: its logits graph {graph} is missing: re-run `dstool compress`")
