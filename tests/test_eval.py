@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,11 @@ def test_bad_input_is_one_line(real_model, tmp_path):
     one_line_usage_error(cli("eval", "--model", str(tmp_path / "graph.onnx")), "pass --tokenizer DIR")
     one_line_usage_error(cli("eval", "--model", str(real_model), "--lm-eval-venv", str(tmp_path / "venv")),
                          "scripts/lm-eval-venv.sh")
+    bare = tmp_path / "bare-venv" / "bin"  # a venv made before the onnx path needed onnxruntime there
+    bare.mkdir(parents=True)
+    (bare / "python").symlink_to(sys.executable)
+    one_line_usage_error(cli("eval", "--model", str(tmp_path / "graph.onnx"), "--tokenizer", str(real_model),
+                             "--lm-eval-venv", str(bare.parent)), "has no onnxruntime")
     plain = tmp_path / "no-template"  # a tokenizer without a chat template cannot be scored on convo_chat
     plain.mkdir()
     (plain / "tokenizer.json").write_text((real_model / "tokenizer.json").read_text())

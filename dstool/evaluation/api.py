@@ -209,6 +209,9 @@ def run_eval(cfg: EvalConfig) -> EvalReport:
     """Score the model on the tasks; the report is also written to OUTPUT/results.json."""
     path, scored, tokenizer = resolve(cfg)
     venv = lm_eval_venv(cfg.lm_eval_venv)
+    if path == "onnx" and not any(venv.glob("lib/python*/site-packages/onnxruntime/__init__.py")):
+        raise UsageError(f"lm-eval's venv {venv} has no onnxruntime (made before `dstool eval` needed it): run "
+                         "scripts/lm-eval-venv.sh again")
     names = list(cfg.tasks)
     if "convo_chat" in names and not _has_chat_template(tokenizer):
         if "tasks" in cfg.model_fields_set:
