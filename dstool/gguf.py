@@ -5,6 +5,7 @@ the file's sha256 under <dstool cache>/gguf/, with a manifest (`gguf-model`) tha
 from __future__ import annotations
 
 import collections
+import contextlib
 import os
 import shutil
 import subprocess
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dstool import log as dlog
-from dstool.artifacts import GGUFModel, ManifestError, kind_of
+from dstool.artifacts import GGUFModel, ManifestError
 from dstool.errors import UsageError
 from dstool.files import cache_dir, replace_folder, sha256_file
 
@@ -33,21 +34,23 @@ def gguf_file(ref: str) -> Path | None:
             raise UsageError(f"folder {ref} holds {len(found)} .gguf files ({', '.join(f.name for f in found[:4])}): "
                              "pass the one to use as --model")
         return found[0] if found else None
-    if p.is_file() and p.read_bytes()[:4] == b"GGUF":
+    if p.is_file() and _magic(p) == b"GGUF":
         raise UsageError(f"{ref} is a GGUF file without the .gguf suffix: rename it to {p.name}.gguf")
     return None
+
+
+def _magic(path: Path) -> bytes:
+    with open(path, "rb") as f:
+        return f.read(4)
 
 
 def converted(path: Path) -> Path:
     """The Hugging Face folder made from GGUF file `path` (made now when not cached)."""
     digest = sha256_file(path)
     folder = cache_dir() / "gguf" / digest[:24]
-    if kind_of(folder) == "gguf-model":
-        try:
-            GGUFModel.read(folder, verify=False)
-            return folder
-        except ManifestError:
-            pass
+    with contextlib.suppress(ManifestError):  # absent, half-made or of another kind: made again
+        GGUFModel.read(folder)
+        return folder
     log.info(f"converting {path} (sha256 {digest[:12]}…) to a Hugging Face folder in {folder} (once)")
     staging = folder.with_name(f".{folder.name}.new{os.getpid()}")
     shutil.rmtree(staging, ignore_errors=True)
