@@ -30,11 +30,11 @@ def test_the_fused_decoder_equals_transformers(kind, tmp_path):
     model = _model(kind)
     assert unsupported(model.config) is None
     path = export_fused_decoder(model, tmp_path / "fused").path  # gated: prefill, steps, a chunk after cached positions
-    assert parity(model, path) < 1e-4
+    assert parity(model, path).diff < 1e-4
     other = _model("qwen2" if kind != "qwen2" else "llama")  # the gate sees a wrong graph
     if other.config.vocab_size == model.config.vocab_size:
         other.model.layers[0].mlp.up_proj.weight.data *= 1.5
-        assert parity(other, path) > 1e-2
+        assert parity(other, path).diff > 1e-2
 
 
 def test_deepseek_models_keep_the_exported_decoder():
@@ -44,3 +44,14 @@ def test_deepseek_models_keep_the_exported_decoder():
 
     assert "not a Llama-layout model" in unsupported(DeepseekV3Config())
     assert "not a Llama-layout model" in unsupported(DeepseekV2Config())
+
+
+def test_the_parity_gate_scales_with_the_logits():
+    """1e-3 absolute plus 1e-4 of the largest |logit|: a real model's fp32 rounding passes, a wrong graph does not."""
+    from dstool.onnx_export import Parity, ParityError
+
+    Parity(1.75e-3, 30.0).check(1e-3, "the 2:4 SmolLM2")  # measured on a 2:4-pruned SmolLM2-135M
+    with pytest.raises(ParityError, match=r"0\.00175 > 0\.0011 .*largest \|logit\| 1\)"):
+        Parity(1.75e-3, 1.0).check(1e-3, "a tiny model")
+    with pytest.raises(ParityError):
+        Parity(0.05, 30.0).check(1e-3, "a wrong graph")
