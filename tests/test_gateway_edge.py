@@ -1,7 +1,9 @@
 """The cache gateway at the edge: cancelled and joined misses, a hung or killed Triton, hostile clients, memory
 and metrics bounds, and the protocol details where it must answer as Triton does. Real processes: Triton 2.51
-serving our own small python-backend models (tests/models) and the exported tensor model, redis-server, the
-gateway as `dstool gateway`, the unmodified tritonclient."""
+serving our own small python-backend models (tests/models) and the exported tensor model, the gateway as `dstool
+gateway`, the unmodified tritonclient. The gateway caches in its own memory here (what these tests are about is in
+front of the cache); the three tests about Redis itself (a cancelled Redis call, files changed under a loaded version,
+workers sharing one cache) use a real redis-server; test_gateway.py runs the gateway's routes on Redis."""
 
 from __future__ import annotations
 

@@ -130,6 +130,8 @@ def _doctor(*args: str) -> tuple[int, dict[str, str]]:
     return proc.returncode, {line.split("] ", 1)[1].split(":", 1)[0]: line for line in lines}
 
 
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a machine with NVIDIA GPUs: doctor's GPU checks "
+                    "run in scripts/gpu-check.sh there")
 def test_doctor_passes_on_this_machine(tmp_path):
     """Every check passes but the GPU topology, a [skip] without NVIDIA GPUs (NVML does not start)."""
     port = _free_port()
@@ -317,6 +319,8 @@ def test_doctor_gpu_topology_per_node_with_a_fake_nvml(tmp_path, monkeypatch):
                                              "[skip] GPU topology b: not checked (no ssh)"]
 
 
+@pytest.mark.skipif(shutil.which("nvidia-smi") is not None, reason="a machine with NVIDIA GPUs: doctor's topology "
+                    "is checked by scripts/gpu-check.sh there")
 def test_doctor_gpu_topology_without_a_gpu_is_a_skip():
     """This machine's real NVML (no NVIDIA driver): no GPUs and why, a [skip] that says so."""
     from dstool.train import doctor
