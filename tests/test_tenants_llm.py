@@ -297,3 +297,43 @@ def test_the_model_is_checked_before_any_grammar_is_compiled(llm_tenants):
                                                     "messages": [{"role": "user", "content": "hi"}]},
                                {"Authorization": f"Bearer {other}"})
         assert status == 404 and json.loads(body)["error"]["code"] == "model_not_found", body
+
+
+def test_a_request_refused_on_a_grpc_stream_drops_no_admitted_answer(llm_tenants):
+    """One stream: a long answer admitted, then a request the gateway refuses (a model the key is not given) while
+    that answer is still being made, then another admitted one. The refusal comes back on the stream as its error;
+    both admitted answers come back (the refusal once ended the stream and lost them)."""
+    import tritonclient.grpc as grpcclient
+
+    gw, _, redis = llm_tenants
+    key = new_key(redis.url, "--tenant", "streamer", "--models", "dstool_lm")
+
+    def request(new_tokens: int) -> list:
+        text = grpcclient.InferInput("text_input", [1], "BYTES")
+        text.set_data_from_numpy(np.array([b"the fox"], dtype=np.object_))
+        new = grpcclient.InferInput("max_new_tokens", [1], "INT32")
+        new.set_data_from_numpy(np.array([new_tokens], dtype=np.int32))
+        return [text, new]
+
+    answers: list = []
+    client = grpcclient.InferenceServerClient(gw.grpc_url)
+    client.start_stream(callback=lambda result, error: answers.append((result, error)),
+                        headers={"authorization": f"Bearer {key}", "cache-control": "no-cache"})
+    try:
+        client.async_stream_infer("dstool_lm_llm", request(200), request_id="long", parameters={"ignore_eos": True})
+        client.async_stream_infer("other_llm", request(3), request_id="refused")
+        client.async_stream_infer("dstool_lm_llm", request(3), request_id="short", parameters={"ignore_eos": True})
+        deadline = time.monotonic() + 60
+        while len(answers) < 3:
+            assert time.monotonic() < deadline, answers
+            time.sleep(0.01)
+        time.sleep(0.2)  # nothing more comes
+    finally:
+        client.stop_stream()
+        client.close()
+    errors = [str(error) for _, error in answers if error is not None]
+    served = {result.get_response().id: result.as_numpy("text_output") for result, error in answers if error is None}
+    assert len(errors) == 1 and "is not given the model 'other_llm'" in errors[0], errors
+    assert set(served) == {"long", "short"} and len(answers) == 3, answers
+    order = ["refused" if error is not None else result.get_response().id for result, error in answers]
+    assert order.index("refused") < order.index("long"), order  # refused while "long" was being made
