@@ -99,6 +99,62 @@ def test_docs_links_resolve():
             assert (page.parent / target).exists(), f"{page.name} links to missing {target}"
 
 
+
+def _mkdocs_build(config: Path, site: Path) -> subprocess.CompletedProcess:
+    import os
+
+    return subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--config-file", str(config),
+                           "--site-dir", str(site)], capture_output=True, text=True, timeout=300, cwd=config.parent,
+                          env={**os.environ, "NO_MKDOCS_2_WARNING": "1"})
+
+
+def test_docs_site_builds_strictly(tmp_path):
+    """The docs site (mkdocs.yml, Material) builds with `strict: true`: a link to a missing page, file or anchor, or a
+    page left out of the nav, fails it. Every docs page is in the nav, and the README's links into docs/ land on
+    anchors the site has."""
+    proc = _mkdocs_build(ROOT / "mkdocs.yml", tmp_path / "site")
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    nav = yaml.safe_load(re.sub(r"!!python/\S+", "", (ROOT / "mkdocs.yml").read_text()))["nav"]
+
+    def pages(entry) -> list[str]:
+        if isinstance(entry, str):
+            return [entry]
+        if isinstance(entry, list):
+            return [p for e in entry for p in pages(e)]
+        return [p for v in entry.values() for p in pages(v)]
+
+    assert sorted(pages(nav)) == sorted(p.name for p in (ROOT / "docs").glob("*.md")), "a docs page not in the nav"
+    for page, anchor in re.findall(r"\]\(docs/([\w-]+)\.md#([^)]+)\)", (ROOT / "README.md").read_text()):
+        html = (tmp_path / "site" / ("" if page == "index" else page) / "index.html").read_text()
+        assert f'id="{anchor}"' in html, f"README links to docs/{page}.md#{anchor}, which the site has no anchor for"
+
+
+def test_docs_site_build_fails_on_a_broken_link(tmp_path):
+    """The strictness is real: the same docs with one link to a missing page, and with one to a missing file of the
+    repository (scripts/mkdocs_hooks.py checks those), each fail the build."""
+    for broken in ["[gone](no-such-page.md)", "[gone](../no-such-file.yml)"]:
+        copy = tmp_path / broken[7:13]
+        shutil.copytree(ROOT / "docs", copy / "docs")
+        shutil.copytree(ROOT / "scripts", copy / "scripts")
+        shutil.copy(ROOT / "mkdocs.yml", copy / "mkdocs.yml")
+        index = copy / "docs" / "index.md"
+        index.write_text(index.read_text() + f"\n{broken}\n")
+        proc = _mkdocs_build(copy / "mkdocs.yml", copy / "site")
+        assert proc.returncode != 0 and "no-such-" in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+
+
+def test_readme_commands_answer_help():
+    """Every `dstool COMMAND` the README shows is a command of the CLI: `dstool COMMAND --help` exits 0."""
+    readme = (ROOT / "README.md").read_text()
+    fenced = re.findall(r"```.*?```", readme, re.S)
+    code = fenced + re.findall(r"`[^`\n]+`", re.sub(r"```.*?```", "", readme, flags=re.S))
+    shown = {c for block in code for c in re.findall(r"(?:^|[\s/`])dstool ([a-z]+)", block)}
+    assert {"pipeline", "train", "compress", "export", "serve", "infer", "keys", "batch", "eval"} <= shown
+    dstool = Path(sys.executable).with_name("dstool")
+    for command in sorted(shown):
+        proc = subprocess.run([str(dstool), command, "--help"], capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0 and f"usage: dstool {command}" in proc.stdout, (command, proc.stderr[-2000:])
+
 def test_static_checks_pass():
     """ruff over the tree and mypy over the dstool.* packages (scripts/check.py maps the source folders)."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py")], capture_output=True, text=True,
