@@ -60,7 +60,7 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
     import pyspark
 
     submit = Path(pyspark.__file__).parent / "bin" / "spark-submit"
-    from dstool import cli as cli_module
+    from dstool.cli import commands as cli_module
 
     rerun = subprocess.run([str(submit), "--master", "local[2]", cli_module.__file__, *args], capture_output=True,
                            text=True, timeout=600, env=dict(os.environ, PYSPARK_PYTHON=sys.executable))

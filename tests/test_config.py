@@ -88,8 +88,8 @@ def test_a_failure_is_one_line_naming_its_log_and_the_traceback_is_in_the_log(mo
     the console only with -v. A failed gate or crashed engine (Failed) names its own log."""
     import dataclasses
 
-    from dstool import cli as cli_module
     from dstool import log
+    from dstool.cli import commands as cli_module
     from dstool.errors import EngineFailed
 
     def defect(cfg):
@@ -115,8 +115,8 @@ def test_a_failure_is_one_line_naming_its_log_and_the_traceback_is_in_the_log(mo
 def test_a_cache_url_is_parsed_once_and_none_given_means_auto(monkeypatch, tmp_path):
     """--cache is a typed URL in every command's config (the text in YAML and on the flag, the parsed value in the
     model); a cache not given is `auto` everywhere, resolved by one rule: $DSTOOL_REDIS_URL or the local Redis."""
+    from dstool.cli.pipeline import PipelineConfig
     from dstool.config import dump_yaml
-    from dstool.pipeline import PipelineConfig
     from dstool.serve.cache_url import AUTO, DEFAULT_REDIS, CacheURL
     from dstool.serve.config import GatewayConfig, ServeConfig
 

@@ -243,7 +243,7 @@ def _eval(cfg) -> int:
 
 
 def _pipeline(cfg) -> int:
-    from dstool.pipeline import run_pipeline
+    from dstool.cli.pipeline import run_pipeline
 
     run_pipeline(cfg)
     return 0
@@ -288,7 +288,7 @@ def _eval_config():
 
 
 def _pipeline_config():
-    from dstool.pipeline import PipelineConfig
+    from dstool.cli.pipeline import PipelineConfig
 
     return PipelineConfig
 
