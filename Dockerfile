@@ -20,6 +20,7 @@ ARG TRITON_IMAGE=nvcr.io/nvidia/tritonserver:25.10-py3
 FROM scratch AS source
 COPY pyproject.toml README.md /src/
 COPY dstool/ /src/dstool/
+COPY cli/ /src/cli/
 COPY train/ /src/train/
 COPY compress/ /src/compress/
 COPY serve/ /src/serve/
