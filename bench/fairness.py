@@ -51,9 +51,9 @@ def first_token(port: int, key: str, content: str) -> float:
     """Seconds from sending a streamed chat to its first content chunk (the rest read and dropped)."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
     started = time.perf_counter()
-    conn.request("POST", CHAT, json.dumps({"model": "dstool_lm", "max_tokens": 4, "ignore_eos": True, "stream": True, "messages": [
-        {"role": "user", "content": content}]}), {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache",
-                                                  "Content-Type": "application/json"})
+    conn.request("POST", CHAT, json.dumps({"model": "dstool_lm", "max_tokens": 4, "ignore_eos": True, "stream": True,
+                                           "messages": [{"role": "user", "content": content}]}),
+                 {"Authorization": f"Bearer {key}", "Cache-Control": "no-cache", "Content-Type": "application/json"})
     r = conn.getresponse()
     first = None
     for line in r:
