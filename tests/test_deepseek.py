@@ -333,3 +333,12 @@ def test_thinking_is_reasoning_and_the_grammar_applies_after_it_through_the_gate
     assert kinds == ["reasoning", "message"], response.output
     assert response.output[0].content[0].text == THINKING
     assert json.loads(response.output_text)["city"] in ("Paris", "Rome")
+    # the conversation goes on with its reasoning item: stored (previous_response_id) and fed back as input items
+    # (openai-agents' stateless loop); it was a 400 ("'input[1]' must be a message, function_call or ...")
+    then = client.responses.create(model="r1", previous_response_id=response.id, input="And Rome?",
+                                   max_output_tokens=40, temperature=0)
+    assert then.previous_response_id == response.id and then.output_text, then
+    fed = client.responses.create(model="r1", max_output_tokens=40, temperature=0, store=False, input=[
+        {"role": "user", "content": "Weather in Paris?"}, *[item.model_dump() for item in response.output],
+        {"role": "user", "content": "And Rome?"}])
+    assert fed.output_text == then.output_text, (fed.output, then.output)

@@ -140,6 +140,11 @@ def test_sampling_fields_of_vllm_and_openai_are_served(api, trained):
     status, _, body = post(api.http_port, "/v1/completions", {**prompt, "logit_bias": {str(len(tokenizer)): 5}},
                            AUTH)
     assert status == 400 and b"logit_bias" in body, body
+    # skip_special_tokens: false keeps a special token in the text (true, the default, leaves it out)
+    eos = tokenizer.eos_token_id
+    special = {"ignore_eos": True, "logit_bias": {str(eos): 100}, "max_tokens": 3}
+    assert complete(**special, skip_special_tokens=False)["choices"][0]["text"] == tokenizer.eos_token * 3
+    assert complete(**special)["choices"][0]["text"] == ""
 
 
 def test_a_named_tool_call_and_a_text_format_go_together(api):
@@ -209,6 +214,32 @@ def test_a_call_cut_by_max_tokens_comes_back_partial(api):
         assert deltas and deltas[0].function.name == "say", streamed
         assert "".join(d.function.arguments or "" for d in deltas) == call.function.arguments
         assert streamed[-1].choices[0].finish_reason == "length"
+
+
+def test_a_call_cut_by_max_output_tokens_comes_back_partial_on_responses(api):
+    """The Responses form of the same: an incomplete response whose last item, the call as far as it got, is
+    marked incomplete (not an empty message item marked completed) — whole and streamed."""
+    tool = {"type": "function", "name": "say", "parameters": {
+        "type": "object", "properties": {"words": {"type": "string"}}, "required": ["words"]}}
+    client = _client(api)
+    ask = {"model": "dstool_lm", "input": "Who comes here?", "tools": [tool], "tool_choice": "required",
+           "max_output_tokens": 12, "temperature": 0, "store": False}
+    whole = client.responses.create(**ask)
+    assert whole.status == "incomplete" and whole.incomplete_details.reason == "max_output_tokens", whole
+    assert [item.type for item in whole.output] == ["function_call"], whole.output
+    call = whole.output[0]
+    assert call.name == "say" and call.status == "incomplete", call
+    assert call.arguments.startswith('{"words":') or '{"words":'.startswith(call.arguments), call
+    events = list(client.responses.create(**ask, stream=True))
+    final = events[-1]
+    assert final.type == "response.incomplete" and [i.type for i in final.response.output] == ["function_call"]
+    assert (final.response.output[0].arguments, final.response.output[0].status) == (call.arguments, "incomplete")
+    done = [e.item for e in events if e.type == "response.output_item.done"]
+    assert [(i.type, i.status) for i in done] == [("function_call", "incomplete")], done
+    # a cut text answer: its message item is incomplete too
+    text = client.responses.create(model="dstool_lm", input="Who comes here?", max_output_tokens=3, temperature=0,
+                                   store=False)
+    assert text.status == "incomplete" and [(i.type, i.status) for i in text.output] == [("message", "incomplete")]
 
 
 def test_a_connection_triton_closes_under_an_abandoned_request_leaves_no_loop_warning():

@@ -126,11 +126,18 @@ def _messages(value: Any) -> list[dict]:
     if not isinstance(value, list) or not value:
         raise OpenAIError(400, "'input' must be text or a non-empty list of input items", "input")
     messages: list[dict] = []
+    thought: str | None = None  # a reasoning item's text, for the assistant message made next
     for i, item in enumerate(value):
         at = f"input[{i}]"
         kind = item.get("type", "message") if isinstance(item, dict) else None
+        made = len(messages)
+        if kind == "reasoning":  # a previous answer's thinking (--reasoning-parser) fed back with its output
+            thought = _reasoning_text(item, at)
+            continue
         if kind == "message":
-            unknown = sorted(set(item) - {"type", "role", "content", "id", "status"})
+            # a null is the field left out (an output item fed back as model_dump() has "phase": null)
+            unknown = sorted(k for k, v in item.items() if v is not None and k not in
+                             {"type", "role", "content", "id", "status"})
             if unknown:
                 raise OpenAIError(400, f"Unrecognized request argument supplied: {at}.{unknown[0]}",
                                   f"{at}.{unknown[0]}")
@@ -147,9 +154,29 @@ def _messages(value: Any) -> list[dict]:
             messages.append({"role": "tool", "tool_call_id": item.get("call_id"),
                              "content": output if isinstance(output, str) else _content(output, f"{at}.output")})
         else:
-            raise OpenAIError(400, f"'{at}' must be a message, function_call or function_call_output item, got "
-                                   f"{shown(item)}", at)
+            raise OpenAIError(400, f"'{at}' must be a message, reasoning, function_call or function_call_output item, "
+                                   f"got {shown(item)}", at)
+        if len(messages) > made:
+            if thought is not None and messages[-1]["role"] == "assistant":
+                messages[-1]["reasoning_content"] = thought  # the chat template decides whether the model sees it
+            thought = None
     return messages
+
+
+def _reasoning_text(item: dict, at: str) -> str:
+    """A reasoning item's text (its reasoning_text parts, else its summary's): what the chat template is given as
+    the next assistant message's reasoning_content. OpenAI's encrypted_content is taken unread: DeepSeek's templates
+    (and the default layout) drop earlier turns' thinking, so it cannot change the answer."""
+    for field in ("content", "summary"):
+        parts = item.get(field)
+        if parts is None or parts == []:
+            continue
+        if not isinstance(parts, list) or not all(isinstance(p, dict) and isinstance(p.get("text"), str)
+                                                  for p in parts):
+            raise OpenAIError(400, f"'{at}.{field}' must be a list of parts with text, got {shown(parts)}",
+                              f"{at}.{field}")
+        return "".join(p["text"] for p in parts)
+    return ""
 
 
 def _content(value: Any, at: str) -> Any:
@@ -231,6 +258,8 @@ class Writer:
             output.append(_call_item("fc_" + uuid.uuid4().hex, call["id"], call["function"]["name"],
                                      call["function"]["arguments"], "completed"))
         cut = choice["finish_reason"] == "length"
+        if cut:
+            output[-1]["status"] = "incomplete"  # what the limit cut: the message or the call as far as it got
         return self.response("incomplete" if cut else "completed", output, completion["usage"],
                              "max_output_tokens" if cut else None)
 
@@ -303,18 +332,19 @@ class Writer:
                         item["arguments"] += piece
                         yield self._event("response.function_call_arguments.delta", item_id=item["id"],
                                           output_index=output.index(item), delta=piece)
+        cut = finish == "length"
+        last = output[-1] if cut and output else None  # what the limit cut: marked incomplete
         if thought is not None and thought["status"] == "in_progress":
-            for event in self._close_thought(thought, output):
+            for event in self._close_thought(thought, output, "incomplete" if thought is last else "completed"):
                 yield event
         if text is not None:
-            for event in self._close_text(text, output):
+            for event in self._close_text(text, output, "incomplete" if text is last else "completed"):
                 yield event
         for item in calls.values():
-            item["status"] = "completed"
+            item["status"] = "incomplete" if item is last else "completed"
             yield self._event("response.function_call_arguments.done", item_id=item["id"],
                               output_index=output.index(item), name=item["name"], arguments=item["arguments"])
             yield self._event("response.output_item.done", output_index=output.index(item), item=item)
-        cut = finish == "length"
         final = self.response("incomplete" if cut else "completed", output, usage,
                               "max_output_tokens" if cut else None)
         failed = await keep(final) if keep is not None else None
@@ -323,16 +353,16 @@ class Writer:
             return
         yield self._event("response.incomplete" if cut else "response.completed", response=final)
 
-    def _close_thought(self, thought: dict, output: list[dict]) -> list[bytes]:
+    def _close_thought(self, thought: dict, output: list[dict], status: str = "completed") -> list[bytes]:
         at = output.index(thought)
-        thought["status"] = "completed"
+        thought["status"] = status
         return [self._event("response.reasoning_text.done", item_id=thought["id"], output_index=at, content_index=0,
                             text=thought["content"][0]["text"]),
                 self._event("response.output_item.done", output_index=at, item=thought)]
 
-    def _close_text(self, text: dict, output: list[dict]) -> list[bytes]:
+    def _close_text(self, text: dict, output: list[dict], status: str = "completed") -> list[bytes]:
         at, part = output.index(text), text["content"][0]
-        text["status"] = "completed"
+        text["status"] = status
         return [self._event("response.output_text.done", item_id=text["id"], output_index=at, content_index=0,
                             text=part["text"], logprobs=[]),
                 self._event("response.content_part.done", item_id=text["id"], output_index=at, content_index=0,

@@ -1,6 +1,7 @@
 """LlamaIndex's OpenAILike on its default paths: as constructed with only model, api_base and api_key
 (is_chat_model false: `complete` and `chat` go to /v1/completions) and with is_chat_model=True (/v1/chat/completions),
-each whole and streamed, sync and async."""
+each whole and streamed, sync and async; and OpenAILikeResponses (/v1/responses: it always sends `tools: []`, which
+issue 41 found refused)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,11 @@ import asyncio
 
 from common import ASK, KEY, MODEL, OPENAI_URL, check, run, until_text
 from llama_index.core.llms import ChatMessage, ChatResponse, CompletionResponse
-from llama_index.llms.openai_like import OpenAILike
+from llama_index.llms.openai_like import OpenAILike, OpenAILikeResponses
 
 plain = OpenAILike(model=MODEL, api_base=OPENAI_URL, api_key=KEY, max_retries=0)
 chat_model = OpenAILike(model=MODEL, api_base=OPENAI_URL, api_key=KEY, max_retries=0, is_chat_model=True)
+responses_model = OpenAILikeResponses(model=MODEL, api_base=OPENAI_URL, api_key=KEY, max_retries=0)
 MESSAGES = [ChatMessage(role="user", content=ASK)]
 
 
@@ -83,6 +85,23 @@ def async_chat():
     def answer():
         whole, pieces = asyncio.run(main())
         return whole.message.content and pieces and pieces[-1].message.content
+
+    until_text(answer)
+
+
+@check
+def responses_chat():
+    until_text(lambda: responses_model.chat(MESSAGES).message.content)
+
+
+@check
+def responses_stream_chat():
+    def answer():
+        pieces = list(responses_model.stream_chat(MESSAGES))  # each piece's message holds its own delta only
+        assert pieces and pieces[-1].raw.type in ("response.completed", "response.incomplete"), pieces[-3:]
+        text = "".join(p.delta or "" for p in pieces)
+        assert text == pieces[-1].raw.response.output_text, (text, pieces[-1].raw)
+        return text
 
     until_text(answer)
 

@@ -130,6 +130,15 @@ def responses_parse():
 
 
 @check
+def responses_stream_parse():
+    """`responses.stream(...).get_final_response()` with a text_format (issue 41: it raised on the 16-token cut)."""
+    with client.responses.stream(model=MODEL, input=ASK, text_format=Speaker) as stream:
+        final = stream.get_final_response()
+    assert final.status == "completed", final
+    is_speaker(final.output_parsed)
+
+
+@check
 def responses_tool_loop():
     tool = {"type": "function", "name": "weather", "parameters": Weather.model_json_schema(), "strict": False}
     first = client.responses.create(model=MODEL, input=WEATHER_ASK, tools=[tool], tool_choice="required",
