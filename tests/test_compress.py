@@ -157,6 +157,7 @@ def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     r = m.recipe.recovery
     assert r.distill and r.distill_kl[0] > 0 and r.kept
     assert r.calibration_ppl_after < r.calibration_ppl_before
+    assert "in-domain" in (out / "report.md").read_text()  # its recovery figures are the recovery corpus's own
     cached, recomputed = _greedy(out, m, [5, 17, 300], 6)  # the pruned decoder graph, fp32
     assert cached == recomputed
 
