@@ -105,11 +105,35 @@ def model_folder_matches(out: Path, reference: Path | None = None) -> None:
 SERVERS = ("server", "gateway_server")
 
 
+# The quick tier (`pytest -m quick`, docs/setup.md): every stage once on its real component, for the edit-test loop.
+QUICK = (
+    "test_packaging.py::test_static_checks_pass",  # ruff, mypy, import-linter
+    "test_packaging.py::test_docs_site_builds_strictly",
+    "test_config.py::test_a_failure_is_one_line_naming_its_log_and_the_traceback_is_in_the_log",
+    "test_train_deepspeed.py::test_zero0_equals_zero1_and_merges_user_json",  # DeepSpeed, 2 ranks
+    "test_compress.py::test_int8_both_graphs_by_one_recipe",  # trained (DeepSpeed) -> int8, ONNX Runtime
+    "test_serve.py::test_http_and_grpc_match_onnxruntime_and_pytorch",  # dstool export, a real Triton
+    "test_serve.py::test_generated_text_equals_pytorch_greedy",  # the engine in Triton's python backend
+    "test_openai.py::test_a_streamed_chat_completion",  # the gateway's OpenAI route, the openai client
+    "test_llm_attacks.py::test_random_draws_and_errors_are_never_cached[dstool_lm_llm]",  # the Redis cache
+    "test_tenants.py::test_keys_cli_prints_a_key_once_and_redis_keeps_only_its_hash",  # dstool keys on Redis
+    "test_batch.py::test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache",  # Spark
+    "test_eval.py::test_a_compress_output_is_scored_on_its_logits_graph",  # lm-evaluation-harness
+)
+
+
 def pytest_collection_modifyitems(config, items):
-    """For `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started server or a module-scoped
+    """The quick tier's marker, then for `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started server or a module-scoped
     fixture form one group, run by one worker, so each is made once; the other tests spread over the workers one by
     one. The tests marked slow are queued first, then the groups, so that the short ones fill the gaps at the end.
     In one process the tests run as written."""
+    quick = [item for item in items if item.nodeid.split("/", 1)[-1] in QUICK]
+    for item in quick:
+        item.add_marker(pytest.mark.quick)
+    whole = not config.option.file_or_dir and not config.option.keyword  # the suite, not a file or -k of it
+    if config.option.markexpr == "quick" and whole and len(quick) != len(QUICK):  # a renamed test left the tier
+        found = {item.nodeid.split("/", 1)[-1] for item in quick}
+        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {set(QUICK) - found}")
     if not getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     parent: dict[str, str] = {}
