@@ -133,7 +133,8 @@ def pytest_collection_modifyitems(config, items):
     whole = not config.option.file_or_dir and not config.option.keyword  # the suite, not a file or -k of it
     if config.option.markexpr == "quick" and whole and len(quick) != len(QUICK):  # a renamed test left the tier
         found = {item.nodeid.split("/", 1)[-1] for item in quick}
-        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: {set(QUICK) - found}")
+        raise pytest.UsageError(f"tests/conftest.py QUICK names tests that do not exist: "
+                                f"{sorted(set(QUICK) - found)}")
     if not getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
         return
     parent: dict[str, str] = {}
