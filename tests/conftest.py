@@ -125,8 +125,8 @@ QUICK = (
 def pytest_collection_modifyitems(config, items):
     """The quick tier's marker, then for `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started
     server or a module-scoped fixture form one group, run by one worker, so each is made once; the other tests spread
-    over the workers one by
-    one. The tests marked slow are queued first, then the groups, so that the short ones fill the gaps at the end.
+    over the workers one by one. The tests marked slow are queued first, then the groups, so that the short ones fill
+    the gaps at the end.
     In one process the tests run as written."""
     quick = [item for item in items if item.nodeid.split("/", 1)[-1] in QUICK]
     for item in quick:
