@@ -154,6 +154,20 @@ class _Refusal:
     message: str
 
 
+_REQUEST_LINE = re.compile(rb"([!#$%&'*+.^_`|~0-9A-Za-z-]+) [!-~]+ HTTP/[0-9]\.[0-9]\r?\n")  # RFC 9112 3
+
+
+def _parse_error(e: httptools.HttpParserError, start: bytes) -> tuple[int, str]:
+    """The answer to a request httptools cannot parse (RFC 9110/9112): 501 for a well-formed request-line whose
+    method httptools does not know (`start` holds the request's first bytes, where known), 505 for an HTTP version
+    it does not speak, else 400."""
+    if isinstance(e, httptools.HttpParserInvalidMethodError) and (m := _REQUEST_LINE.match(start)):
+        return 501, f"method {m.group(1)[:32].decode()!r} is not implemented"
+    if str(e) == "Invalid HTTP version":
+        return 505, "HTTP version not supported: the gateway speaks HTTP/1.0 and 1.1"
+    return 400, f"malformed HTTP request: {e}"
+
+
 _ABSOLUTE = re.compile(r"https?://[^/?#]*", re.IGNORECASE)
 
 
@@ -275,7 +289,8 @@ class HttpConnection(asyncio.Protocol):
             pass  # Triton answers an Upgrade request as a plain one: so does the gateway (then closes)
         except httptools.HttpParserError as e:  # a callback's _Stop too (it set the error)
             if self.error is None:
-                self.error = (400, f"malformed HTTP request: {e}")
+                self.error = _parse_error(e, data if in_head and self.head_bytes == 0 and
+                                          self.started == started + 1 else b"")
         if in_head and not self.headers_done and self.started == started:  # still in the same request's head
             self.head_bytes += len(data)
             if self.head_bytes > self.limits.max_headers_bytes + self.limits.max_url_bytes and self.error is None:
@@ -317,8 +332,14 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self.headers_done = True
         target = _origin_form(self.url.decode("latin-1"))
+        if target is None and self.parser.get_method() == b"CONNECT":
+            self._fail(501, "CONNECT is not implemented: the gateway is no proxy")
         if target is None:
             self._fail(400, "the request target must be a path (/v2/...) or an absolute http URL")
+        codings = [c.strip().lower() for c in self.headers.get("transfer-encoding", "").split(",") if c.strip()]
+        if any(c != "chunked" for c in codings):  # (llhttp has checked that chunked comes last)
+            self._fail(501, f"Transfer-Encoding {self.headers['transfer-encoding']!r} is not implemented (only "
+                            "chunked is)")
         self.url = target.encode("latin-1")
         front = self.frontend
         path = target.split("?", 1)[0]
