@@ -97,6 +97,14 @@ def test_what_clients_send_by_default_is_taken(api):
     responses = client.responses.create(model="dstool_lm", input="Who comes here?", tools=[], temperature=0,
                                         max_output_tokens=8, store=False)
     assert responses.output_text == text
+    # text.verbosity alone (openai-agents' ModelSettings(verbosity=...)) is taken as chat's verbosity; a bad level
+    # is refused in the Responses' names
+    tuned = client.responses.create(model="dstool_lm", input="Who comes here?", text={"verbosity": "low"},
+                                    temperature=0, max_output_tokens=8, store=False)
+    assert tuned.output_text == text
+    status, _, body = post(api.http_port, "/v1/responses", {"model": "dstool_lm", "input": "x", "store": False,
+                                                           "text": {"verbosity": "loud"}}, AUTH)
+    assert status == 400 and json.loads(body)["error"]["param"] == "text.verbosity", body
     for extra, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"),
                          ({"chat_template_kwargs": {"a": [1]}}, "chat_template_kwargs"),
                          ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a1"}}]},

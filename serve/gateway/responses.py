@@ -22,7 +22,7 @@ from dstool.serve.triton_models.sampling import shown
 
 # chat fields -> the Responses field a client sent
 PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
-          "response_format": "text.format", "messages": "input"}
+          "response_format": "text.format", "messages": "input", "verbosity": "text.verbosity"}
 
 
 class ResponsesRequest(BaseModel):
@@ -104,7 +104,11 @@ class ResponsesRequest(BaseModel):
                 choice = {"type": "function", "function": {"name": choice["name"]}}
             body["tool_choice"] = choice
         if self.text is not None:
-            body["response_format"] = _format(self.text)
+            fmt = _format(self.text)
+            if fmt is not None:
+                body["response_format"] = fmt
+            if self.text.get("verbosity") is not None:
+                body["verbosity"] = self.text["verbosity"]  # taken as on chat (valid levels only)
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -199,6 +203,9 @@ def _tool(tool: Any, i: int) -> Any:
 
 
 def _format(text: Any) -> Any:
+    """`text.format` as chat's response_format; None when only `text.verbosity` is given."""
+    if isinstance(text, dict) and set(text) <= {"format", "verbosity"} and text.get("format") is None:
+        return None
     fmt = text.get("format") if isinstance(text, dict) and set(text) <= {"format", "verbosity"} else None
     if not isinstance(fmt, dict):
         raise OpenAIError(400, "'text' must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", "
