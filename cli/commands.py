@@ -12,12 +12,19 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import yaml
 from pydantic import BaseModel
 
 from dstool import __version__
 from dstool import log as dlog
+from dstool.cli.pipeline import PipelineConfig, run_pipeline
+from dstool.compress.config import CompressConfig
 from dstool.config import add_options, changed, load_config, overrides
 from dstool.errors import Failed, UsageError
+from dstool.evaluation.config import EvalConfig
+from dstool.serve import config as serve_config
+from dstool.serve.config import seconds
+from dstool.train.config import DoctorConfig, PlanConfig, TrainCommand
 
 
 class _Parser(argparse.ArgumentParser):
@@ -27,7 +34,7 @@ class _Parser(argparse.ArgumentParser):
 
 @dataclass
 class Command:
-    config: Callable[[], type[BaseModel]]  # imported when the parser is built: pydantic only, no torch
+    config: Callable[[], type[BaseModel]]  # the command's options (pydantic only, no torch)
     run: Callable[[Any], int | None]
     help: str
     description: str
@@ -36,7 +43,7 @@ class Command:
 def _train(cmd) -> int:
     if cmd.emit == "k8s":
         return _emit_k8s(cmd)
-    from dstool.train import train
+    from dstool.train import train  # noqa: PLC0415 (a stage, loaded for its command only)
 
     result = train(cmd.train_config())
     val = f", held-out loss {result.val_loss:.4f}" if result.val_loss is not None else ""
@@ -46,9 +53,7 @@ def _train(cmd) -> int:
 
 
 def _emit_k8s(cmd) -> int:
-    import yaml
-
-    from dstool.train import deepspeed_config, k8s, launch
+    from dstool.train import deepspeed_config, k8s, launch  # noqa: PLC0415 (a stage, loaded for its command only)
 
     cfg = cmd.train_config()
     topo = launch.plan(cfg.model_copy(update={"hostfile": None, "node_rank": 0 if cfg.num_nodes > 1 else None}))
@@ -62,14 +67,14 @@ def _emit_k8s(cmd) -> int:
 
 
 def _doctor(cfg) -> int:
-    from dstool.train import doctor
+    from dstool.train import doctor  # noqa: PLC0415 (a stage, loaded for its command only)
 
     return doctor.run(cfg.hostfile, cfg.master_addr, cfg.master_port, cfg.output, cfg.nproc, cfg.env,
                       cfg.pipeline_stages, cfg.tensor_parallel, cfg.expert_parallel)
 
 
 def _plan(cfg) -> int:
-    from dstool.train.plan import format_table, plan
+    from dstool.train.plan import format_table, plan  # noqa: PLC0415 (a stage, loaded for its command only)
 
     p = plan(cfg)
     print(p.model_dump_json(indent=2) if cfg.format == "json" else format_table(p))
@@ -77,7 +82,7 @@ def _plan(cfg) -> int:
 
 
 def _compress(cfg) -> int:
-    from dstool.compress import compress
+    from dstool.compress import compress  # noqa: PLC0415 (a stage, loaded for its command only)
 
     m = compress(cfg)
     f = m.figures
@@ -93,11 +98,11 @@ def _compress(cfg) -> int:
 
 def _export(cfg) -> int:
     if cfg.target == "edge":
-        from dstool.serve.export.edge_package import export_edge
+        from dstool.serve.export.edge_package import export_edge  # noqa: PLC0415 (a stage, loaded for its command only)
 
         export_edge(cfg)
         return 0
-    from dstool.serve.export import export
+    from dstool.serve.export import export  # noqa: PLC0415 (a stage, loaded for its command only)
 
     export(cfg)
     return 0
@@ -105,29 +110,26 @@ def _export(cfg) -> int:
 
 def _serve(cfg) -> int:
     if cfg.emit == "k8s":
-        import yaml
-
-        from dstool.serve.runtime.k8s import admin_secret_hint, serving_manifests
+        from dstool.serve.runtime.k8s import admin_secret_hint, serving_manifests  # noqa: PLC0415 (a stage, loaded for its command only)
 
         print(yaml.safe_dump_all(serving_manifests(cfg), sort_keys=False), end="")
         hint = admin_secret_hint(cfg)
         if hint:
             dlog.log.warning(hint)
         return 0
-    from dstool.serve.runtime.server import serve
+    from dstool.serve.runtime.server import serve  # noqa: PLC0415 (a stage, loaded for its command only)
 
     return serve(cfg)
 
 
 def _gateway(cfg) -> int:
-    from dstool.serve.gateway import run_gateway
+    from dstool.serve.gateway import run_gateway  # noqa: PLC0415 (a stage, loaded for its command only)
 
     return run_gateway(cfg)
 
 
 def _keys(cfg) -> int:
-    from dstool.serve import keys
-    from dstool.serve.config import seconds
+    from dstool.serve import keys  # noqa: PLC0415 (a stage, loaded for its command only)
 
     url, _ = cfg.redis.chosen()
     if not url.is_redis:
@@ -161,7 +163,7 @@ def _keys(cfg) -> int:
 def _infer(cfg) -> int:
     if cfg.edge is not None:
         return _infer_edge(cfg)
-    from dstool.serve.runtime import client
+    from dstool.serve.runtime import client  # noqa: PLC0415 (a stage, loaded for its command only)
 
     structured = cfg.structured()
     if cfg.prompt is not None and (cfg.stream or cfg.openai or structured):  # a grammar is MODEL_llm's to enforce
@@ -192,9 +194,9 @@ def _infer(cfg) -> int:
 
 
 def _infer_edge(cfg) -> int:
-    from dstool.serve import edge
-    from dstool.serve.triton_models.grammar import Grammars
-    from dstool.serve.triton_models.sampling import SamplingError, request_choices
+    from dstool.serve import edge  # noqa: PLC0415 (a stage, loaded for its command only)
+    from dstool.serve.triton_models.grammar import Grammars  # noqa: PLC0415 (a stage, loaded for its command only)
+    from dstool.serve.triton_models.sampling import SamplingError, request_choices  # noqa: PLC0415 (a stage, loaded for its command only)
 
     model = edge.EdgeModel(cfg.edge, cfg.memory_cap_mb)
     prompt_ids = model.tokenizer.encode(cfg.prompt).ids
@@ -214,7 +216,7 @@ def _infer_edge(cfg) -> int:
 
 
 def _batch(cfg) -> int:
-    from dstool.serve.batch import run_batch
+    from dstool.serve.batch import run_batch  # noqa: PLC0415 (a stage, loaded for its command only)
 
     m = run_batch(cfg)
     f = m.figures
@@ -233,7 +235,7 @@ def _batch(cfg) -> int:
 
 
 def _eval(cfg) -> int:
-    from dstool.evaluation.api import run_eval, table
+    from dstool.evaluation.api import run_eval, table  # noqa: PLC0415 (a stage, loaded for its command only)
 
     report = run_eval(cfg)
     print(table(report))
@@ -243,53 +245,37 @@ def _eval(cfg) -> int:
 
 
 def _pipeline(cfg) -> int:
-    from dstool.cli.pipeline import run_pipeline
-
     run_pipeline(cfg)
     return 0
 
 
 def _train_config():
-    from dstool.train.config import TrainCommand
-
     return TrainCommand
 
 
 def _doctor_config():
-    from dstool.train.config import DoctorConfig
-
     return DoctorConfig
 
 
 def _plan_config():
-    from dstool.train.config import PlanConfig
-
     return PlanConfig
 
 
 def _compress_config():
-    from dstool.compress.config import CompressConfig
-
     return CompressConfig
 
 
 def _serve_config(name: str):
     def get():
-        from dstool.serve import config
-
-        return getattr(config, name)
+        return getattr(serve_config, name)
     return get
 
 
 def _eval_config():
-    from dstool.evaluation.config import EvalConfig
-
     return EvalConfig
 
 
 def _pipeline_config():
-    from dstool.cli.pipeline import PipelineConfig
-
     return PipelineConfig
 
 

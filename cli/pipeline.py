@@ -28,7 +28,9 @@ from pydantic import Field
 from dstool import log as dlog
 from dstool.config import CommandConfig
 from dstool.errors import StageFailed
+from dstool.proc import check_port_free, stop_process
 from dstool.serve.cache_url import AUTO, CacheURL
+from dstool.serve.config import ExportConfig
 from dstool.steps import Step, run_steps
 
 log = dlog.log
@@ -77,8 +79,6 @@ class PipelineConfig(CommandConfig):
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
     """Run every step; returns a summary (the answers, the compression table, the cache hit rate)."""
-    from dstool.proc import check_port_free
-
     for port in (cfg.http_port, cfg.grpc_port, cfg.metrics_port):  # before minutes of training, not after
         check_port_free("127.0.0.1", port)
     out = Path(cfg.output)
@@ -136,8 +136,8 @@ class _Run:
         self.server: subprocess.Popen | None = None
 
     def train(self):
-        from dstool import corpus
-        from dstool.train import TrainConfig, train
+        from dstool import corpus  # noqa: PLC0415 (numpy: the CLI's parser imports this module)
+        from dstool.train import TrainConfig, train  # noqa: PLC0415 (a stage, loaded when the pipeline reaches it)
 
         c, steps = self.cfg, self.train_steps
         if self.real:  # LoRA on the shipped real conversations (chatterbot-corpus' train split), merged into model/
@@ -154,7 +154,7 @@ class _Run:
         return result
 
     def compress(self):
-        from dstool.compress import CompressConfig, compress
+        from dstool.compress import CompressConfig, compress  # noqa: PLC0415 (a stage, loaded when the pipeline reaches it)
 
         c, model = self.cfg, str(self.model_dir)
         variants = {"int8": CompressConfig(model=model, output=str(self.out / "int8"), bits=8,
@@ -175,8 +175,7 @@ class _Run:
         return self.compressed
 
     def export(self):
-        from dstool.serve.config import ExportConfig
-        from dstool.serve.export import export
+        from dstool.serve.export import export  # noqa: PLC0415 (a stage, loaded when the pipeline reaches it)
 
         with dlog.details_to_file():
             deployment = export(ExportConfig(model=str(self.out / "int8"), repository=self.cfg.repository))
@@ -217,7 +216,7 @@ class _Run:
         raise StageFailed(f"the served models were not ready after {c.ready_timeout:.0f} s", log=serve_log)
 
     def infer(self):
-        from dstool.serve.runtime.client import generate_text
+        from dstool.serve.runtime.client import generate_text  # noqa: PLC0415 (a stage, loaded when the pipeline reaches it)
 
         answers = []
         for prompt in self.prompts:
@@ -336,8 +335,6 @@ class _Run:
         return None if hits >= repeats else f"repeated prompts should be cache hits: {hits:.0f} hits for {repeats}"
 
     def shutdown(self) -> int:
-        from dstool.proc import stop_process
-
         return 0 if self.server is None else stop_process(self.server, grace=60)
 
 

@@ -17,6 +17,7 @@ know, in one line that says which command redoes the artefact.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -648,8 +649,6 @@ KINDS: tuple[type[Manifest], ...] = (TrainRun, HFModel, GGUFModel, Checkpoint, U
 
 def weights_sha256(folder: Path) -> str:
     """A model folder's fingerprint: sha256 over its weight files' names and sha256 digests."""
-    import hashlib
-
     h = hashlib.sha256()
     for p in sorted(Path(folder).glob("*.safetensors")) + sorted(Path(folder).glob("*.bin")):
         h.update(f"{p.name}:{sha256_file(p)}\n".encode())

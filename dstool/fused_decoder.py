@@ -22,8 +22,9 @@ from pathlib import Path
 
 import numpy as np
 
+from dstool.engine import FusedRunner
 from dstool.files import replace_folder
-from dstool.onnx_export import OnnxExport, Parity
+from dstool.onnx_export import OnnxExport, Parity, ort_session
 
 FAMILIES = ("llama", "qwen2", "mistral")
 
@@ -142,8 +143,6 @@ def parity(model, onnx_path: Path) -> Parity:
     row's last 3 tokens as a prompt chunk after its first 11 (a prefix-cache hit)."""
     import torch
 
-    from dstool.engine import FusedRunner
-    from dstool.onnx_export import ort_session
 
     ids = torch.randint(0, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
@@ -161,6 +160,4 @@ def parity(model, onnx_path: Path) -> Parity:
 
 def prefill(session, ids: np.ndarray) -> np.ndarray:
     """The logits of `ids` [batch, sequence] prefilled on an empty cache."""
-    from dstool.engine import FusedRunner
-
     return FusedRunner(session).run(ids, np.zeros(len(ids), np.int64), cache_buffers(session, len(ids), ids.shape[1]))

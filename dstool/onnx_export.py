@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import NamedTuple
 
 import numpy as np
+import onnx
+import onnxruntime as ort
 import torch
 
 from dstool import log as dlog
@@ -56,8 +58,8 @@ class OnnxExport:
 
 def _export(model, sample: dict, dynamic_shapes: dict | None, out_dir: Path, check, tolerance: float) -> OnnxExport:
     """Run transformers' OnnxExporter into OUT.tmp, gate with `check(path) -> max diff`, rename to `out_dir`."""
-    from transformers.exporters.configs import OnnxConfig
-    from transformers.exporters.exporter_onnx import OnnxExporter
+    from transformers.exporters.configs import OnnxConfig  # noqa: PLC0415 (transformers' exporters: 2.6 s and torchao's warnings, only when exporting)
+    from transformers.exporters.exporter_onnx import OnnxExporter  # noqa: PLC0415 (transformers' exporters: 2.6 s and torchao's warnings, only when exporting)
 
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -101,7 +103,7 @@ def _decoder_dynamic_shapes(sample: dict) -> dict:
     """Only the axes that vary: batch and new tokens of the ids, batch and length of the mask, batch and past
     length of every cache tensor (heads and head size are fixed, so the graph says so; docs/export-serve.md has
     its export time against torch.export inferring every axis)."""
-    from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes
+    from transformers.exporters.exporter_dynamo import get_auto_dynamic_shapes  # noqa: PLC0415 (transformers' exporters: 2.6 s and torchao's warnings, only when exporting)
 
     dynamic = torch.export.Dim.DYNAMIC
 
@@ -118,8 +120,6 @@ def _decoder_dynamic_shapes(sample: dict) -> dict:
 def _pin_numeric_dims(onnx_path: Path) -> Path:
     """torch.export names fixed axes of a cache input after their size ("2"): make them real static dims,
     so that the graph says how many key/value heads and which head size the cache has."""
-    import onnx
-
     graph_model = onnx.load(str(onnx_path), load_external_data=False)
     for value in graph_model.graph.input:
         for dim in value.type.tensor_type.shape.dim:
@@ -130,8 +130,6 @@ def _pin_numeric_dims(onnx_path: Path) -> Path:
 
 
 def ort_session(path: Path, threads: int | None = None):
-    import onnxruntime as ort
-
     opts = ort.SessionOptions()
     opts.log_severity_level = 3
     if threads:

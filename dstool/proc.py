@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import signal
 import socket
@@ -33,8 +34,6 @@ def check_port_free(host: str, port: int) -> None:
 def die_with_parent(sig: int) -> None:
     """Linux: this process receives `sig` when its parent dies (launcher or rank), so no child is orphaned."""
     try:
-        import ctypes
-
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, int(sig))  # PR_SET_PDEATHSIG
     except (OSError, AttributeError):
         pass

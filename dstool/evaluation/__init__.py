@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 def run_eval(cfg: EvalConfig) -> EvalReport:
     """What `dstool eval` does: the report, also written to OUTPUT/results.json."""
-    from dstool.evaluation.api import run_eval as run
+    from dstool.evaluation.api import run_eval as run  # noqa: PLC0415 (the engine loads on first call: the CLI's parser imports this package)
 
     return run(cfg)
 
@@ -33,7 +33,7 @@ def evaluate(model: str, tasks: list[str] | None = None, limit: int | None = Non
 
 def recovery(parent: EvalReport, variant: EvalReport) -> dict[str, float | None]:
     """Per task, the share of the parent's score the variant keeps, in % (perplexity: parent / variant x 100)."""
-    from dstool.evaluation.api import recovery as rec
+    from dstool.evaluation.api import recovery as rec  # noqa: PLC0415 (the engine loads on first call: the CLI's parser imports this package)
 
     return rec(parent, variant)
 
