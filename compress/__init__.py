@@ -10,7 +10,7 @@ from dstool.compress.config import CompressConfig
 
 def compress(cfg: CompressConfig):
     """Run the compression steps (dstool.compress.steps); returns the output's manifest (CompressedModel)."""
-    from dstool.compress.api import compress as run  # torch, onnx: loaded when compressing, not for the CLI's checks
+    from dstool.compress.api import compress as run  # noqa: PLC0415 (torch, onnx: loaded when compressing, not for the CLI's checks)
 
     return run(cfg)
 
@@ -24,7 +24,7 @@ def quantize_model(model_dir: str, output: str, bits: int = 8, **options):
 def load(folder, **options):
     """The transformers causal LM of a Hugging Face folder, dense; a `--sparsity F` output's model/ (bitmask +
     nonzero values) is decoded (see dstool.compress.sparse)."""
-    from dstool.compress.sparse import load as load_sparse
+    from dstool.compress.sparse import load as load_sparse  # noqa: PLC0415 (torch: loaded with a model, not for the CLI's checks)
 
     return load_sparse(folder, **options)
 

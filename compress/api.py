@@ -26,10 +26,12 @@ import tempfile
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig, AutoModelForCausalLM
 
 from dstool import artifacts, gguf, models
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel
+from dstool.compress import prune, sparse
 from dstool.compress.config import CompressConfig
 from dstool.compress.steps import Work, plan
 from dstool.errors import UsageError
@@ -54,9 +56,6 @@ def _check_input(cfg: CompressConfig) -> Path:
 def _check_modes(cfg: CompressConfig, src: Path) -> None:
     """What the model's architecture and shapes rule out, refused before any work: read from its config (weights
     on the meta device, nothing loaded)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    from dstool.compress import prune, sparse
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(src))

@@ -5,15 +5,21 @@ from __future__ import annotations
 import dataclasses
 import functools
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import onnx
+from onnx import helper, numpy_helper
+from onnx.reference import ReferenceEvaluator
+from onnxruntime.quantization import QuantType, quantize_dynamic
+from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
 from dstool import log as dlog
 from dstool.compress.measure import perplexity_onnx, timed_in_rotation
 from dstool.errors import StageFailed
+from dstool.fused_decoder import prefill
 from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
 
 LARGE_MODEL_BYTES = 1_800_000_000  # past this, weights go to an external-data file (2 GB protobuf limit)
@@ -82,9 +88,6 @@ def fold_weight_constants(onnx_path: Path) -> int:
     experts' stacked weights [experts, in, out] as one initializer, split and squeezed per expert in the graph: the
     quantizers take a MatMul's weight only from an initializer, so unfolded the experts stay fp32 in the file and
     int8 quantizes them again on every call (DynamicQuantizeLinear)."""
-    from onnx import helper, numpy_helper
-    from onnx.reference import ReferenceEvaluator
-
     model = onnx.load(str(onnx_path))
     graph = model.graph
     overridable = {i.name for i in graph.input}  # an initializer that is also a graph input is not a constant
@@ -141,8 +144,6 @@ def _save_kwargs(onnx_path: Path) -> bool:
 
 
 def quantize_int8(fp32: Path, out: Path, choice: Int8Choice) -> Path:
-    from onnxruntime.quantization import QuantType, quantize_dynamic
-
     # MatMul weights -> MatMulInteger; the embedding table (Gather) -> int8 + DequantizeLinear. (ORT logs advice
     # to pre-process the model, which applies to static, calibrated quantization: it goes to the log file.)
     quantize_dynamic(str(fp32), str(out), op_types_to_quantize=["MatMul", "Gather"], per_channel=choice.per_channel,
@@ -169,8 +170,6 @@ def quantize_nbits(fp32: Path, out: Path, bits: int, block_size: int, symmetric:
     per `block_size` input channels of each MatMul weight (4-bit: the embedding table too, GatherBlockQuantized);
     `accuracy_level` 4 computes in int8, activations quantized per block as they come; None dequantizes the weights
     to fp32 compute."""
-    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
-
     extra = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
     ops = ("MatMul", "Gather") if bits == 4 else ("MatMul",)  # ORT quantizes Gather tables to 4 bits only
     with dlog.details_to_file():  # ORT's opset and per-node notes
@@ -256,8 +255,6 @@ def choose_int8_exclusions(fp32: Path, work: Path, tokens: np.ndarray, base_ppl:
 def _per_layer(onnx_path: Path, nodes: list[str], num_layers: int) -> list[list[str]]:
     """The weight MatMuls `nodes` of each decoder layer: by the exporter's name scope (model.layers.N) where every
     node has one (layers differ in MatMuls: MoE experts, dense MLPs), else in equal runs of graph order."""
-    import re
-
     scopes = {}
     for node in onnx.load(str(onnx_path), load_external_data=False).graph.node:
         meta = {p.key: p.value for p in node.metadata_props}
@@ -272,8 +269,6 @@ def _per_layer(onnx_path: Path, nodes: list[str], num_layers: int) -> list[list[
 
 def matmul_weight_digests(onnx_path: Path) -> dict[str, str]:
     """MatMul node name -> sha256 of its weight initializer."""
-    from onnx import numpy_helper
-
     graph = onnx.load(str(onnx_path)).graph
     weights = {i.name: i for i in graph.initializer}
     return {n.name: hashlib.sha256(numpy_helper.to_array(weights[n.input[1]]).tobytes()).hexdigest()
@@ -306,8 +301,6 @@ def fused_prefill_errors(fp32_decoder: Path, decoder_graph: Path, fused_graph: P
     packs Q, K and V into one MatMul), so the fused decoder holds the recipe when its error is the decoder's, not
     when it gives the decoder's logits (measured on SmolLM2-135M, weight-only int8: 4.08 and 4.06 on logits up to
     36.6, 2.46 apart)."""
-    from dstool.fused_decoder import prefill
-
     ids = np.random.default_rng(4).integers(0, vocab, (2, 24))
     reference = ort_session(fp32_decoder)
     expected, _ = run_decoder(reference, ids, empty_cache(reference, len(ids)), 0)

@@ -40,6 +40,7 @@ from onnx import TensorProto, helper, numpy_helper
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
+from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
 
 FORMAT = "bitmask-values"
 SUFFIX = ".sparse.safetensors"
@@ -211,8 +212,6 @@ def is_sparse_folder(folder: Path) -> bool:
 def load(folder: str | Path, dtype: torch.dtype = torch.float32):
     """The causal LM of a Hugging Face folder, dense: a folder of *.sparse.safetensors (a `dstool compress
     --sparsity F` model/) is decoded and loaded by transformers; any other folder as `from_pretrained` loads it."""
-    from transformers import MODEL_FOR_CAUSAL_LM_MAPPING, AutoConfig, AutoModelForCausalLM, GenerationConfig
-
     folder = Path(folder)
     if not is_sparse_folder(folder):
         return AutoModelForCausalLM.from_pretrained(folder, dtype=dtype).eval()

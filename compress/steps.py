@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 import onnx
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
 
-from dstool import artifacts
+from dstool import artifacts, fused_decoder
 from dstool import log as dlog
 from dstool.artifacts import (
     SPEED_FIGURES,
@@ -49,13 +50,23 @@ from dstool.artifacts import (
     Sparsity,
     TorchaoFigures,
 )
-from dstool.compress import baseline, measure, quality, quantize, report
+from dstool.compress import baseline, measure, prune, quality, quantize, report, sparse
 from dstool.compress.baseline import Baseline
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
 from dstool.files import sha256_file
-from dstool.onnx_export import OnnxExport, export_decoder_model, export_logits_model
+from dstool.fused_decoder import export_fused_decoder, unsupported
+from dstool.onnx_export import (
+    OnnxExport,
+    empty_cache,
+    export_decoder_model,
+    export_logits_model,
+    ort_session,
+    run_decoder,
+    run_logits,
+)
 from dstool.steps import Step
+from dstool.train import TrainConfig, read_metrics, train
 
 log = dlog.log
 # decoding speed: a DECODE_PROMPT-token prompt prefilled, then DECODE_TOKENS steps timed; the median of at most
@@ -89,8 +100,6 @@ class Work:
 
     @classmethod
     def load(cls, cfg: CompressConfig, src: Path, stage: Path, scratch: Path) -> Work:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
-
         tokenizer = AutoTokenizer.from_pretrained(src)
         model = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32).eval()
         dlog.adopt_libraries()
@@ -165,8 +174,6 @@ class Prune(CompressStep):
         return "remove attention heads, MLP channels and (MoE) routed experts"
 
     def run(self, work):
-        from dstool.compress import prune
-
         cfg = work.cfg
         rows = torch.from_numpy(measure.windows(work.calib, 128, 24))
         ranking, selection = rows[:16], rows[16:]
@@ -204,8 +211,6 @@ class SparsifyNM(CompressStep):
         return f"{cfg.sparsity} magnitude masks on the decoder's Linear weights"
 
     def run(self, work):
-        from dstool.compress import sparse
-
         pattern = work.cfg.sparsity or "2:4"  # this step runs only with --sparsity
         n, m = map(int, pattern.split(":"))
         try:  # a width pruning left that M does not divide (the input's were checked up front)
@@ -231,8 +236,6 @@ class SparsifyUnstructured(CompressStep):
                 "decoder Linear weight zeroed")
 
     def run(self, work):
-        from dstool.compress import sparse
-
         fraction = work.cfg.sparsity_fraction or 0.0  # this step runs only with a fraction
         work.masks = masks = sparse.apply_unstructured(work.model, fraction)
         params = dict(work.model.named_parameters())
@@ -269,8 +272,6 @@ class Save(CompressStep):
             shutil.copytree(work.src, work.stage / "model", ignore=shutil.ignore_patterns(artifacts.MANIFEST))
 
     def gate(self, work, result):
-        from transformers import AutoModelForCausalLM
-
         reloaded = AutoModelForCausalLM.from_pretrained(work.stage / "model", dtype=torch.float32).eval()
         diff = logit_diff(reloaded, work.model)
         return None if diff <= 1e-4 else f"the saved model reloads differently (max |logit diff| {diff:.3g})"
@@ -287,9 +288,6 @@ class Recover(CompressStep):
                 + (", distilling from the original" if cfg.distill else ""))
 
     def run(self, work):
-        from transformers import AutoModelForCausalLM
-
-        from dstool.train import read_metrics, train
 
         cfg, folder = work.cfg, work.stage / "model"
         run = work.scratch / "recover"
@@ -333,7 +331,6 @@ class Export(CompressStep):
             for role, e in (("logits", work.base.logits), ("decoder", work.base.decoder)):
                 shutil.copytree(e.path.parent, work.stage / "onnx" / role)
                 work.fp32[role] = dataclasses.replace(e, path=work.stage / "onnx" / role / e.path.name)
-        from dstool.fused_decoder import export_fused_decoder, unsupported
 
         if why := unsupported(work.model.config):
             log.info(f"no fused-attention decoder ({why}): NAME_llm will run the decoder graph")
@@ -469,8 +466,6 @@ class Store(CompressStep):
         return "the sparse weights as a bitmask and the nonzero values (model/, fp32 graphs)"
 
     def run(self, work):
-        from dstool.compress import sparse
-
         folder = work.stage / "model"
         model_dense = measure.safetensors_bytes(folder)
         encoded = {"model": sparse.save_folder(folder)}
@@ -494,8 +489,6 @@ class Store(CompressStep):
                  + " (ONNX Runtime rebuilds the dense weights when it loads a graph: dense kernels)")
 
     def gate(self, work, result):
-        from dstool.compress import sparse
-
         masks, storage = work.masks or {}, work.recipe.sparsity.storage if work.recipe.sparsity else None
         if storage is None:
             return "nothing was stored sparse"
@@ -618,8 +611,6 @@ def recovery_train_config(model_dir: Path, output: Path, steps: int, lr: float, 
                           keep_zero_weights: bool = False, distill_from: Path | None = None):
     """The `dstool train` settings of the recovery fine-tuning: one rank, ZeRO-0, `steps` steps at peak `lr`
     (warm-up, cosine decay) on `data` (the embedded corpus when None)."""
-    from dstool.train import TrainConfig
-
     return TrainConfig(model=str(model_dir), data=data, output=str(output), nproc=1, zero=0, max_steps=steps,
                        save_every=steps, lr=lr, keep_zero_weights=keep_zero_weights, tensorboard=False,
                        distill_from=str(distill_from) if distill_from else None, log_every=max(1, steps // 5))
@@ -648,9 +639,6 @@ def _graph(stage: Path, path: Path, parity: float) -> Graph:
 
 def _graph_logits(role: str, path: Path, ids: np.ndarray) -> np.ndarray:
     """The logits of a logits graph, or of a decoder graph's prefill on an empty cache."""
-    from dstool import fused_decoder
-    from dstool.onnx_export import empty_cache, ort_session, run_decoder, run_logits
-
     session = ort_session(path)
     if role == "logits":
         return run_logits(session, ids)
@@ -694,8 +682,7 @@ def _torchao_int8(model_dir: Path, model, heldout, folder: Path) -> TorchaoFigur
     (decoder Linear layers; embeddings and lm_head stay fp32, transformers' default), saved as a Hugging Face
     folder that `AutoModelForCausalLM.from_pretrained(folder)` reloads quantized. Gate: the reloaded model holds
     int8 weights and gives the quantized model's logits."""
-    from torchao.quantization import Int8DynamicActivationInt8WeightConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
+    from torchao.quantization import Int8DynamicActivationInt8WeightConfig  # noqa: PLC0415 (torchao: only for the PyTorch-side int8 figures; it warns at import)
 
     quantized = AutoModelForCausalLM.from_pretrained(
         model_dir, dtype=torch.float32,

@@ -7,17 +7,14 @@
 """
 
 from dstool.train.config import TrainConfig
+from dstool.train.metrics import read_metrics
 
 __all__ = ["TrainConfig", "TrainResult", "read_metrics", "train"]
 
 
 def __getattr__(name: str):
     if name in ("train", "TrainResult"):
-        from dstool.train import api
+        from dstool.train import api  # noqa: PLC0415 (torch: loaded on first use, `TrainConfig` alone loads none)
 
         return getattr(api, name)
-    if name == "read_metrics":
-        from dstool.train.metrics import read_metrics
-
-        return read_metrics
     raise AttributeError(f"module 'dstool.train' has no attribute '{name}'")

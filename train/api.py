@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoModelForCausalLM
 
 from dstool import gguf, models
 from dstool import log as dlog
@@ -297,8 +298,6 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
 
 def _meta_model(model_ref: str, vocab_size: int):
     """The model's modules with no weights (the meta device): shapes and names only."""
-    from transformers import AutoModelForCausalLM
-
     with torch.device("meta"):
         return AutoModelForCausalLM.from_config(models.model_config(model_ref, vocab_size))
 

@@ -8,6 +8,7 @@ import gc
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 
 from dstool import log as dlog
 from dstool.errors import UsageError
@@ -72,8 +73,6 @@ def is_out_of_memory(e: BaseException) -> bool:
 
 def out_of_memory_anywhere(failed: bool) -> bool:
     """Whether any rank ran out of memory (a collective); frees what the failed try held."""
-    import torch.distributed as dist
-
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     flag = torch.tensor(int(failed), device=device)
     dist.all_reduce(flag, op=dist.ReduceOp.MAX)

@@ -22,6 +22,8 @@ from pathlib import Path
 
 import numpy as np
 import torch
+from tokenizers import ByteLevelBPETokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 from dstool import log as dlog
 from dstool.errors import UsageError
@@ -40,9 +42,6 @@ _SAMPLE_TOKENS = 2_000_000  # tokens of data/train.bin and data/val.bin (calibra
 
 def train_tokenizer(docs, vocab_size: int):
     """A byte-level BPE trained on `docs` (an iterable of text), wrapped as a transformers fast tokenizer."""
-    from tokenizers import ByteLevelBPETokenizer
-    from transformers import PreTrainedTokenizerFast
-
     bpe = ByteLevelBPETokenizer()
     bpe.train_from_iterator(docs, vocab_size=vocab_size, min_frequency=2, special_tokens=[EOS, PAD],
                             show_progress=False)
@@ -73,8 +72,6 @@ def _texts(srcs: list[sources.Source], data_format: str):
 def load_or_train_tokenizer(model_ref: str, srcs: list[sources.Source], cfg, save_dir: Path):
     """The run's tokenizer: saved in `save_dir` by an earlier start, else the model folder's, else a BPE trained on
     the data; with the chat template asked for."""
-    from transformers import AutoTokenizer
-
     if (save_dir / "tokenizer.json").is_file():
         tok = AutoTokenizer.from_pretrained(save_dir)
         if cfg.chat_template is not None:
@@ -118,8 +115,6 @@ class _Job:
 
 def _tokenize(job: _Job) -> dict:
     """Tokenize and pack one shard into `job.target` (written beside it, then renamed)."""
-    from transformers import AutoTokenizer
-
     tok = AutoTokenizer.from_pretrained(job.tokenizer_dir)
     target = Path(job.target)
     tmp = target.with_name(f".{target.name}.tmp-{uuid.uuid4().hex}")  # unique across hosts sharing the cache

@@ -36,7 +36,7 @@ def gpu_topology() -> dict:
     common-ancestor level (NVML_TOPOLOGY_*) of each pair}, or {"gpus": 0, "why": ...}. Runs in the probe: imports
     nothing of dstool."""
     try:
-        import pynvml
+        import pynvml  # noqa: PLC0415 (the probe runs this function alone on each host, where nvidia-ml-py may be missing)
     except ImportError:
         return {"gpus": 0, "why": "no NVML here: nvidia-ml-py (pynvml) is not installed"}
     try:

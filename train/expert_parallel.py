@@ -37,7 +37,7 @@ def check_model(hf_config, ep: int, model_ref: str) -> str:
 
 
 def _layers(module) -> list[tuple[str, Any]]:
-    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer
+    from deepspeed.module_inject.auto_ep_layer import AutoEPMoELayer  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
 
     return [(name, m) for name, m in module.named_modules() if isinstance(m, AutoEPMoELayer)]
 
@@ -45,7 +45,7 @@ def _layers(module) -> list[tuple[str, Any]]:
 def _full(t: torch.Tensor) -> torch.Tensor:
     """A parameter whole on this rank (ZeRO-3 gathers it over its own partition group: experts over theirs)."""
     if hasattr(t, "ds_id"):
-        from deepspeed.runtime.zero.partition_parameters import GatheredParameters
+        from deepspeed.runtime.zero.partition_parameters import GatheredParameters  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
 
         with GatheredParameters([t]):
             return t.detach().cpu().clone()
@@ -54,8 +54,8 @@ def _full(t: torch.Tensor) -> torch.Tensor:
 
 def hf_state_dict(engine, preset: str) -> dict[str, torch.Tensor] | None:
     """Collective: the engine's weights under the Hugging Face names, on rank 0 (None elsewhere)."""
-    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank
-    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+    from deepspeed.checkpoint.autoep_affine import autoep_experts_for_rank  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
 
     p = PRESET_MODELS[preset]
     module, rank = engine.module, dist.get_rank()

@@ -85,7 +85,7 @@ class GpuMonitor:
     def _open(self, gpus: list[tuple[int, str]]) -> dict[int, Any]:
         """NVML started and a handle per GPU, or {} and one line saying why not."""
         try:
-            import pynvml
+            import pynvml  # noqa: PLC0415 (optional: without nvidia-ml-py the GPU metrics are off)
         except ImportError:
             log.info("dstool: GPU hardware metrics off: nvidia-ml-py (pynvml) is not installed (dstool_train_gpus 0)")
             return {}

@@ -8,6 +8,8 @@ import hashlib
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from dstool import log as dlog
 from dstool.errors import UsageError
@@ -35,7 +37,7 @@ def base_id(model: str) -> str:
 
 def wrap(model, cfg, quiet: bool = False):
     """The PEFT model around `model` (its weights frozen, adapters trainable)."""
-    from peft import LoraConfig, get_peft_model
+    from peft import LoraConfig, get_peft_model  # noqa: PLC0415 (peft: only for --lora; the launcher imports this module)
 
     s = spec(cfg)
     assert s is not None
@@ -61,10 +63,8 @@ def save_and_merge(adapter, state: dict[str, torch.Tensor], folder: Path) -> dic
     """Save the adapter of the PEFT model's full state dict `state` in `folder` (PEFT's files: adapter_config.json,
     adapter_model.safetensors) and return the base model's state dict with the adapter merged in, by PEFT's own
     merge on a copy built from `state` (linear layers and the stacked MoE experts PEFT adapts alike)."""
-    from peft import get_peft_model
-    from peft.utils import get_peft_model_state_dict
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
+    from peft import get_peft_model  # noqa: PLC0415 (peft: only for --lora; the launcher imports this module)
+    from peft.utils import get_peft_model_state_dict  # noqa: PLC0415 (peft: only for --lora; the launcher imports this module)
 
     config = adapter.peft_config["default"]
     folder.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,9 @@ from pathlib import Path
 
 import psutil
 import torch
+from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
 from dstool import log as dlog
 from dstool.files import write_json_atomic
@@ -106,7 +109,6 @@ def _profiler(cfg: TrainConfig, out: Path, rank: int, start_step: int):
     """A started torch profiler recording optimizer steps A..B (warm-up on the step before), or None."""
     if cfg.profile_steps is None:
         return None
-    from torch.profiler import ProfilerAction, ProfilerActivity, profile, tensorboard_trace_handler
 
     first, last = cfg.profile_range()
     first = max(first, start_step + 1)  # resumed inside the range: the steps still to come
@@ -147,8 +149,6 @@ class _Endpoint:
 
     def __init__(self, cfg: TrainConfig, out: Path, start_step: int, restarts: int, device: int | None,
                  gpus: hardware.GpuMonitor | None):
-        from prometheus_client import CollectorRegistry, start_http_server
-
         self.device, self.gpus = device, gpus
         self.run, self.max_steps, self.restarts = Path(cfg.output).resolve().name, cfg.max_steps, restarts
         self.last_step, self.tokens, self.checkpoints = start_step, 0, 0
@@ -182,8 +182,6 @@ class _Endpoint:
 
     def collect(self):
         """prometheus_client's Collector protocol: called by the HTTP server's thread at each scrape."""
-        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
-
         values, run = self.values, [self.run]
 
         def gauge(name: str, doc: str, value: float, **labels: str) -> GaugeMetricFamily:
@@ -224,8 +222,6 @@ class _Endpoint:
 def _gpu_families(gpus: hardware.GpuMonitor, run: str):
     """`dstool_train_gpus` (0: no GPU monitored, which the dashboard shows as "no GPU") and each GPU's latest figures,
     labelled by device index and host."""
-    from prometheus_client.core import GaugeMetricFamily
-
     count = GaugeMetricFamily("dstool_train_gpus", "GPUs of rank 0's node monitored through NVML (0: none: a CPU "
                               "run, or NVML did not start)", labels=["run", "host"])
     count.add_metric([run, gpus.host], gpus.gpus)

@@ -54,7 +54,7 @@ class _Decoder(nn.Module):
         self.layer, self.index, self.rotary_emb, self.config = layer, index, rotary_emb, config
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
+        from transformers.masking_utils import create_causal_mask  # noqa: PLC0415 (0.9 s: the launcher imports this module)
 
         position_ids = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
         mask = create_causal_mask(config=self.config, inputs_embeds=hidden, attention_mask=None, cache=None,
@@ -88,8 +88,8 @@ def build(hf_model, stages: int, activation_checkpointing: bool = False, tensor:
     """`hf_model` (LlamaForCausalLM, DeepseekV3ForCausalLM) as a PipelineModule over `stages` stages, balanced by
     parameters, each stage cut over `tensor` tensor-parallel ranks; with `activation_checkpointing` DeepSpeed's
     mechanism recomputes every layer in the backward pass."""
-    from deepspeed.pipe import PipelineModule
-    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+    from deepspeed.pipe import PipelineModule  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
 
     inner = hf_model.model
     layers = [_Embedding(inner.embed_tokens),

@@ -17,6 +17,7 @@ import statistics
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+import psutil
 from pydantic import BaseModel, Field, ValidationError
 
 from dstool import gguf, models
@@ -313,8 +314,6 @@ def _device(cfg: PlanConfig) -> _Device:
             memory = cfg.gpu_memory or torch.cuda.get_device_properties(0).total_memory / GIB
             return _Device(name, False, memory, cfg.peak_tflops or GPU_PEAK_TFLOPS[name], cores)
     if name == "cpu":
-        import psutil
-
         return _Device("cpu", True, cfg.gpu_memory or psutil.virtual_memory().total / GIB, cfg.peak_tflops, cores)
     return _Device(name, False, cfg.gpu_memory or GPU_MEMORY_GIB[name], cfg.peak_tflops or GPU_PEAK_TFLOPS[name],
                    cores)

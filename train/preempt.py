@@ -16,6 +16,8 @@ import threading
 import time
 from pathlib import Path
 
+import psutil
+
 from dstool import log as dlog
 from dstool.errors import Failed
 from dstool.files import write_json_atomic
@@ -95,8 +97,6 @@ class Watch:
             self._kill()
 
     def _kill(self) -> None:
-        import psutil
-
         self.killed = True
         try:
             procs = [*psutil.Process(self.proc.pid).children(recursive=True), psutil.Process(self.proc.pid)]

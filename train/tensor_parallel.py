@@ -127,7 +127,7 @@ def _kind(model_type: str, name: str) -> str | None:
 def shard_pipeline(module, model_type: str) -> int:
     """Cut the linear layers of this rank's pipeline layers over the grid's tensor-parallel group (AutoTP's layer
     classes: shards of the whole weights, which the layers already hold); returns the layers cut."""
-    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode
+    from deepspeed.module_inject.layers import LinearAllreduce, LinearLayer, set_autotp_mode  # noqa: PLC0415 (deepspeed: the launcher (dstool.train.api) imports this module and starts no DeepSpeed)
 
     set_autotp_mode(training=True)
     group = module._grid.get_slice_parallel_group()

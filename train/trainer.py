@@ -17,8 +17,10 @@ from pathlib import Path
 import deepspeed
 import torch
 import torch.distributed as dist
+from deepspeed.utils import groups
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.integrations import HfDeepSpeedConfig
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from dstool import log as dlog
 from dstool import models
@@ -118,7 +120,6 @@ class Trainer:
             # transformers' mechanism: each decoder layer runs again in the backward pass (torch.utils.checkpoint,
             # non-reentrant, which ZeRO-3's gather-on-use weights need)
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-            from transformers.modeling_layers import GradientCheckpointingLayer
 
             recomputed = sum(isinstance(m, GradientCheckpointingLayer) for m in model.modules())
             log.info(f"dstool: activation checkpointing: {recomputed} decoder layers recomputed in the backward pass")
@@ -129,7 +130,6 @@ class Trainer:
         module = (pipeline_parallel.build(model, cfg.pipeline_stages, cfg.activation_checkpointing,
                                           cfg.tensor_parallel) if cfg.pipeline_stages > 1 else self.adapter or model)
         if cfg.tensor_parallel > 1 and cfg.pipeline_stages == 1:  # MLA's shared rotary key under AutoTP
-            from deepspeed.utils import groups
 
             tensor_parallel.sum_mla_rope_gradients(model, groups.get_tensor_model_parallel_group)
         if cfg.activation_checkpointing and cfg.pipeline_stages > 1:

@@ -36,10 +36,10 @@ def main(run_file: str) -> None:
     dlog.prints_to_log()  # and what they print ("stage=1 layers=3") too
 
     # DeepSpeed and transformers (through the trainer) once the log is set up: what they say on import goes there
-    import deepspeed
-    from deepspeed.accelerator import get_accelerator
+    import deepspeed  # noqa: PLC0415 (after the log is set up: what they print on import goes to this rank's log)
+    from deepspeed.accelerator import get_accelerator  # noqa: PLC0415 (after the log is set up: what they print on import goes to this rank's log)
 
-    from dstool.train.trainer import Trainer
+    from dstool.train.trainer import Trainer  # noqa: PLC0415 (after the log is set up: what they print on import goes to this rank's log)
 
     dlog.adopt_libraries()
     accelerator = get_accelerator()
