@@ -42,7 +42,8 @@ from dstool.corpus import EMBEDDED_PROMPTS, heldout_prompts
 from dstool.errors import UsageError
 from dstool.files import sha256_file
 from dstool.serve.batch import work
-from dstool.serve.config import BatchConfig
+from dstool.serve.config import BatchConfig, model_names
+from dstool.serve.runtime.client import refusal_hint
 
 log = dlog.log
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".parquet": "parquet", ".csv": "csv"}
@@ -134,8 +135,7 @@ def _ranges(spark, numbered, rows: int, partitions: int, done: set[int]):
 
 def _model(cfg: BatchConfig) -> tuple[Deployment, dict]:
     """The deployment to use (the repository manifest's entry) and what a task needs of it."""
-    from dstool.serve.config import model_names
-    from dstool.serve.export import repository
+    from dstool.serve.export import repository  # noqa: PLC0415 (the repository module loads onnx and tritonclient: the executors import this package)
 
     repo = Path(cfg.repository)
     if kind_of(repo) != "model-repository":
@@ -183,7 +183,6 @@ def _check_server(url: str, model: str, version: int, headers: dict) -> None:
     import tritonclient.grpc as grpcclient
     from tritonclient.utils import InferenceServerException
 
-    from dstool.serve.runtime.client import refusal_hint
 
     try:
         with grpcclient.InferenceServerClient(url) as client:

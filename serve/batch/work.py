@@ -14,7 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
+from dstool.engine import Engine, Sequence
 from dstool.files import write_atomic
+from dstool.serve.triton_models.grammar import Grammars
+from dstool.serve.triton_models.sampling import SamplingError, request_choices
 
 ROW_ERROR = "dstool-batch-row-error"  # a task failing on a row (--on-error fail) says this; the driver reports it
 PREFILL_TOKENS = 256  # prompt tokens prefilled per engine step: offline, throughput matters more than first tokens
@@ -128,8 +131,6 @@ def _prepare(rows: list[tuple[int, dict]], make) -> tuple[dict, list[tuple[int, 
 
 
 def _choices(plan: Plan, prompt_tokens: int, row: dict):
-    from dstool.serve.triton_models.sampling import SamplingError, request_choices
-
     asked = None if plan.max_new_tokens is None else np.array([plan.max_new_tokens])
     parameters = plan.sampling
     own = row.get(plan.schema_column) if plan.schema_column else None
@@ -148,8 +149,6 @@ def _choices(plan: Plan, prompt_tokens: int, row: dict):
 
 def _grammars(plan: Plan):
     """The grammar engine's view of the tokenizer, made once per executor."""
-    from dstool.serve.triton_models.grammar import Grammars
-
     tokenizer = _load("tokenizer", plan.tokenizer)
     with _LOCK:
         if ("grammars", plan.tokenizer) not in _LOADED:
@@ -211,8 +210,6 @@ def _generate(plan: Plan, rows: list[tuple[int, dict]]) -> tuple[dict[int, dict]
 
 
 def _generate_onnx(plan: Plan, jobs: dict, failures: list) -> dict[int, tuple[list[int], float]]:
-    from dstool.engine import Engine, Sequence
-
     engine = Engine(_load("onnx", plan.decoder), plan.cache_shapes, plan.max_batch,
                     max_prefill_tokens=PREFILL_TOKENS)
     for number, (ids, new_tokens, sampler, stops, _) in jobs.items():

@@ -25,6 +25,7 @@ from dstool.engine import Engine, Sequence
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config import ExportConfig
+from dstool.serve.edge import EdgeModel
 from dstool.serve.export.repository import TOKENIZER_FILES
 from dstool.serve.export.source import generation_facts, onnx_graphs, read_source
 
@@ -109,7 +110,7 @@ def _package(decoder: Path, work: Path, staging: Path, layers_per_block: int) ->
     import onnxruntime as ort
     from onnxruntime.tools.convert_onnx_models_to_ort import OptimizationStyle, convert_onnx_models_to_ort
 
-    from dstool.serve.export import edge_split  # onnx at import: the export extra
+    from dstool.serve.export import edge_split  # noqa: PLC0415 (onnx at import: the export extra)
 
     model = onnx.load(str(decoder))
     four_bit = [t.name for t in model.graph.initializer if t.data_type in UNSUPPORTED_BY_ORT_FORMAT]
@@ -197,8 +198,7 @@ def _parity(decoder: Path, staging: Path, manifest: EdgePackage, vocab: int) -> 
     """The package (every block open) against the unsplit decoder graph in onnxruntime: the last position's logits
     on an 11-token prefill and 3 single-token steps, then GREEDY_PROBE greedy tokens from a 5-token prompt; and
     whether its head may run on the last position alone (the same logits as on the whole prompt)."""
-    from dstool.onnx_export import empty_cache, ort_session, run_decoder
-    from dstool.serve.edge import EdgeModel
+    from dstool.onnx_export import empty_cache, ort_session, run_decoder  # noqa: PLC0415 (dstool.onnx_export imports torch)
 
     full = ort_session(decoder)
     package = EdgeModel(staging, manifest=manifest)

@@ -216,7 +216,7 @@ def prompt_bytes_bound(tokenizer_dir: Path, positions: int) -> int:
     """Bytes of text beyond which a prompt cannot fit in `positions` tokens, so the served models refuse it before
     tokenizing: no token stands for more text than its own UTF-8 bytes (the longest token's), times 4 for
     normalization (NFKC maps a 3-byte character to one byte)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # noqa: PLC0415 (transformers: only when exporting; dstool batch reads manifests with this module)
 
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
     tokens = tokenizer.convert_ids_to_tokens(list(range(len(tokenizer))))

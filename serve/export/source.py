@@ -17,7 +17,7 @@ log = dlog.log
 
 def read_source(source: Path) -> CompressedModel | None:
     """The compress manifest of `source`, None for a Hugging Face folder; a one-line UsageError otherwise."""
-    from dstool import models  # imports transformers: a compress output is read without it
+    from dstool import models  # noqa: PLC0415 (imports transformers: a compress output is read without it)
 
     if not source.is_dir():
         raise UsageError(f"model {source} is not a folder: pass a Hugging Face folder or a dstool compress output")
@@ -53,7 +53,7 @@ def onnx_graphs(hf_dir: Path, work: Path, roles: tuple[str, ...] = ("logits", "d
     import torch  # the export extra: a serving install exports compress outputs without it
     from transformers import AutoModelForCausalLM
 
-    from dstool.onnx_export import export_decoder_model, export_logits_model
+    from dstool.onnx_export import export_decoder_model, export_logits_model  # noqa: PLC0415 (dstool.onnx_export imports torch)
 
     model = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32).eval()
     dlog.adopt_libraries()
@@ -65,7 +65,7 @@ def onnx_graphs(hf_dir: Path, work: Path, roles: tuple[str, ...] = ("logits", "d
         log.info("dstool export: ONNX decoder with key/value cache (parity-checked on prefill and decoding steps)")
         graphs["decoder"] = export_decoder_model(model, work / "decoder").path
     if "fused" in roles:
-        from dstool.fused_decoder import export_fused_decoder, unsupported
+        from dstool.fused_decoder import export_fused_decoder, unsupported  # noqa: PLC0415 (dstool.fused_decoder imports torch)
 
         why = unsupported(model.config)
         if why:

@@ -41,7 +41,7 @@ class Gateway:
         self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
-        from dstool.serve.gateway.cache import RedisStore, ResultCache
+        from dstool.serve.gateway.cache import RedisStore, ResultCache  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         url, asked = c.cache.chosen()
@@ -72,8 +72,8 @@ class Gateway:
 
     async def _open_guard(self):
         """--auth keys: the guard, on a Redis connection of its own (its own timeout back-off)."""
-        from dstool.serve.gateway.cache import RedisStore
-        from dstool.serve.gateway.guard import Guard
+        from dstool.serve.gateway.cache import RedisStore  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.guard import Guard  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         if c.auth != "keys":
@@ -92,7 +92,7 @@ class Gateway:
 
     def _response_store(self):
         """The Responses API's store (stored.py): on the cache's Redis, else in this process."""
-        from dstool.serve.gateway.stored import MemoryResponses, RedisResponses
+        from dstool.serve.gateway.stored import MemoryResponses, RedisResponses  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         if self.cache.redis is None:
@@ -100,14 +100,14 @@ class Gateway:
         return RedisResponses(self.redis_url, c.responses_redis_timeout, c.responses_ttl, c.max_response_bytes)
 
     async def start(self) -> None:
-        import grpc
+        import grpc  # noqa: PLC0415 (grpc: loaded when the gateway starts, not with the package)
 
-        from dstool.serve.gateway.core import GatewayCore
-        from dstool.serve.gateway.grpc import GrpcFrontend
-        from dstool.serve.gateway.http import HttpFrontend
-        from dstool.serve.gateway.metrics import Metrics
-        from dstool.serve.gateway.transport import HttpConnection, HttpLimits
-        from dstool.serve.gateway.upstream import Upstreams
+        from dstool.serve.gateway.core import GatewayCore  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.grpc import GrpcFrontend  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.http import HttpFrontend  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.metrics import Metrics  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.transport import HttpConnection, HttpLimits  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.upstream import Upstreams  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         self.metrics = Metrics()
@@ -198,7 +198,7 @@ def event_loop_policy():
     same frontend behind aiohttp 7,400 vs 4,000; a bare grpc.aio echo server flipped between runs (2,600 vs
     4,600, then 5,000 vs 2,800 requests/s with h2load). Kept for the HTTP side, where it never lost."""
     try:
-        import uvloop
+        import uvloop  # noqa: PLC0415 (optional: asyncio's own loop without uvloop)
     except ImportError:
         return asyncio.DefaultEventLoopPolicy()
     return uvloop.EventLoopPolicy()
@@ -208,7 +208,7 @@ def run_gateway(config: GatewayConfig, while_true: Callable[[], bool] | None = N
     """Run the gateway until SIGINT/SIGTERM (or until `while_true()`, checked twice a second, is false); with
     `config.workers` > 1, as that many processes on the same ports (see `dstool.serve.gateway.workers`)."""
     if config.workers > 1:
-        from dstool.serve.gateway.workers import run_workers
+        from dstool.serve.gateway.workers import run_workers  # noqa: PLC0415 (a cycle: dstool.serve.gateway.workers imports this package)
 
         return run_workers(config, while_true)
     return _run(config, while_true)

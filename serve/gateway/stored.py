@@ -39,6 +39,8 @@ import orjson
 
 from dstool.serve.cache_url import CacheURL
 from dstool.serve.gateway.auth import Principal
+from dstool.serve.gateway.cache import _client
+from dstool.serve.gateway.guard import Refused
 from dstool.serve.gateway.protocol import OpenAIError, parse
 from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, Response, StreamingResponse
@@ -137,8 +139,6 @@ class RedisResponses:
     for a second (requests that need it get 503 at once), then tried again."""
 
     def __init__(self, url: CacheURL, timeout: float, ttl: float, max_bytes: int):
-        from dstool.serve.gateway.cache import _client
-
         self.url, self.timeout, self.ttl, self.max_bytes = url, timeout, ttl, max_bytes
         self.client = _client(url, timeout)
         self.scripts = {name: self.client.register_script(text) for name, text in (
@@ -494,8 +494,6 @@ class ResponsesRoutes:
             beating.cancel()
 
     async def _outcome(self, req: HttpRequest, writer: Writer, body: dict) -> dict:
-        from dstool.serve.gateway.guard import Refused
-
         try:
             answer = await self.run(body, req)
             assert isinstance(answer, HttpResponse)

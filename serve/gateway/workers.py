@@ -17,18 +17,19 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from prometheus_client import multiprocess
+
 from dstool import log as dlog
 from dstool.errors import UsageError
-from dstool.proc import how_it_ended
+from dstool.proc import free_port, how_it_ended
 from dstool.serve.config import GatewayConfig
+from dstool.serve.gateway import _run, ready_line
 
 log = dlog.log
 START_TIMEOUT = 120.0
 
 
 def _worker(config: dict, index: int, events, verbose: bool, parent: int, log_file: Path | None) -> None:
-    from dstool.serve.gateway import _run
-
     dlog.setup(verbose)
     if log_file is not None:  # the supervisor's: `dstool serve`'s beside Triton's
         dlog.to_file(log_file)
@@ -45,10 +46,6 @@ def _worker(config: dict, index: int, events, verbose: bool, parent: int, log_fi
 
 
 def run_workers(config: GatewayConfig, while_true: Callable[[], bool] | None = None) -> int:
-    from prometheus_client import multiprocess
-
-    from dstool.proc import free_port
-    from dstool.serve.gateway import ready_line
 
     c = config.model_copy(update={"http_port": config.http_port or free_port(),
                                   "grpc_port": config.grpc_port or free_port()})  # all workers bind the same

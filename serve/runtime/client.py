@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import importlib
 import json
 import queue
 from collections.abc import Iterator
@@ -154,8 +155,6 @@ def refusal_hint(status: str) -> str:
 
 def _tritonclient(protocol: str):
     """tritonclient.grpc or tritonclient.http."""
-    import importlib
-
     return importlib.import_module("tritonclient.grpc" if protocol == "grpc" else "tritonclient.http")
 
 

@@ -14,6 +14,7 @@ from dstool import log as dlog
 from dstool.errors import EngineFailed, UsageError
 from dstool.proc import check_port_free, free_port
 from dstool.serve.config import ServeConfig
+from dstool.serve.gateway.workers import run_workers
 from dstool.serve.runtime import triton
 from dstool.serve.runtime.stubs import StubWatcher
 
@@ -47,8 +48,6 @@ def serve(cfg: ServeConfig) -> int:
     stopped_by_us, gateway_code = False, 0
     try:
         if cached:
-            from dstool.serve.gateway.workers import run_workers
-
             gateway_code = run_workers(cfg.gateway(server.http_url, server.grpc_url), while_true=healthy)
         else:
             stop = threading.Event()
