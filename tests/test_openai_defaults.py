@@ -105,6 +105,16 @@ def test_what_clients_send_by_default_is_taken(api):
     status, _, body = post(api.http_port, "/v1/responses", {"model": "dstool_lm", "input": "x", "store": False,
                                                            "text": {"verbosity": "loud"}}, AUTH)
     assert status == 400 and json.loads(body)["error"]["param"] == "text.verbosity", body
+    # reasoning.effort (openai-agents' ModelSettings(reasoning=...)) is taken as chat's reasoning_effort; a summary of
+    # the thinking is not served, and is refused by name
+    thought = client.responses.create(model="dstool_lm", input="Who comes here?", reasoning={"effort": "low"},
+                                      temperature=0, max_output_tokens=8, store=False)
+    assert thought.output_text == text
+    for reasoning, param in (({"effort": "extreme"}, "reasoning.effort"), ({"summary": "auto"}, "reasoning.summary"),
+                             ("high", "reasoning")):
+        status, _, body = post(api.http_port, "/v1/responses", {"model": "dstool_lm", "input": "x", "store": False,
+                                                               "reasoning": reasoning}, AUTH)
+        assert status == 400 and json.loads(body)["error"]["param"] == param, body
     for extra, param in (({"reasoning_effort": "extreme"}, "reasoning_effort"),
                          ({"chat_template_kwargs": {"a": [1]}}, "chat_template_kwargs"),
                          ({"messages": [{"role": "assistant", "content": "x", "audio": {"id": "a1"}}]},

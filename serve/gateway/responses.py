@@ -5,7 +5,7 @@ as a Response object — or, streamed, as the Responses events (response.created
 chat chunks as they come.
 
 `store`, `previous_response_id` and `background` are stored.py's (the store on Redis); fields that change the answer
-and are not served are refused (`reasoning`, `include`, hosted tools)."""
+and are not served are refused (`reasoning.summary`, `include`, hosted tools)."""
 
 from __future__ import annotations
 
@@ -81,7 +81,7 @@ class ResponsesRequest(BaseModel):
         """The chat completion request this asks for, after the conversation `prior` (input items: a previous
         response's); OpenAIError (400) naming a field not served or wrong."""
         unserved: tuple[tuple[str, tuple[Any, ...]], ...] = (
-            ("reasoning", (None,)), ("include", (None, [])), ("truncation", (None, "disabled")),
+            ("include", (None, [])), ("truncation", (None, "disabled")),
             ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)))
         for name, asks_nothing in unserved:
             value = getattr(self, name)
@@ -91,6 +91,8 @@ class ResponsesRequest(BaseModel):
         if prior:
             messages = _messages([*prior, *self.items()])
         body: dict = {"model": self.model, "messages": [*self._instructions(), *messages], "stream": self.stream}
+        if self.reasoning is not None:  # its effort is chat's reasoning_effort (taken, valid levels only)
+            body.update(_reasoning(self.reasoning))
         for name, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("parallel_tool_calls", "parallel_tool_calls")):
             if getattr(self, name) is not None:
@@ -200,6 +202,22 @@ def _tool(tool: Any, i: int) -> Any:
         return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
     raise OpenAIError(400, f"'tools[{i}]' must be a function tool: this server serves no hosted tools",
                       f"tools[{i}]")
+
+
+def _reasoning(value: Any) -> dict:
+    """`reasoning: {"effort": ...}` as chat's reasoning_effort; a summary of the thinking is not served."""
+    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
+        raise OpenAIError(400, f"'reasoning' {shown(value)}: give an object with 'effort'", "reasoning")
+    for key in ("summary", "generate_summary"):
+        if value.get(key) is not None:
+            raise OpenAIError(400, f"'reasoning.{key}' {shown(value[key])}: reasoning summaries are not supported by "
+                              "this server (the thinking itself comes as a reasoning item with --reasoning-parser)",
+                              f"reasoning.{key}")
+    effort = value.get("effort")
+    if effort is not None and effort not in ("none", "minimal", "low", "medium", "high"):
+        raise OpenAIError(400, f"'reasoning.effort' must be one of none, minimal, low, medium, high, got "
+                          f"{shown(effort)}", "reasoning.effort")
+    return {} if effort is None else {"reasoning_effort": effort}
 
 
 def _format(text: Any) -> Any:
