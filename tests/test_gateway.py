@@ -31,7 +31,7 @@ def server(gateway_server):
 
 
 def test_cache_key_covers_what_changes_a_result_and_nothing_else():
-    from dstool.serve.gateway.keys import cache_key
+    from dstool.serve.gateway.cache_keys import cache_key
     from dstool.serve.gateway.tensors import InferRequest, Tensor
 
     def key(inputs=((b"\x01" * 8, "a"), (b"\x02" * 8, "b")), outputs=None, parameters=None, version="1",

@@ -15,8 +15,8 @@ from typing import Any
 import orjson
 
 from dstool.serve.gateway.cache import Entry, ResultCache
+from dstool.serve.gateway.cache_keys import cache_key, key_fingerprint, model_fingerprint, never_cached
 from dstool.serve.gateway.guard import COUNTED, tensor_reservation, tensor_tokens
-from dstool.serve.gateway.keys import cache_key, key_fingerprint, model_fingerprint, never_cached
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import (
     GatewayError,
@@ -43,7 +43,7 @@ class Loaded:
 
 
 @dataclass
-class Deployment:
+class UpstreamModel:
     """What Triton serves for one model: its ready versions, config, and what each version was loaded from."""
 
     model: str
@@ -80,7 +80,7 @@ def error_message(status: int, body: bytes) -> str:
         return body.decode(errors="replace")[:500] or f"HTTP {status}"
 
 
-class Deployments:
+class UpstreamModels:
     """Model versions as Triton reports them, re-checked at most every `interval` seconds (and at once after a
     repository load/unload through the gateway, or when Triton answers with another version)."""
 
@@ -89,19 +89,19 @@ class Deployments:
         self.metrics = metrics
         self.interval = interval
         self.repository = repository
-        self._known: dict[str, Deployment] = {}
+        self._known: dict[str, UpstreamModel] = {}
         self._loaded: dict[str, dict[str, Loaded]] = {}  # model -> version -> load record, kept across checks
         self._pending: dict[str, asyncio.Future] = {}
 
-    def now(self, model: str) -> Deployment | None:
+    def now(self, model: str) -> UpstreamModel | None:
         d = self._known.get(model)
         return d if d is not None and time.monotonic() - d.checked_at < self.interval else None
 
-    def known(self, model: str) -> Deployment | None:
+    def known(self, model: str) -> UpstreamModel | None:
         """The model's deployment as last seen, however long ago."""
         return self._known.get(model)
 
-    async def get(self, model: str) -> Deployment:
+    async def get(self, model: str) -> UpstreamModel:
         """The model's deployment as Triton reports it now; while Triton cannot be asked, the last one seen (so the
         cache answers what it holds, and only misses fail)."""
         d = self.now(model)
@@ -119,7 +119,7 @@ class Deployments:
                 raise
             return last
 
-    async def _fetch(self, model: str) -> Deployment:
+    async def _fetch(self, model: str) -> UpstreamModel:
         path = model_path(model)
         meta, config, stats = await asyncio.gather(
             self.upstreams.request("GET", path), self.upstreams.request("GET", path + "/config"),
@@ -140,7 +140,7 @@ class Deployments:
         if not isinstance(stats, BaseException) and stats.status == 200 and len(self.upstreams.servers) == 1:
             counts = {str(s.get("version")): s.get("inference_count")
                       for s in orjson.loads(stats.body).get("model_stats", [])}
-        d = Deployment(model, versions, outputs, orjson.loads(config.body), time.monotonic(),
+        d = UpstreamModel(model, versions, outputs, orjson.loads(config.body), time.monotonic(),
                        self._check_loaded(model, versions, orjson.loads(config.body), counts))
         self._known[model] = d
         self.metrics.models.add(model)
@@ -209,7 +209,7 @@ def model_path(model: str) -> str:
     return "/v2/models/" + model.encode().decode("latin-1")
 
 
-def served_version(d: Deployment, requested: str) -> str | None:
+def served_version(d: UpstreamModel, requested: str) -> str | None:
     """The version that answers a request, or None when Triton has no ready version to match it."""
     if requested:
         return requested if requested in d.versions else None
@@ -222,7 +222,7 @@ class GatewayCore:
         self.upstreams = upstreams
         self.cache = cache
         self.metrics = metrics
-        self.deployments = Deployments(upstreams, version_check_interval, repository, metrics)
+        self.deployments = UpstreamModels(upstreams, version_check_interval, repository, metrics)
         self._computing: dict[str, asyncio.Future] = {}
 
     def key_now(self, request: InferRequest) -> str | None:

@@ -30,9 +30,9 @@ from dataclasses import dataclass
 
 import orjson
 
+from dstool.serve.gateway.cache_keys import generation_parameters, is_draw, key_fingerprint, scoped
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, request_nonce, served_version
 from dstool.serve.gateway.guard import estimated_tokens
-from dstool.serve.gateway.keys import generation_parameters, is_draw, key_fingerprint, scoped
 from dstool.serve.gateway.kserve import parse_json
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor

@@ -289,7 +289,7 @@ class OpenAIFrontend:
             return error_response(OpenAIError(503, str(e), kind="server_error"))
 
     async def _positions(self, model: str) -> int:
-        """The positions (prompt and answer) of the model's NAME_llm, from its config (kept by core.Deployments)."""
+        """The positions (prompt and answer) of the model's NAME_llm, from its config (kept by core.UpstreamModels)."""
         try:
             config = (await self.generation.core.deployments.get(f"{model}_llm")).config
         except GatewayError as e:
