@@ -75,10 +75,32 @@ def _generate_kinds() -> list[tuple[str, str, dict | bytes]]:
     return kinds
 
 
+def _error_shape(path: str, body: bytes) -> bool:
+    """The error body the route's protocol defines: OpenAI's {"error": {"message", "type", "param", "code"}} (message
+    and type strings naming something, param and code a string or null) on /v1/, KServe's {"error": "..."} else —
+    on generate_stream framed as Triton frames it, one server-sent event `data: {"error": "..."}`."""
+    if path.endswith("/generate_stream") and body.startswith(b"data: "):
+        body = body[len(b"data: "):].rstrip(b"\n")
+    try:
+        answer = json.loads(body)
+    except ValueError:
+        return False
+    if not isinstance(answer, dict) or set(answer) != {"error"}:
+        return False
+    error = answer["error"]
+    if path.startswith("/v1/"):
+        return isinstance(error, dict) and {"message", "type", "param", "code"} <= set(error) and \
+            isinstance(error["message"], str) and bool(error["message"]) and isinstance(error["type"], str) and \
+            all(error[k] is None or isinstance(error[k], str) for k in ("param", "code"))
+    return isinstance(error, str) and bool(error)
+
+
 def _well_formed(path: str, sent, status: int, headers: dict, body: bytes) -> bool:
-    """A 4xx naming something, or a result of the route's shape (token ids inside the vocabulary)."""
+    """A 4xx naming something in the protocol's error shape, or a 200 that is a result of the route's shape (token
+    ids inside the vocabulary), never an error: a stream may end in one error event (the status was sent), a whole
+    answer not."""
     if 400 <= status < 500:
-        return bool(error_of(body))
+        return _error_shape(path, body) and bool(error_of(body))
     if status != 200:
         return False
     streamed = isinstance(sent, dict) and sent.get("stream") is True
@@ -87,13 +109,15 @@ def _well_formed(path: str, sent, status: int, headers: dict, body: bytes) -> bo
         if path.startswith("/v1/"):
             return streamed and events[-1] == "[DONE]" and all(isinstance(e, dict) and "choices" in e
                                                                for e in events[:-1])
-        return bool(events) and all(isinstance(e, dict) and ("error" in e or "text_output" in e) for e in events)
+        return bool(events) and all(isinstance(e, dict) and "text_output" in e and "error" not in e
+                                    for e in events[:-1]) and isinstance(events[-1], dict) and \
+            ("text_output" in events[-1] or set(events[-1]) == {"error"} and isinstance(events[-1]["error"], str))
     answer = json.loads(body)
+    if "error" in answer:
+        return False
     if path.startswith("/v1/"):
         n = (sent.get("n") or 1) if isinstance(sent, dict) else 1  # null: the field left out
         return not streamed and len(answer["choices"]) == n and answer["usage"]["completion_tokens"] >= 0
-    if "error" in answer:  # `stream` on generate: Triton's own 200 with an error
-        return True
     ids = np.ravel(answer["output_ids"])
     return isinstance(answer["text_output"], str) and all(0 <= i < VOCAB for i in ids)
 
@@ -190,3 +214,13 @@ def test_hundreds_of_hostile_llm_requests(stack, server):
           f"{(llm.memory_info().rss - rss[1]) / 2**20:+.1f} MB; chat {before * 1e3:.0f} ms before, "
           f"{after * 1e3:.0f} ms after")
     assert after < max(2 * before, before + 0.2), f"a chat took {after:.3f} s after the suite, {before:.3f} s before"
+
+
+def test_generate_on_a_decoupled_model_asked_to_stream_is_a_4xx(stack, server):
+    """`stream: true` on NAME_llm's generate route (one answer expected, the model sends several): Triton's own
+    answer is a 200 whose body is only an error; the gateway answers the client's mistake as a 400 in KServe's shape."""
+    path, body = "/v2/models/dstool_lm_llm/generate", {"text_input": "JULIET:", "max_new_tokens": 3, "stream": True}
+    triton = post(server.http_port, path, body)
+    print(f"\nTriton itself: {triton[0]} {triton[2][:200]!r}")
+    status, _, answer = post(stack.http_port, path, body)
+    assert status == 400 and _error_shape(path, answer) and "generate stream" in error_of(answer), (status, answer)

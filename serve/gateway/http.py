@@ -206,6 +206,14 @@ class HttpFrontend:
                 return error_response(503, fault)
             if g.status >= 400 and not body:
                 return error_response(g.status, error_message(g.status, body))
+            answer = json_object(body) if g.status == 200 else None
+            if answer is not None and set(answer) == {"error"} and isinstance(answer["error"], str):
+                # Triton's 200 holding only an error: `generate` on a decoupled model that answered several times
+                # (`stream: true` on NAME_llm), "use generate stream" — the client's mistake, so a 4xx
+                if fault := backend_fault(answer["error"]):
+                    return error_response(503, fault)
+                self.metrics.error("bad_request")
+                return error_response(400, answer["error"])
             return HttpResponse(g.status, [body], g.headers)
         return StreamingResponse(g.status, g.headers, _sse(events), g.close)
 
