@@ -156,8 +156,10 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
     assert timed_chat(stack.http_port) < 5
 
     # Clients that hang up 1-3 ms after sending, while the gateway is still in the cache lookup or just sending on
-    # to Triton: none of their requests may run on (a cancellation lost there made all 900 tokens, 1 try in 15).
-    ran_on = []
+    # to Triton: none of their requests may run on (a cancellation lost there made all 900 tokens a choice, 1 try in
+    # 15). Each try must stop short of its end; how soon is load-dependent (under -n auto one ran on 427 tokens before
+    # the engine saw the cancel), so only the median is bounded.
+    ran_on, made_per_try = [], []
     for i in range(18):
         settled_generated(server, quiet=0.3)
         at_send = generated(server)
@@ -170,9 +172,11 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
         time.sleep(0.001 * (1 + i % 3))
         s.close()
         made = settled_generated(server, quiet=0.3) - at_send
-        if made >= 300:
+        made_per_try.append(made / (4 if i % 2 else 1))
+        if made >= 900 * (4 if i % 2 else 1):  # ran to its end: the cancellation was lost
             ran_on.append((i, made))
     assert not ran_on, ran_on
+    assert statistics.median(made_per_try) < 100, made_per_try
 
     # Streams closed after their first chunk, on every route that streams: each choice is cancelled in the engine
     # (a missed cancellation runs on to 900 tokens a choice and is not counted), and what the engine makes after the
