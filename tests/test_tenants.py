@@ -96,7 +96,7 @@ def test_keys_cli_prints_a_key_once_and_redis_keeps_only_its_hash(tenants_redis)
     client = tenants_redis.client()
     stored = b"".join(v for name in client.keys("*") if client.type(name) == b"hash"
                       for v in client.hgetall(name).values())
-    assert key.encode() not in stored and key.split("-")[2].encode() not in stored  # the secret is nowhere
+    assert key.encode() not in stored and key.split("-", 2)[2].encode() not in stored  # the secret is nowhere
     ident = listed[0]["id"]
     dstool("keys", "revoke", ident, "--redis", url)
     listed = json.loads(dstool("keys", "list", "--redis", url, "--tenant", "cli-team", "--format", "json").stdout)
