@@ -143,7 +143,6 @@ def parity(model, onnx_path: Path) -> Parity:
     row's last 3 tokens as a prompt chunk after its first 11 (a prefix-cache hit)."""
     import torch
 
-
     ids = torch.randint(0, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         ref = model(input_ids=ids).logits.float().numpy()
