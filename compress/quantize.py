@@ -14,9 +14,10 @@ import onnx
 from onnx import helper, numpy_helper
 from onnx.reference import ReferenceEvaluator
 from onnxruntime.quantization import QuantType, quantize_dynamic
-from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+from onnxruntime.quantization.matmul_nbits_quantizer import DefaultWeightOnlyQuantizer, MatMulNBitsQuantizer
 
 from dstool import log as dlog
+from dstool.compress.gptq import BlockCodes
 from dstool.compress.measure import perplexity_onnx, timed_in_rotation
 from dstool.errors import StageFailed
 from dstool.fused_decoder import prefill
@@ -169,16 +170,51 @@ def quantize_nbits(fp32: Path, out: Path, bits: int, block_size: int, symmetric:
     """Weight-only `bits` (8 or 4), block-wise (com.microsoft MatMulNBits): a scale (and, asymmetric, a zero point)
     per `block_size` input channels of each MatMul weight (4-bit: the embedding table too, GatherBlockQuantized);
     `accuracy_level` 4 computes in int8, activations quantized per block as they come; None dequantizes the weights
-    to fp32 compute."""
+    to fp32 compute. Round-to-nearest (ORT's own quantizer)."""
+    return _nbits(fp32, out, bits, block_size, symmetric, accuracy_level, None)[0]
+
+
+def quantize_nbits_precomputed(fp32: Path, out: Path, block_size: int, codes: dict[str, BlockCodes],
+                               accuracy_level: int | None = None) -> tuple[Path, int]:
+    """4-bit asymmetric MatMulNBits as `quantize_nbits`, with the codes of `codes` ({gptq.onnx_digest of a MatMul
+    weight: its codes}, GPTQ's) for the weights it holds, round-to-nearest for the rest (lm_head, the embedding
+    table). Returns the graph and how many MatMuls took precomputed codes."""
+    return _nbits(fp32, out, 4, block_size, False, accuracy_level, codes)
+
+
+class _PrecomputedCodes(DefaultWeightOnlyQuantizer):
+    """ORT's weight-only quantizer whose block quantization returns precomputed codes for the weights it knows (by
+    content), its own round-to-nearest for the others."""
+
+    def __init__(self, config, codes: dict[str, BlockCodes]):
+        super().__init__(config)
+        self.codes, self.used = codes, 0
+
+    def qbits_block_quant(self, fp32weight):
+        weight = np.asarray(fp32weight, dtype=np.float32)
+        found = self.codes.get(hashlib.sha256(np.ascontiguousarray(weight).tobytes()).hexdigest())
+        if found is None:
+            return super().qbits_block_quant(fp32weight)
+        if found.block != self.config.block_size or found.k != weight.shape[0]:
+            raise StageFailed(f"precomputed 4-bit codes of block {found.block} and {found.k} input channels for a "
+                              f"weight of {weight.shape[0]} quantized in blocks of {self.config.block_size}")
+        self.used += 1
+        return found.matmulnbits()
+
+
+def _nbits(fp32: Path, out: Path, bits: int, block_size: int, symmetric: bool, accuracy_level: int | None,
+           codes: dict[str, BlockCodes] | None) -> tuple[Path, int]:
     extra = {} if accuracy_level is None else {"accuracy_level": accuracy_level}
     ops = ("MatMul", "Gather") if bits == 4 else ("MatMul",)  # ORT quantizes Gather tables to 4 bits only
     with dlog.details_to_file():  # ORT's opset and per-node notes
         quantizer = MatMulNBitsQuantizer(onnx.load(str(fp32)), bits=bits, block_size=block_size,
                                          is_symmetric=symmetric, op_types_to_quantize=ops, **extra)
+        if codes is not None:
+            quantizer.node_quantizer = precomputed = _PrecomputedCodes(quantizer.algo_config, codes)
         quantizer.process()
     quantizer.model.save_model_to_file(str(out), use_external_data_format=_save_kwargs(fp32))
     strip_exporter_metadata(out)
-    return out
+    return out, precomputed.used if codes is not None else 0
 
 
 def decoding_step_ms(paths: list[Path], vocab: int, past_len: int = 32, repeats: int = 20) -> list[float]:
