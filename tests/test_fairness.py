@@ -1,5 +1,5 @@
-"""The gateway's fair share between tenants (serve/gateway/fairness.py), on its own: caps per tenant, turns, a client
-that gives up while waiting, the bound on waiting."""
+"""The gateway's fair share between tenants (serve/gateway/tenancy/fairness.py), on its own: caps per tenant, turns,
+a client that gives up while waiting, the bound on waiting."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from dstool.serve.gateway.fairness import FairShare, TooManyWaiting
+from dstool.serve.gateway.tenancy.fairness import FairShare, TooManyWaiting
 
 
 def test_a_tenant_over_its_cap_waits_and_the_others_do_not():

@@ -31,7 +31,7 @@ def server(gateway_server):
 
 
 def test_cache_key_covers_what_changes_a_result_and_nothing_else():
-    from dstool.serve.gateway.cache_keys import cache_key
+    from dstool.serve.gateway.cache.digests import cache_key
     from dstool.serve.gateway.tensors import InferRequest, Tensor
 
     def key(inputs=((b"\x01" * 8, "a"), (b"\x02" * 8, "b")), outputs=None, parameters=None, version="1",
@@ -50,7 +50,7 @@ def test_cache_key_covers_what_changes_a_result_and_nothing_else():
 
 
 def test_stored_entries_round_trip_and_damage_is_detected():
-    from dstool.serve.gateway.cache import CorruptEntry, decode, encode
+    from dstool.serve.gateway.cache.store import CorruptEntry, decode, encode
     from dstool.serve.gateway.tensors import InferResult, Tensor
 
     result = InferResult("m", "3", [Tensor("logits", "FP32", (1, 2), np.array([[1.5, -2.0]], np.float32).tobytes()),
@@ -246,7 +246,7 @@ def test_entries_live_in_redis_shared_by_gateways_and_bad_ones_are_recomputed(se
 
 def holds(value: bytes | None, expected: np.ndarray) -> bool:
     """Whether a Redis value decodes to a result whose first output equals `expected`."""
-    from dstool.serve.gateway.cache import CorruptEntry, decode
+    from dstool.serve.gateway.cache.store import CorruptEntry, decode
 
     try:
         result = decode(value or b"")[0]

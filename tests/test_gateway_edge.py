@@ -18,7 +18,7 @@ import time
 import numpy as np
 import pytest
 
-from gatewaylib import GatewayProcess, decoded_body, wait_for
+from gatewaylib import GatewayProcess, decoded_body, eventually, wait_for
 
 
 def _fp32_inputs(module, values, binary: bool = True):
@@ -83,9 +83,9 @@ def test_a_cancelled_redis_call_never_goes_on(redis_server):
     (gh-86296): before the gateway re-raised it, about a third of these calls went on, and their requests on to
     Triton. Cancelled at every few loop turns into the call, on the real redis-server."""
     from dstool.serve.cache_url import CacheURL
-    from dstool.serve.gateway.cache import RedisStore
-    from dstool.serve.gateway.guard import Guard
+    from dstool.serve.gateway.cache.store import RedisStore
     from dstool.serve.gateway.metrics import Metrics
+    from dstool.serve.gateway.tenancy.guard import Guard
 
     async def run():
         store = RedisStore(CacheURL.parse(redis_server.url), timeout=2.0)
@@ -156,9 +156,9 @@ def _rss(pid: int) -> int:
 
 def test_the_memory_bound_counts_renderings_too():
     """A hit keeps its JSON or gRPC rendering for the next one: that counts against the bound, and evicts."""
-    from dstool.serve.gateway.cache import ENTRY_OVERHEAD, ResultCache
-    from dstool.serve.gateway.grpc import render_infer as render_grpc
-    from dstool.serve.gateway.kserve import render_infer as render_http
+    from dstool.serve.gateway.cache.store import ENTRY_OVERHEAD, ResultCache
+    from dstool.serve.gateway.kserve.codec import render_infer as render_http
+    from dstool.serve.gateway.kserve.grpc import render_infer as render_grpc
     from dstool.serve.gateway.tensors import InferResult, Tensor
 
     bound = 1 << 20
@@ -264,15 +264,19 @@ def test_triton_killed_misses_are_503_hits_still_served(lone_triton, session_tmp
         assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200  # cached now
         lone_triton.proc.kill()  # Triton gone at once
         lone_triton.proc.wait()
-        time.sleep(0.5)  # past the version check interval: the gateway must ask Triton, and cannot
+        time.sleep(0.5)  # past the version check interval (0.2 s, on the same clock): the gateway must ask Triton,
+        # and cannot (a sleep that a loaded machine can only make longer)
         status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)
         assert status == 200 and b"INPUT0_OUT" in body  # what the cache holds is still served
         other = ECHO_BODY.replace(b"2.5", b"3.5")
         for method, path, payload in (("POST", "/v2/models/echo_fp32/infer", other), ("GET", "/v2/health/ready", None),
                                       ("GET", "/v2/models/echo_fp32", None)):
             started = time.monotonic()
-            status, _, body = _http(gw.http_port, method, path, payload)
-            assert status == 503 and "error" in json.loads(body) and time.monotonic() - started < 5, (path, body)
+            status, _, body = _http(gw.http_port, method, path, payload, timeout=120)
+            assert status == 503 and "error" in json.loads(body), (path, body)
+            # a net against waiting out the upstream deadline (60 s by default) for a Triton that refuses every
+            # connection, not a measure of speed
+            assert time.monotonic() - started < 50, path
         channel = grpc.insecure_channel(gw.grpc_url)
         request = service_pb2.ModelInferRequest(model_name="echo_fp32")
         request.inputs.add(name="INPUT0", datatype="FP32", shape=[1])
@@ -306,36 +310,39 @@ def test_triton_frozen_fails_fast_and_readiness_turns_false(lone_triton, session
         os.kill(lone_triton.proc.pid, signal.SIGSTOP)
         started = time.monotonic()
         status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY.replace(b"2.5", b"9"))
-        assert status == 504 and 1.5 < time.monotonic() - started < 4, (status, body)
-        time.sleep(1.0)  # the health check after the timeout: not answered within 0.5 s
+        # its deadline waited out (no less: a loaded machine only makes it longer), then a 504 of the gateway's own
+        assert status == 504 and b"did not answer within 2 s" in body, (status, body)
+        assert time.monotonic() - started > 1.5
+        # the health check after the timeout (not answered within 0.5 s) marks Triton down, as the log says
+        wait_for(lambda: "is not answering: requests fail at once with 503" in gw.log.read_text(),
+                 "the health check to mark Triton down", 60)
+        # every miss now fails at once: refused before anything is sent to Triton (what says "marked down"), where
+        # one sent would wait out the 2 s deadline and be a 504 "did not answer"
         for k in range(5):
-            started = time.monotonic()
             fresh = ECHO_BODY.replace(b"2.5", str(k).encode())
-            status, _, _ = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", fresh)
-            assert status == 503 and time.monotonic() - started < 1.5  # not the 2 s deadline
+            status, _, body = _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", fresh)
+            assert status == 503 and b"marked down" in body, (status, body)
         assert _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY)[0] == 200  # a hit needs no Triton
-        started = time.monotonic()
-        assert _http(gw.http_port, "GET", "/v2/health/ready")[0] == 503 and time.monotonic() - started < 1.5
+        status, _, body = _http(gw.http_port, "GET", "/v2/health/ready")
+        assert status == 503 and b"marked down" in body, (status, body)  # not the 0.5 s health check either
         c = grpc.InferenceServerClient(gw.grpc_url)
         assert c.is_server_ready() is False
         errors: queue.Queue = queue.Queue()  # a stream, too, fails at once while Triton is marked down
         c.start_stream(callback=lambda result, error: errors.put(error))
         x = grpc.InferInput("INPUT0", [1], "FP32")
         x.set_data_from_numpy(np.array([3.0], np.float32))
-        started = time.monotonic()
         try:
             c.async_stream_infer("echo_fp32", [x])
         except InferenceServerException:
             pass  # the stream ended before the request was sent; its error came to the callback
-        error = errors.get(timeout=10)
+        error = errors.get(timeout=60)
         assert error is not None and error.status() == "StatusCode.UNAVAILABLE", error
-        assert time.monotonic() - started < 1.5  # not the 2 s deadline
+        assert "marked down" in error.message(), error  # not the 2 s deadline
         c.stop_stream()
         os.kill(lone_triton.proc.pid, signal.SIGCONT)
-        deadline = time.monotonic() + 10
-        while _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer", ECHO_BODY.replace(b"2.5", b"7"))[0] != 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.2)
+        # the health check every second finds Triton again
+        wait_for(lambda: _http(gw.http_port, "POST", "/v2/models/echo_fp32/infer",
+                               ECHO_BODY.replace(b"2.5", b"7"))[0] == 200, "the gateway to serve misses again", 60)
         assert c.is_server_ready() is True
         c.close()
     finally:
@@ -421,7 +428,7 @@ def test_hostile_clients_cannot_exhaust_the_gateway(guarded_gateway):
     assert _http(gw.http_port, "GET", "/v2/health/ready", timeout=5)[0] == 200
     time.sleep(2.0)
     for s in half:
-        s.settimeout(2)
+        s.settimeout(30)  # a net against a connection left open, not a measure of speed: 1000 answers take their time
         assert s.recv(4096).startswith(b"HTTP/1.1 408")
         s.close()
     assert _rss(gw.proc.pid) - rss_before < 64 << 20
@@ -452,35 +459,42 @@ def test_idle_keepalive_connections_are_closed(guarded_gateway):
     import socket
 
     s = socket.create_connection(("127.0.0.1", guarded_gateway.http_port))
+    started = time.monotonic()  # before the request: the gateway's 1 s idle timer starts after its answer
     s.sendall(b"GET /v2/health/live HTTP/1.1\r\nHost: x\r\n\r\n")
-    s.settimeout(5)
+    s.settimeout(30)  # a net against a connection never closed, not a measure of speed
     assert s.recv(4096).startswith(b"HTTP/1.1 200")
-    started = time.monotonic()
     assert s.recv(4096) == b""  # closed by the gateway after --keepalive-timeout
-    assert 0.5 < time.monotonic() - started < 3
+    assert time.monotonic() - started >= 0.95  # not before (a loaded machine only makes it later)
     s.close()
 
 
-def test_shutdown_drains_requests_in_flight(gateway_server, session_tmp):
-    """SIGTERM: no new connection is accepted, the requests in flight (HTTP and gRPC, a slow model) finish with
-    their answers, then the gateway exits 0 — well within --shutdown-grace."""
+def test_shutdown_drains_requests_in_flight(gateway_server, session_tmp, tmp_path):
+    """SIGTERM: no new connection is accepted, the requests in flight (HTTP and gRPC, a model holding them) finish
+    with their answers, then the gateway exits 0 — as soon as they are done, not at the end of --shutdown-grace.
+    The model holds each request until the test lets it go (tests/models/echo.py `hold`), so every step happens while
+    they are in flight however slow the machine; the grace is long (120 s) so that waiting it out cannot pass."""
     import socket
+    import subprocess
     import threading
 
     import tritonclient.grpc as grpc
     import tritonclient.http as http
 
+    grace = 120
     gw = GatewayProcess(session_tmp / "gateway-drain.log",
                         config={"upstreams": [gateway_server.http_url], "upstreams_grpc": [gateway_server.grpc_url],
-                                "cache": "memory", "shutdown_grace": 10})
+                                "cache": "memory", "shutdown_grace": grace})
     results: dict[str, object] = {}
+    release = tmp_path / "release"
 
     def call(protocol: str) -> None:
         module = http if protocol == "http" else grpc
-        c = module.InferenceServerClient(gw.http_url if protocol == "http" else gw.grpc_url)
+        c = module.InferenceServerClient(gw.http_url if protocol == "http" else gw.grpc_url,
+                                         **({"network_timeout": 300.0} if protocol == "http" else {}))
         try:
             value = float(time.time() % 100) + (0.5 if protocol == "http" else 0.25)
-            out = c.infer("echo_fp32", _fp32_inputs(module, [value]), parameters={"delay_ms": 2000})
+            out = c.infer("echo_fp32", _fp32_inputs(module, [value]),
+                          parameters={"started": str(tmp_path / protocol), "hold": str(release)})
             results[protocol] = out.as_numpy("INPUT0_OUT")[0] == np.float32(value)
         except Exception as e:  # noqa: BLE001 (reported below)
             results[protocol] = e
@@ -488,19 +502,34 @@ def test_shutdown_drains_requests_in_flight(gateway_server, session_tmp):
             c.close()
 
     threads = [threading.Thread(target=call, args=(p,)) for p in ("http", "grpc")]
+    try:
+        for t in threads:
+            t.start()
+        wait_for(lambda: (tmp_path / "http").exists() and (tmp_path / "grpc").exists(),
+                 "both requests to reach the model", 60)
+        gw.proc.send_signal(signal.SIGTERM)
+
+        def refused() -> bool:  # the listening socket is closed: new clients go elsewhere
+            try:
+                socket.create_connection(("127.0.0.1", gw.http_port), timeout=2).close()
+            except OSError:
+                return True
+            return False
+
+        wait_for(refused, "the gateway to stop listening", 60)
+        assert not results and all(t.is_alive() for t in threads), results  # still in flight, still held
+        assert gw.proc.poll() is None  # and the gateway waits for them
+    finally:
+        release.touch()
     for t in threads:
-        t.start()
-    time.sleep(0.7)
-    started = time.monotonic()
-    gw.proc.send_signal(signal.SIGTERM)
-    time.sleep(0.3)
-    with pytest.raises(OSError):  # the listening socket is closed: new clients go elsewhere
-        socket.create_connection(("127.0.0.1", gw.http_port), timeout=2).close()
-    for t in threads:
-        t.join(30)
+        t.join(60)
     assert results == {"http": True, "grpc": True}, results
-    assert gw.proc.wait(15) == 0 and time.monotonic() - started < 5
-    assert "requests in flight have 10 s to finish" in gw.log.read_text()
+    try:
+        code = gw.proc.wait(60)  # at once in fact: nothing is left in flight (the grace would end 120 s after SIGTERM)
+    except subprocess.TimeoutExpired:
+        code = None
+    assert code == 0, code
+    assert f"requests in flight have {grace} s to finish" in gw.log.read_text()
     gw.stop()
 
 
@@ -536,9 +565,12 @@ def test_what_a_killed_triton_leaves_behind_is_removed(gateway_repo, tmp_path):
             pass
     # A process its group still holds (a stub that did not notice): killed by the clean-up too.
     leader = subprocess.Popen(["sh", "-c", "sleep 300 & exec sleep 301"], start_new_session=True)
-    time.sleep(0.3)
-    left = [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]
-            and os.getpgid(p.pid) == leader.pid]
+
+    def grouped() -> list:  # the background `sleep 300` once the shell has started it, in the leader's group
+        return [p for p in psutil.process_iter(["cmdline"]) if p.info["cmdline"] == ["sleep", "300"]
+                and os.getpgid(p.pid) == leader.pid]
+
+    left = eventually(grouped, bool)
     leader.kill()
     fake = triton.TritonProcess(leader, 0, 0, 0, tmp_path / "t.log")
     fake.stop()
@@ -740,9 +772,15 @@ def test_files_changed_under_a_loaded_version_never_mix(gateway_repo, redis_serv
         assert status == 200, answer
         return json.loads(answer)["outputs"][0]["data"][0]
 
-    def ran() -> int:  # inferences Triton ran
+    def ran(at_least: int | None = None) -> int:
+        """Inferences Triton ran (Triton counts one as it releases the request, just after its answer): with
+        `at_least`, read again until the count is that (a deadline against a hang; more is returned at once)."""
+        def count() -> int:
+            return sum(int(s["inference_count"]) for s in direct.get_inference_statistics("scaled")["model_stats"])
+        if at_least is not None:
+            return eventually(count, lambda n: n >= at_least)
         time.sleep(0.1)
-        return sum(int(s["inference_count"]) for s in direct.get_inference_statistics("scaled")["model_stats"])
+        return count()
 
     try:
         assert scaled(1) == 2
@@ -752,7 +790,7 @@ def test_files_changed_under_a_loaded_version_never_mix(gateway_repo, redis_serv
         time.sleep(0.5)
         assert scaled(5) == 10
         n = ran()
-        assert scaled(5) == 10 and ran() == n + 1  # not cached while the files differ from what Triton loaded
+        assert scaled(5) == 10 and ran(n + 1) == n + 1  # not cached while the files differ from what Triton loaded
         direct.load_model("scaled")  # Triton loads it again (not through the gateway): now it serves scale 3
         time.sleep(0.5)
         assert scaled(5) == 15  # the answer of the old weights was not kept under the new files' namespace

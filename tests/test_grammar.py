@@ -10,9 +10,9 @@ import jsonschema
 import numpy as np
 import pytest
 
-from dstool.serve.gateway.openai import Choice, Reply
-from dstool.serve.gateway.protocol import ChatCompletionRequest, parse
-from dstool.serve.gateway.tools import Calls, Tool, ToolError, grammar, read_tools
+from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, parse
+from dstool.serve.gateway.openai.routes import Choice, Reply
+from dstool.serve.gateway.openai.tools import Calls, Tool, ToolError, grammar, read_tools
 from dstool.serve.triton_models.grammar import GrammarError, Grammars, closed, grammar_of
 from dstool.serve.triton_models.sampling import Sampler, SamplingError, SamplingParams, request_choices
 

@@ -225,8 +225,8 @@ def test_every_imported_package_is_declared_in_its_stage_extra(folder, extra):
 def test_serving_loads_neither_torch_nor_deepspeed():
     """What `dstool serve`, `gateway` and `infer` run imports only the `serve` extra's packages."""
     code = ("import sys; import dstool.cli as c; c.build_parser(); import dstool.serve.runtime.server, "
-            "dstool.serve.runtime.client, dstool.serve.gateway.http, dstool.serve.gateway.grpc, "
-            "dstool.serve.gateway.core, dstool.serve.gateway.cache; "
+            "dstool.serve.runtime.client, dstool.serve.gateway.http, dstool.serve.gateway.kserve.grpc, "
+            "dstool.serve.gateway.core, dstool.serve.gateway.cache.store; "
             "print(sorted({m.split('.')[0] for m in sys.modules} & "
             "{'torch', 'deepspeed', 'transformers', 'onnx', 'torchao', 'onnxscript'}))")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)

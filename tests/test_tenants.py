@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from conftest import dstool
-from gatewaylib import GatewayProcess, RedisServer
+from gatewaylib import GatewayProcess, RedisServer, eventually
 
 
 @pytest.fixture(scope="module")
@@ -209,6 +209,10 @@ def test_ten_thousand_guessed_keys_admit_none_and_memory_stays_bounded(keyed, te
 
 
 def test_revocation_reaches_a_second_gateway_within_a_second(gateway_server, keyed, tenants_redis, session_tmp):
+    """A revoked key is refused by a gateway that had just admitted it once its lease is over (the guard's
+    LEASE_SECONDS, 0.5 s): a request that comes a second after the revocation is refused. What is waited is a span
+    the gateway measures on the same clock, so a loaded machine only makes it longer: no bound on how fast the
+    requests are answered."""
     other = keys_gateway(gateway_server, tenants_redis.url, session_tmp / "gateway-keys-2.log",
                          shared_cache_models=["echo_int32"])
     try:
@@ -224,19 +228,22 @@ def test_revocation_reaches_a_second_gateway_within_a_second(gateway_server, key
         assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] == 200
         ident = key.split("-")[1]
         dstool("keys", "revoke", ident, "--redis", tenants_redis.url)
-        revoked_at = time.monotonic()
-        while call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] != 401:
-            assert time.monotonic() - revoked_at < 1.0
+        time.sleep(1.0)  # the lease `other` took for the key ends within 0.5 s of it (taken before the revocation)
+        assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(5.0))[0] == 401
         status, _, body = call(keyed, "GET", "/v2/models/echo_fp32", key)
         assert status == 401 and "revoked" in body["error"]
         # rotation: the new secret works, the old one is refused once its grace is over
+        # (a grace of 5 s: the old key's call below must come within it, after the CLI has exited on a machine that
+        # may be loaded; the grace is over for certain 5 s after the CLI returned, the old key's lease 0.5 s after
+        # its last call)
         key = new_key(tenants_redis.url, "--tenant", "rotator")
         ident = key.split("-")[1]
-        new = dstool("keys", "rotate", ident, "--grace", "1s", "--redis", tenants_redis.url).stdout.strip()
+        new = dstool("keys", "rotate", ident, "--grace", "5s", "--redis", tenants_redis.url).stdout.strip()
+        rotated = time.monotonic()
         assert new != key and new.split("-")[1] == ident
         assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(6.0))[0] == 200  # within the grace
         assert call(other, "POST", "/v2/models/echo_fp32/infer", new, echo(6.0))[0] == 200
-        time.sleep(1.1)
+        time.sleep(max(0.0, rotated + 5.6 - time.monotonic()))
         assert call(other, "POST", "/v2/models/echo_fp32/infer", key, echo(6.0))[0] == 401
     finally:
         other.stop()
@@ -300,6 +307,8 @@ def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_se
         for stop_redis in (lambda: os.kill(redis.proc.pid, signal.SIGSTOP), redis.kill):
             stop_redis()
             for _ in range(5):
+                # a net against a hang (a Redis call not bounded by --auth-redis-timeout waits for as long as Redis
+                # is frozen), not a measure of speed: these five requests take what a loaded machine gives them
                 t = time.monotonic()
                 assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 200
                 status, headers, _ = call(closed_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))
@@ -307,13 +316,14 @@ def test_redis_killed_or_frozen_fails_as_configured_and_nothing_hangs(gateway_se
                 assert call(closed_gw, "GET", "/v2/models/echo_fp32", key)[0] == 200  # the key itself is known
                 assert call(refusing_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 503
                 assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", stranger, echo(8.0))[0] in (401, 503)
-                assert time.monotonic() - t < 2.0, "a request waited on Redis"
+                assert time.monotonic() - t < 25, "a request waited on Redis"
             if redis.proc.poll() is None:
                 os.kill(redis.proc.pid, signal.SIGCONT)
                 time.sleep(0.5)
-        redis.start()  # an empty Redis: the key is gone with it
-        time.sleep(6)  # the guard's back-off ends
-        assert call(open_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0] == 401
+        redis.start()  # an empty Redis: the key is gone with it, refused once the guard's back-off (5 s at most) ends
+        status = eventually(lambda: call(open_gw, "POST", "/v2/models/echo_fp32/infer", key, echo(8.0))[0],
+                            lambda status: status == 401)
+        assert status == 401, status
     finally:
         for gw in (open_gw, closed_gw, refusing_gw):
             gw.stop()
@@ -390,8 +400,9 @@ def test_usage_counts_what_clients_received_token_for_token(llm_keyed, tenants_r
     assert 9 >= streamed.completion_tokens >= sum(1 for c in chunks if c.choices and c.choices[0].delta.content)
     received["prompt"] += streamed.prompt_tokens
     received["completion"] += streamed.completion_tokens
-    time.sleep(0.5)  # charges are sent every 50 ms
-    used = usage_of(tenants_redis.url, key)
+    used = eventually(lambda: usage_of(tenants_redis.url, key),  # charges are sent every 50 ms, in the background
+                      lambda u: (u.get("prompt_tokens"), u.get("completion_tokens")) == (received["prompt"],
+                                                                                          received["completion"]))
     assert (used["prompt_tokens"], used["completion_tokens"]) == (received["prompt"], received["completion"])
     assert used["requests"] == 5 and used["cache_hits"] == 1 and used["errors"] == 0
     assert used["tokens_today"] == received["prompt"] + received["completion"]
@@ -436,8 +447,8 @@ def test_the_openai_client_understands_429_and_honours_retry_after(llm_keyed, te
     t = time.monotonic()
     assert patient.completions.create(model="dstool_lm", prompt="limit me", max_tokens=2, temperature=0).choices
     assert time.monotonic() - t >= 0.5  # it waited as Retry-After said, then was admitted
-    time.sleep(0.3)
-    assert usage_of(tenants_redis.url, key)["limited"] >= 2
+    limited = eventually(lambda: usage_of(tenants_redis.url, key).get("limited", 0), lambda n: n >= 2)  # (charged
+    assert limited >= 2, limited  # in the background)
 
 
 def test_dstool_infer_sends_the_key_and_names_the_real_cause(llm_keyed, tenants_redis):
@@ -458,10 +469,10 @@ def test_dstool_infer_sends_the_key_and_names_the_real_cause(llm_keyed, tenants_
     assert streamed.stdout.startswith("the cat")
     ids = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.http_url, "--api-key", key)
     assert "greedy next token" in ids.stdout
-    time.sleep(0.3)
     # 3 generated tokens each: KServe http and grpc (NAME_generate's output_ids), --openai, the gRPC stream
-    # (NAME_llm's output_ids); prompt tokens: the --openai answer's and the 3 --ids
-    used = usage_of(tenants_redis.url, key)
+    # (NAME_llm's output_ids); prompt tokens: the --openai answer's and the 3 --ids (charged in the background)
+    used = eventually(lambda: usage_of(tenants_redis.url, key),
+                      lambda u: u.get("requests") == 5 and u.get("completion_tokens") == 4 * 3)
     assert used["requests"] == 5 and used["completion_tokens"] == 4 * 3 and used["prompt_tokens"] > 3, used
     other = new_key(tenants_redis.url, "--tenant", "cli-user", "--models", "echo_fp32")
     refused = dstool("infer", "--ids", "5,6,7", "--url", llm_keyed.grpc_url, "--protocol", "grpc", "--api-key",
@@ -561,7 +572,8 @@ def test_budgets_tokens_per_minute_and_tenant_limits(keyed, llm_keyed, tenants_r
                                                                                     "tokens")):
         used = client(key).completions.create(model="dstool_lm", prompt="spend it", max_tokens=8, temperature=0)
         assert used.usage.total_tokens <= 12  # its most (prompt and max_tokens) was reserved before it ran
-        time.sleep(0.3)  # charged
+        eventually(lambda key=key: usage_of(tenants_redis.url, key).get("tokens_today", 0),  # charged (in the
+                   lambda n, total=used.usage.total_tokens: n == total)  # background)
         with pytest.raises(openai.RateLimitError) as e:
             client(key).completions.create(model="dstool_lm", prompt="spend it", max_tokens=8, temperature=0)
         assert e.value.code == code and e.value.type == kind, e.value
@@ -620,7 +632,7 @@ def test_a_grpc_stream_admits_each_request_on_its_own(keyed, tenants_redis):
 def test_requests_the_gateway_does_not_model_go_to_triton_for_tenants_too(keyed, tenants_redis):
     import re
 
-    from dstool.serve.gateway.kserve import decode_infer
+    from dstool.serve.gateway.kserve.codec import decode_infer
 
     key = new_key(tenants_redis.url, "--tenant", "raw")
     status, _, body = call(keyed, "POST", "/v2/models/echo_fp32/infer", key, {})  # no inputs: Triton's own answer

@@ -41,7 +41,7 @@ class Gateway:
         self._grpc_server: grpc.aio.Server | None = None
 
     async def _open_cache(self):
-        from dstool.serve.gateway.cache import RedisStore, ResultCache  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.cache.store import RedisStore, ResultCache  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         url, asked = c.cache.chosen()
@@ -72,8 +72,8 @@ class Gateway:
 
     async def _open_guard(self):
         """--auth keys: the guard, on a Redis connection of its own (its own timeout back-off)."""
-        from dstool.serve.gateway.cache import RedisStore  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
-        from dstool.serve.gateway.guard import Guard  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.cache.store import RedisStore  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.tenancy.guard import Guard  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         if c.auth != "keys":
@@ -91,8 +91,8 @@ class Gateway:
         return Guard(store, c.token, c.auth_fallback, c.auth_stale, c.limits_fail, self.metrics, c.tenant_concurrency)
 
     def _response_store(self):
-        """The Responses API's store (stored.py): on the cache's Redis, else in this process."""
-        from dstool.serve.gateway.stored import MemoryResponses, RedisResponses  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        """The Responses API's store (openai/stored.py): on the cache's Redis, else in this process."""
+        from dstool.serve.gateway.openai.stored import MemoryResponses, RedisResponses  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
 
         c = self.config
         if self.cache.redis is None:
@@ -103,8 +103,8 @@ class Gateway:
         import grpc  # noqa: PLC0415 (grpc: loaded when the gateway starts, not with the package)
 
         from dstool.serve.gateway.core import GatewayCore  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
-        from dstool.serve.gateway.grpc import GrpcFrontend  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
         from dstool.serve.gateway.http import HttpFrontend  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
+        from dstool.serve.gateway.kserve.grpc import GrpcFrontend  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
         from dstool.serve.gateway.metrics import Metrics  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
         from dstool.serve.gateway.transport import HttpConnection, HttpLimits  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
         from dstool.serve.gateway.upstream import Upstreams  # noqa: PLC0415 (the package's __init__: its modules load when the gateway starts)
@@ -120,7 +120,7 @@ class Gateway:
         shared = frozenset(c.shared_cache_models)
         self.http_frontend = HttpFrontend(self.core, self.metrics, c.token, limits, c.forward_headers, self.guard,
                                           shared, c.max_tokens_limit)
-        self.http_frontend.openai.reasoning_parser = c.reasoning_parser  # DeepSeek's formats (deepseek.py)
+        self.http_frontend.openai.reasoning_parser = c.reasoning_parser  # DeepSeek's formats (openai/deepseek.py)
         self.http_frontend.openai.tool_call_parser = c.tool_call_parser
         self.http_frontend.openai.responses.store = self._response_store()
         loop = asyncio.get_running_loop()

@@ -14,10 +14,10 @@ from typing import Any
 
 import orjson
 
-from dstool.serve.gateway.cache import Entry, ResultCache
-from dstool.serve.gateway.cache_keys import cache_key, key_fingerprint, model_fingerprint, never_cached
-from dstool.serve.gateway.guard import COUNTED, tensor_reservation, tensor_tokens
+from dstool.serve.gateway.cache.digests import cache_key, key_fingerprint, model_fingerprint, never_cached
+from dstool.serve.gateway.cache.store import Entry, ResultCache
 from dstool.serve.gateway.metrics import Metrics
+from dstool.serve.gateway.tenancy.guard import COUNTED, tensor_reservation, tensor_tokens
 from dstool.serve.gateway.tensors import (
     GatewayError,
     InferRequest,

@@ -1,5 +1,6 @@
-"""The gateway's KServe v2 HTTP/REST routes: inference (JSON and the binary tensor extension, kserve.py) through
-the cache; Triton's generate extension through the generation cache; the OpenAI routes (openai.py); every other
+"""The gateway's HTTP front door: each request to its protocol's room — KServe v2 inference (JSON and the binary
+tensor extension, kserve/codec.py) through the cache; Triton's generate extension through the generation cache; the
+OpenAI routes (openai/routes.py) and Anthropic's (anthropic/messages.py); every other
 route (health, metadata, config, statistics, repository, shared memory, ...) relayed to Triton, a streamed answer
 as its parts come; /metrics for Prometheus. A hit whose model version was checked recently is answered
 synchronously, without creating a task. The connections themselves are transport.py's.
@@ -18,21 +19,23 @@ from collections.abc import AsyncGenerator, Awaitable
 
 import orjson
 
-from dstool.serve.gateway.anthropic import AnthropicFrontend, anthropic_refused
-from dstool.serve.gateway.auth import Principal
+from dstool.serve.gateway.anthropic.messages import AnthropicFrontend, anthropic_error, anthropic_refused
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.generation import GenerationCache, data, json_object, read_request
-from dstool.serve.gateway.guard import UNKNOWN, Guard, Meter, Refused, tensor_tokens
-from dstool.serve.gateway.kserve import (
+from dstool.serve.gateway.kserve.codec import (
     Passthrough,
     accepted_encoding,
     compressed,
     decode_infer,
+    error_response,
     names_shared_memory,
     render_infer,
 )
 from dstool.serve.gateway.metrics import Metrics
-from dstool.serve.gateway.openai import OpenAIFrontend, refused
+from dstool.serve.gateway.openai.protocol import OpenAIError
+from dstool.serve.gateway.openai.routes import OpenAIFrontend, refused
+from dstool.serve.gateway.tenancy.auth import Principal
+from dstool.serve.gateway.tenancy.guard import UNKNOWN, Guard, Meter, Refused, tensor_tokens
 from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.transport import (
     HttpConnection,
@@ -41,8 +44,6 @@ from dstool.serve.gateway.transport import (
     HttpResponse,
     Response,
     StreamingResponse,
-    api_of,
-    error_response,
     opts_out,
 )
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
@@ -50,6 +51,17 @@ from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, Upstre
 HOP_BY_HOP = frozenset({"connection", "keep-alive", "host", "content-length", "transfer-encoding", "authorization",
                         "expect", "upgrade", "te", "trailer", "proxy-authorization", "cache-control"})
 
+
+
+def api_of(path: str, headers: dict[str, str]) -> str:
+    """Which API a request speaks, so whose error shape it gets: Anthropic's for /v1/messages (and /v1/models with
+    the anthropic-version header, as the `anthropic` client sends it), OpenAI's for the other /v1/ routes, else
+    KServe's."""
+    if not path.startswith("/v1/"):
+        return "kserve"
+    if path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in headers):
+        return "anthropic"
+    return "openai"
 
 
 class HttpFrontend:
@@ -85,6 +97,19 @@ class HttpFrontend:
         if self.token is None:
             return True
         return hmac.compare_digest(credential(path, headers).encode("latin-1"), self.token)
+
+    def error(self, status: int, message: str, path: str, headers: dict[str, str]) -> HttpResponse:
+        """An error in the shape of the API the request speaks (api_of); OpenAI's words a wrong key as OpenAI
+        does."""
+        api = api_of(path, headers)
+        if api == "anthropic":
+            body = anthropic_error(status, message)
+        elif api == "openai":
+            body = OpenAIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error",
+                               code="invalid_api_key" if status == 401 else None).body()
+        else:
+            return error_response(status, message)
+        return HttpResponse(status, [body], [("Content-Type", "application/json")])
 
     def handle(self, req: HttpRequest) -> Response | Awaitable[Response]:
         if self.guard is None or req.path.startswith("/v2/health/"):
@@ -129,7 +154,7 @@ class HttpFrontend:
     def _answered(self, req: HttpRequest, kind: str, principal: Principal, rate: list[tuple[str, str]],
                   response: Response) -> Response:
         """The response with the key's rate headers; the request's outcome counted (OpenAI's tokens are counted as
-        they come, openai.py)."""
+        they come, openai/routes.py)."""
         assert self.guard is not None
         if kind == "inference":
             self.guard.charge(principal, *req.tokens, hit=req.hit, error=response.status >= 400)

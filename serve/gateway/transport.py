@@ -2,7 +2,8 @@
 the request and response types, and the limits that bound what one client may ask (`HttpLimits`, all options of
 the gateway). It guards itself as a well-kept server does: the token is checked before a body is read, headers, URL
 and bodies are bounded, slow or silent clients are timed out, pipelined requests are answered in order, and a
-shutdown drains. What answers a request is the frontend it is given (http.HttpFrontend). Why a server of our own
+shutdown drains. What answers a request, and in which API's shape an error is worded, is the frontend it is given
+(`Frontend`: http.HttpFrontend); this module knows no protocol above HTTP. Why a server of our own
 rather than uvicorn or granian: docs/cache.md, "The HTTP server" (measured there).
 """
 
@@ -12,20 +13,18 @@ import asyncio
 import logging
 import re
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from http import HTTPStatus
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import httptools
-import orjson
 
-from dstool.serve.gateway.protocol import OpenAIError
+from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable, within
 
-if TYPE_CHECKING:  # the router builds on this module's types; only its type is named here
-    from dstool.serve.gateway.auth import Principal
-    from dstool.serve.gateway.http import HttpFrontend
+if TYPE_CHECKING:
+    from dstool.serve.gateway.tenancy.auth import Principal
 
 # After refusing a request: for how long, and how much of, what the client still sends is read and dropped.
 LINGER_SECONDS, LINGER_BYTES = 2.0, 8 << 20
@@ -96,42 +95,6 @@ def _phrase(status: int) -> str:
         return "Unknown"
 
 
-def error_response(status: int, message: str, api: str = "kserve") -> HttpResponse:
-    """KServe v2 error body; for `api` "openai" (a /v1/ path) OpenAI's error object, as OpenAI words a wrong key;
-    for "anthropic" (api_of) Anthropic's."""
-    if api == "anthropic":
-        body = anthropic_error(status, message)
-    elif api == "openai":
-        body = OpenAIError(status, message, kind="server_error" if status >= 500 else "invalid_request_error",
-                           code="invalid_api_key" if status == 401 else None).body()
-    else:
-        body = orjson.dumps({"error": message})
-    return HttpResponse(status, [body], [("Content-Type", "application/json")])
-
-
-# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
-ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
-                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
-                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
-
-
-def anthropic_error(status: int, message: str) -> bytes:
-    """Anthropic's error body: {"type": "error", "error": {"type": ..., "message": ...}}."""
-    kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
-    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
-
-
-def api_of(path: str, headers: dict[str, str]) -> str:
-    """Which API a request speaks, so whose error shape it gets: Anthropic's for /v1/messages (and /v1/models with
-    the anthropic-version header, as the `anthropic` client sends it), OpenAI's for the other /v1/ routes, else
-    KServe's."""
-    if not path.startswith("/v1/"):
-        return "kserve"
-    if path.startswith("/v1/messages") or (path.startswith("/v1/models") and "anthropic-version" in headers):
-        return "anthropic"
-    return "openai"
-
-
 def opts_out(req: HttpRequest) -> bool:
     """Whether the client asked not to be answered from the cache (Cache-Control: no-cache or no-store)."""
     cache_control = req.headers.get("cache-control", "")
@@ -182,6 +145,25 @@ def _origin_form(target: str) -> str | None:
     return target[m.end():] if target[m.end():m.end() + 1] == "/" else "/" + target[m.end():]
 
 
+class Frontend(Protocol):
+    """What answers the requests of a connection (http.HttpFrontend): it routes them, says who may send a body, and
+    words an error in the shape of the API a request speaks; the state the connections share lives on it."""
+
+    limits: HttpLimits
+    metrics: Metrics
+    unauthorized: str
+    connections: set[HttpConnection]
+    answering: set[asyncio.Future]
+    buffered: int
+    draining: bool
+
+    def authorized(self, path: str, headers: dict[str, str]) -> bool: ...
+
+    def handle(self, req: HttpRequest) -> Response | Awaitable[Response]: ...
+
+    def error(self, status: int, message: str, path: str, headers: dict[str, str]) -> HttpResponse: ...
+
+
 class HttpConnection(asyncio.Protocol):
     """One client connection: HTTP/1.1 keep-alive; pipelined requests are answered in order. Each phase has a
     deadline (headers, body, idle), and a request that breaks a limit is answered in its turn (after the answers of
@@ -190,7 +172,7 @@ class HttpConnection(asyncio.Protocol):
     written no faster than the client reads it (the transport's buffer bounds what waits here), and a client that
     reads nothing for `write_timeout` seconds has its stream ended."""
 
-    def __init__(self, frontend: HttpFrontend):
+    def __init__(self, frontend: Frontend):
         self.frontend = frontend
         self.limits = frontend.limits
         self.parser = httptools.HttpRequestParser(self)
@@ -408,25 +390,27 @@ class HttpConnection(asyncio.Protocol):
 
     # ---- answering -----------------------------------------------------------------------------------------
     def _dispatch(self, req: HttpRequest, keep_alive: bool, held: int) -> None:
-        api = api_of(req.path, req.headers)
         try:
             response = self.frontend.handle(req)
         except Exception as e:  # a bug must not take the connection's other requests with it
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", api)
+            response = self._defect(e, req)
         if isinstance(response, HttpResponse):
             self.frontend.buffered -= held
             self._write(response, keep_alive)
         else:
             self.busy = True
-            self.task = asyncio.ensure_future(self._finish(response, keep_alive, api, held))
+            self.task = asyncio.ensure_future(self._finish(response, keep_alive, req, held))
             self.frontend.answering.add(self.task)  # the loop holds tasks weakly: a cancelled one must still run
             self.task.add_done_callback(self.frontend.answering.discard)
 
-    async def _finish(self, pending, keep_alive: bool, api: str, held: int) -> None:
+    def _defect(self, e: Exception, req: HttpRequest) -> HttpResponse:
+        return self.frontend.error(500, f"gateway error: {type(e).__name__}: {e}", req.path, req.headers)
+
+    async def _finish(self, pending, keep_alive: bool, req: HttpRequest, held: int) -> None:
         try:
             response = await pending
         except Exception as e:
-            response = error_response(500, f"gateway error: {type(e).__name__}: {e}", api)
+            response = self._defect(e, req)
         finally:
             self.frontend.buffered -= held  # (also when a hang-up cancels the answer)
         if isinstance(response, StreamingResponse):
@@ -505,8 +489,8 @@ class HttpConnection(asyncio.Protocol):
         if self.transport is None:
             return
         target = _origin_form(self.url.decode("latin-1")) or ""
-        api = api_of(target.split("?", 1)[0], self.headers)
-        self.transport.writelines(error_response(status, message, api).encode(keep_alive=False))
+        refusal = self.frontend.error(status, message, target.split("?", 1)[0], self.headers)
+        self.transport.writelines(refusal.encode(keep_alive=False))
         self._release()
         self.frontend.connections.discard(self)
         if self.transport.can_write_eof():

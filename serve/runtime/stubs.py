@@ -22,7 +22,7 @@ import psutil
 
 from dstool import log as dlog
 from dstool.proc import how_it_ended, process_stat
-from dstool.serve.gateway.cache_keys import RESTART_PARAMETER
+from dstool.serve.gateway.cache.digests import RESTART_PARAMETER
 from dstool.serve.runtime.triton import SHM, TritonProcess
 
 log = dlog.log

@@ -26,9 +26,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dstool.serve.gateway import auth
-from dstool.serve.gateway.auth import Principal
-from dstool.serve.gateway.fairness import FairShare, Slot, TooManyWaiting
+from dstool.serve.gateway.tenancy import auth
+from dstool.serve.gateway.tenancy.auth import Principal
+from dstool.serve.gateway.tenancy.fairness import FairShare, Slot, TooManyWaiting
 from dstool.serve.gateway.tensors import ITEM_SIZE, NUMPY_TYPES
 from dstool.serve.gateway.upstream import within
 

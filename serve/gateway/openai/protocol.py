@@ -17,8 +17,8 @@ from typing import Any, ClassVar, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
 
-from dstool.serve.gateway import tools as tooling
 from dstool.serve.gateway.core import addressable
+from dstool.serve.gateway.openai import tools as tooling
 from dstool.serve.triton_models import grammar
 from dstool.serve.triton_models.grammar import GrammarError
 from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown

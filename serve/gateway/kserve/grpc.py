@@ -20,12 +20,12 @@ import numpy as np
 from google.protobuf.message import DecodeError
 from tritonclient.grpc import service_pb2
 
-from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import GatewayCore
 from dstool.serve.gateway.generation import salted, tenant_tag
-from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens, tensor_tokens
-from dstool.serve.gateway.kserve import CREDENTIALS
+from dstool.serve.gateway.kserve.codec import CREDENTIALS
 from dstool.serve.gateway.metrics import Metrics
+from dstool.serve.gateway.tenancy.auth import Principal
+from dstool.serve.gateway.tenancy.guard import Guard, Meter, Refused, estimated_tokens, tensor_tokens
 from dstool.serve.gateway.tensors import (
     NUMPY_TYPES,
     GatewayError,

@@ -38,11 +38,11 @@ from typing import Any
 import orjson
 
 from dstool.serve.cache_url import CacheURL
-from dstool.serve.gateway.auth import Principal
-from dstool.serve.gateway.cache import _client
-from dstool.serve.gateway.guard import Refused
-from dstool.serve.gateway.protocol import OpenAIError, parse
-from dstool.serve.gateway.responses import ResponsesRequest, Writer, renamed
+from dstool.serve.gateway.cache.store import _client
+from dstool.serve.gateway.openai.protocol import OpenAIError, parse
+from dstool.serve.gateway.openai.responses import ResponsesRequest, Writer, renamed
+from dstool.serve.gateway.tenancy.auth import Principal
+from dstool.serve.gateway.tenancy.guard import Refused
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, Response, StreamingResponse
 from dstool.serve.gateway.upstream import within
 

@@ -26,10 +26,10 @@ from typing import Any
 
 import orjson
 
-from dstool.serve.gateway.guard import Refused
-from dstool.serve.gateway.protocol import ChatCompletionRequest, OpenAIError, parse
-from dstool.serve.gateway.tools import NAME
-from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, anthropic_error, opts_out
+from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, parse
+from dstool.serve.gateway.openai.tools import NAME
+from dstool.serve.gateway.tenancy.guard import Refused
+from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 from dstool.serve.triton_models.sampling import shown
 
@@ -53,6 +53,18 @@ UNSERVED_BLOCKS = {"image": "this server serves text only", "document": "this se
                    "code_execution_tool_result": "this server runs no server tools",
                    "mcp_tool_use": "this server connects to no MCP server",
                    "mcp_tool_result": "this server connects to no MCP server"}
+
+
+# Anthropic's error types by HTTP status (https://docs.anthropic.com/en/api/errors)
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 402: "billing_error",
+                    403: "permission_error", 404: "not_found_error", 413: "request_too_large",
+                    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error"}
+
+
+def anthropic_error(status: int, message: str) -> bytes:
+    """Anthropic's error body: {"type": "error", "error": {"type": ..., "message": ...}}."""
+    kind = ANTHROPIC_ERRORS.get(status, "api_error" if status >= 500 else "invalid_request_error")
+    return orjson.dumps({"type": "error", "error": {"type": kind, "message": message}})
 
 
 class AnthropicError(Exception):

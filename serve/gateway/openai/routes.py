@@ -32,12 +32,10 @@ from typing import Any
 
 import orjson
 
-from dstool.serve.gateway import deepseek
-from dstool.serve.gateway.auth import Principal
 from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.generation import GenerationCache, data
-from dstool.serve.gateway.guard import Guard, Meter, Refused, estimated_tokens
-from dstool.serve.gateway.protocol import (
+from dstool.serve.gateway.openai import deepseek
+from dstool.serve.gateway.openai.protocol import (
     GRAMMAR_SUBJECT,
     SAMPLING,
     ChatCompletionRequest,
@@ -46,9 +44,11 @@ from dstool.serve.gateway.protocol import (
     Stops,
     parse,
 )
-from dstool.serve.gateway.stored import MemoryResponses, ResponsesRoutes
+from dstool.serve.gateway.openai.stored import MemoryResponses, ResponsesRoutes
+from dstool.serve.gateway.openai.tools import Calls
+from dstool.serve.gateway.tenancy.auth import Principal
+from dstool.serve.gateway.tenancy.guard import Guard, Meter, Refused, estimated_tokens
 from dstool.serve.gateway.tensors import GatewayError, backend_fault
-from dstool.serve.gateway.tools import Calls
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 from dstool.serve.triton_models.sampling import shown

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import orjson
 
-from dstool.serve.gateway.tools import Call, Calls, Tool, _partial_suffix
+from dstool.serve.gateway.openai.tools import Call, Calls, Tool, _partial_suffix
 
 REASONING_PARSERS = ("deepseek_r1", "deepseek_v3")
 TOOL_CALL_PARSERS = ("hermes", "deepseek_v3", "deepseek_v31")

@@ -17,7 +17,7 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
-from dstool.serve.gateway.protocol import OpenAIError
+from dstool.serve.gateway.openai.protocol import OpenAIError
 from dstool.serve.triton_models.sampling import shown
 
 # chat fields -> the Responses field a client sent
