@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 
-from dstool.serve.config import GatewayConfig
+from dstool.serve.config.gateway_config import GatewayConfig
 from dstool.serve.gateway import Gateway
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse
 

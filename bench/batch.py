@@ -36,7 +36,7 @@ BATCH_CHILD = """
 import json, sys, time
 began = time.perf_counter()
 from dstool.serve.batch import run_batch
-from dstool.serve.config import BatchConfig
+from dstool.serve.config.client_config import BatchConfig
 cfg = BatchConfig(**json.loads(sys.argv[1]))
 called = time.perf_counter()
 m = run_batch(cfg)
@@ -71,7 +71,7 @@ class Loop:
         import onnxruntime as ort
         from transformers import AutoTokenizer
 
-        from dstool.serve.config import model_names
+        from dstool.serve.config.export_config import model_names
         from dstool.serve.export import repository as repos
 
         names = model_names(d.name)
@@ -172,7 +172,7 @@ def main() -> int:
 
     from dstool.corpus import heldout_prompts
     from dstool.proc import free_port
-    from dstool.serve.config import model_names
+    from dstool.serve.config.export_config import model_names
     from dstool.serve.runtime import triton
 
     d = deployment(repo, a.model)

@@ -166,7 +166,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from dstool.proc import free_port
-    from dstool.serve.config import ExportConfig, RepositorySettings
+    from dstool.serve.config.export_config import ExportConfig, RepositorySettings
     from dstool.serve.export import export, repository
     from dstool.serve.runtime import triton
 

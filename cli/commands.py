@@ -22,8 +22,11 @@ from dstool.compress.config import CompressConfig
 from dstool.config import add_options, changed, load_config, overrides
 from dstool.errors import Failed, UsageError
 from dstool.evaluation.config import EvalConfig
-from dstool.serve import config as serve_config
-from dstool.serve.config import seconds
+from dstool.serve.config.client_config import BatchConfig, InferConfig
+from dstool.serve.config.export_config import ExportConfig
+from dstool.serve.config.gateway_config import GatewayConfig
+from dstool.serve.config.keys_config import KeysConfig, seconds
+from dstool.serve.config.serve_config import ServeConfig
 from dstool.train.config import DoctorConfig, PlanConfig, TrainCommand
 
 
@@ -265,10 +268,8 @@ def _compress_config():
     return CompressConfig
 
 
-def _serve_config(name: str):
-    def get():
-        return getattr(serve_config, name)
-    return get
+def _serve_config(config: type[BaseModel]) -> Callable[[], type[BaseModel]]:
+    return lambda: config
 
 
 def _eval_config():
@@ -306,7 +307,7 @@ COMMANDS: dict[str, Command] = {
                     "model's chat template). lm-eval runs in its own virtual environment (scripts/lm-eval-venv.sh); "
                     "the data is fetched once from the package registries and cached. Prints a table, writes "
                     "results.json under --output."),
-    "export": Command(_serve_config("ExportConfig"), _export, "Triton model repository (or, --target edge, an "
+    "export": Command(_serve_config(ExportConfig), _export, "Triton model repository (or, --target edge, an "
                       "ORT-format edge package) from a Hugging Face folder or a compress output", "Write a Triton "
                       "model repository: NAME (token ids -> logits), NAME_decoder "
                       "(key/value cache), NAME_tokenizer, NAME_detokenizer and the text-generation entry point "
@@ -316,14 +317,14 @@ COMMANDS: dict[str, Command] = {
                       "the decoder graph cut into an ORT-format embedding and head (resident) and blocks of "
                       "--layers-per-block decoder layers (loaded on demand by `dstool infer --edge`), with the "
                       "operator config of a minimal ONNX Runtime build; checked against the unsplit graph."),
-    "serve": Command(_serve_config("ServeConfig"), _serve, "start a real Triton server on a model repository",
+    "serve": Command(_serve_config(ServeConfig), _serve, "start a real Triton server on a model repository",
                      "Find a tritonserver (--tritonserver, $DSTOOL_TRITONSERVER, PATH, or the nvidia-pytriton wheel), "
                      "start it on 127.0.0.1, wait until ready, stop on Ctrl-C. Exits 1 if Triton dies."),
-    "gateway": Command(_serve_config("GatewayConfig"), _gateway, "KServe v2 HTTP/gRPC gateway with a Redis result "
+    "gateway": Command(_serve_config(GatewayConfig), _gateway, "KServe v2 HTTP/gRPC gateway with a Redis result "
                        "cache in front of Triton", "Serve the KServe v2 protocol (HTTP JSON/binary and gRPC) on its "
                        "own ports, answering repeated inference requests from a Redis cache and sending the rest to "
                        "the --upstream Triton servers."),
-    "batch": Command(_serve_config("BatchConfig"), _batch, "offline generation or scoring of a data set on Apache "
+    "batch": Command(_serve_config(BatchConfig), _batch, "offline generation or scoring of a data set on Apache "
                      "Spark (ONNX Runtime in the executors, or a running Triton/gateway)", "Read INPUT (jsonl, "
                      "parquet or csv; default: 1,000 held-out prompts of the embedded corpus) with Spark, run every "
                      "row through the repository's model and write OUTPUT/rows/ (the input columns, the generated "
@@ -334,13 +335,13 @@ COMMANDS: dict[str, Command] = {
                         "and a pruned variant), export the int8 model to a Triton repository, serve it behind the "
                         "cache gateway, send prompts over HTTP and gRPC, print the answers, the compression table and "
                         "the cache hit rate, and shut down."),
-    "keys": Command(_serve_config("KeysConfig"), _keys, "tenants' API keys for `dstool serve --auth keys`: create, "
+    "keys": Command(_serve_config(KeysConfig), _keys, "tenants' API keys for `dstool serve --auth keys`: create, "
                     "list, revoke, rotate, usage, limits", "Keys are kept in the gateways' Redis as SHA-256 hashes; "
                     "create and rotate print the key once. Each key has a tenant, the models it may use, requests "
                     "and tokens per minute, a token budget per day or month, an expiry and a cache scope; `limits` "
                     "sets a tenant's own limits over all its keys; `usage` prints requests, tokens, cache hits, "
                     "errors and 429s per tenant and key."),
-    "infer": Command(_serve_config("InferConfig"), _infer, "generate text (or send token ids) through a served model "
+    "infer": Command(_serve_config(InferConfig), _infer, "generate text (or send token ids) through a served model "
                      "with tritonclient, or here from an edge package", "Send PROMPT to the text-generation entry "
                      "point (MODEL_generate) and print the generated text; or send token ids (--ids) to the tensor "
                      "model MODEL and print the greedy next token for each position. With --edge PACKAGE: generate "

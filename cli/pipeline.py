@@ -30,7 +30,7 @@ from dstool.config import CommandConfig
 from dstool.errors import StageFailed
 from dstool.proc import check_port_free, stop_process
 from dstool.serve.cache_url import AUTO, CacheURL
-from dstool.serve.config import ExportConfig
+from dstool.serve.config.export_config import ExportConfig
 from dstool.steps import Step, run_steps
 
 log = dlog.log

@@ -22,7 +22,7 @@ from conftest import DSTOOL, cli, one_line_usage_error
 
 def _batch(**options):
     from dstool.serve.batch import run_batch
-    from dstool.serve.config import BatchConfig
+    from dstool.serve.config.client_config import BatchConfig
 
     return run_batch(BatchConfig(**options))
 

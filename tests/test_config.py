@@ -118,7 +118,8 @@ def test_a_cache_url_is_parsed_once_and_none_given_means_auto(monkeypatch, tmp_p
     from dstool.cli.pipeline import PipelineConfig
     from dstool.config import dump_yaml
     from dstool.serve.cache_url import AUTO, DEFAULT_REDIS, CacheURL
-    from dstool.serve.config import GatewayConfig, ServeConfig
+    from dstool.serve.config.gateway_config import GatewayConfig
+    from dstool.serve.config.serve_config import ServeConfig
 
     assert GatewayConfig(upstreams=["127.0.0.1:9000"]).cache == AUTO and PipelineConfig().cache == AUTO
     assert ServeConfig().cache is None  # no gateway; `--cache` alone is auto

@@ -21,7 +21,7 @@ from dstool.artifacts import CompressedModel, Repository
 from dstool.errors import UsageError
 from dstool.files import sha256_file
 from dstool.proc import free_port
-from dstool.serve.config import RepositorySettings, model_names
+from dstool.serve.config.export_config import RepositorySettings, model_names
 from dstool.serve.export import repository
 from dstool.serve.runtime import triton
 from dstool.serve.runtime.client import generate_text

@@ -10,7 +10,7 @@ import pytest
 import yaml
 
 from dstool.cli import main
-from dstool.serve.config import ServeConfig
+from dstool.serve.config.serve_config import ServeConfig
 from dstool.serve.runtime.k8s import REQUESTS_METRIC, serving_manifests
 
 K8S_VERSION = "1.32.0"

@@ -1,7 +1,7 @@
 """`run_batch(config)`: what `dstool batch` does — offline generation or scoring of a data set on Apache Spark.
 
     from dstool.serve.batch import run_batch
-    from dstool.serve.config import BatchConfig
+    from dstool.serve.config.client_config import BatchConfig
     manifest = run_batch(BatchConfig(input="prompts.jsonl", output="runs/batch"))
 
 The driver reads the input with Spark (jsonl, parquet, csv, or the embedded held-out prompts), numbers its rows
@@ -42,7 +42,8 @@ from dstool.corpus import EMBEDDED_PROMPTS, heldout_prompts
 from dstool.errors import UsageError
 from dstool.files import sha256_file
 from dstool.serve.batch import work
-from dstool.serve.config import BatchConfig, model_names
+from dstool.serve.config.client_config import BatchConfig
+from dstool.serve.config.export_config import model_names
 from dstool.serve.runtime.client import refusal_hint
 
 log = dlog.log

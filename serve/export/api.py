@@ -17,7 +17,7 @@ from dstool import log as dlog
 from dstool.artifacts import CompressedModel, Deployment, ManifestError, Repository
 from dstool.errors import UsageError
 from dstool.files import sha256_file
-from dstool.serve.config import ExportConfig
+from dstool.serve.config.export_config import ExportConfig
 from dstool.serve.export import repository
 from dstool.serve.export.source import generation_facts, onnx_graphs, read_source
 

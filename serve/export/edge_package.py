@@ -24,7 +24,7 @@ from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
 from dstool.engine import Engine, Sequence
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
-from dstool.serve.config import ExportConfig
+from dstool.serve.config.export_config import ExportConfig
 from dstool.serve.edge import EdgeModel
 from dstool.serve.export.repository import TOKENIZER_FILES
 from dstool.serve.export.source import generation_facts, onnx_graphs, read_source

@@ -17,7 +17,7 @@ from tritonclient.grpc import model_config_pb2 as mc
 from dstool import engine
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
-from dstool.serve.config import RepositorySettings, model_names
+from dstool.serve.config.export_config import RepositorySettings, model_names
 
 ONNX_TO_TRITON = {onnx.TensorProto.FLOAT: mc.TYPE_FP32, onnx.TensorProto.FLOAT16: mc.TYPE_FP16,
                   onnx.TensorProto.INT64: mc.TYPE_INT64, onnx.TensorProto.INT32: mc.TYPE_INT32,

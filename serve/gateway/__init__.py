@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 
 from dstool import log as dlog
 from dstool.errors import UsageError
-from dstool.serve.config import GatewayConfig
+from dstool.serve.config.gateway_config import GatewayConfig
 
 if TYPE_CHECKING:
     import grpc

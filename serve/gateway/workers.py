@@ -22,7 +22,7 @@ from prometheus_client import multiprocess
 from dstool import log as dlog
 from dstool.errors import UsageError
 from dstool.proc import free_port, how_it_ended
-from dstool.serve.config import GatewayConfig
+from dstool.serve.config.gateway_config import GatewayConfig
 from dstool.serve.gateway import _run, ready_line
 
 log = dlog.log

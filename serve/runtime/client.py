@@ -14,7 +14,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from dstool.errors import UsageError
-from dstool.serve.config import model_names
+from dstool.serve.config.export_config import model_names
 
 
 def infer_ids(url: str, protocol: str, model: str, ids: list[int], headers: dict | None = None) -> np.ndarray:

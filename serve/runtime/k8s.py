@@ -25,7 +25,8 @@ import math
 
 from dstool import __version__
 from dstool.config import changed, cli_extra
-from dstool.serve.config import GatewayOptions, ServeConfig
+from dstool.serve.config.gateway_config import GatewayOptions
+from dstool.serve.config.serve_config import ServeConfig
 
 MODELS = "/models"
 DEFAULT_PVC = "dstool-models"

@@ -13,7 +13,7 @@ from pathlib import Path
 from dstool import log as dlog
 from dstool.errors import EngineFailed, UsageError
 from dstool.proc import check_port_free, free_port
-from dstool.serve.config import ServeConfig
+from dstool.serve.config.serve_config import ServeConfig
 from dstool.serve.gateway.workers import run_workers
 from dstool.serve.runtime import triton
 from dstool.serve.runtime.stubs import StubWatcher
