@@ -284,3 +284,16 @@ def wait_for(condition, what: str, seconds: float = 10.0) -> None:
     while not condition():
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(0.05)
+
+
+def eventually(read, until, seconds: float = 30.0):
+    """read() again until until(what it returned) holds, for up to `seconds`: for a state the server reaches in its
+    own time (usage charged in the background, a flag set by a health check), which a test waits for rather than
+    sleeping a guess of its time. The deadline is a net against a hang, not a timing bound. Returns the last value
+    read, for the caller to assert on, so that a failure shows what was read."""
+    deadline = time.monotonic() + seconds
+    while True:
+        value = read()
+        if until(value) or time.monotonic() > deadline:
+            return value
+        time.sleep(0.05)
