@@ -1,4 +1,4 @@
-"""The continuous-batching engine (dstool/engine.py) on the exported decoder graph, in one process.
+"""The continuous-batching engine (dstool/decoding/engine.py) on the exported decoder graph, in one process.
 
     .venv/bin/python bench/engine.py [--repository REPO] [--new-tokens 64] [--rounds 3]
 
@@ -49,10 +49,10 @@ def prepare(a, work: Path) -> Path:
 def main() -> int:
     import onnxruntime as ort
 
-    from dstool.engine import Sequence, engine_for
+    from dstool.decoding.engine import Sequence, engine_for
+    from dstool.decoding.grammar import Grammars
+    from dstool.decoding.sampling import Sampler, SamplingParams
     from dstool.serve.export.repository import cache_shapes
-    from dstool.serve.triton_models.grammar import Grammars
-    from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--repository", help="a dstool export repository (default: export the ~40 M model)")
@@ -174,9 +174,9 @@ def memory(a, session, shapes: dict[str, tuple[int, int]], llm_config: Path, rng
     """64 long prompts at once on an engine set up as NAME_llm is: the peak cache memory it holds, per step."""
     import resource
 
-    from dstool.engine import PrefixCache, Sequence, engine_for
+    from dstool.decoding.engine import PrefixCache, Sequence, engine_for
+    from dstool.decoding.sampling import Sampler, SamplingParams
     from dstool.serve.export.repository import read_config
-    from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
     params = {k: v.string_value for k, v in read_config(llm_config).parameters.items()}
     positions, budget = int(params["max_positions"]), int(params["max_cache_tokens"])

@@ -31,7 +31,7 @@ def main() -> None:
     from transformers import AutoModelForCausalLM
 
     from compress import build_model
-    from dstool.engine import FusedRunner
+    from dstool.decoding.engine import FusedRunner
     from dstool.fused_decoder import cache_buffers, export_fused_decoder, parity, unsupported
     from dstool.models import preset_config
     from dstool.onnx_export import export_decoder_model

@@ -232,7 +232,7 @@ class Loop:
 
 
 class OneProcessEngine:
-    """dstool's engine (dstool.engine) in the bench's process on the graph NAME_llm runs (the fused-attention
+    """dstool's engine (dstool.decoding.engine) in the bench's process on the graph NAME_llm runs (the fused-attention
     decoder where the export wrote it), no server: all streams added at once, greedy, stepped until done."""
 
     def __init__(self, repo: Path, name: str, model_dir: Path):
@@ -248,8 +248,8 @@ class OneProcessEngine:
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
 
     def run(self, prompt: str, streams: int, new_tokens: int) -> dict:
-        from dstool.engine import Sequence, engine_for
-        from dstool.serve.triton_models.sampling import Sampler, SamplingParams
+        from dstool.decoding.engine import Sequence, engine_for
+        from dstool.decoding.sampling import Sampler, SamplingParams
 
         ids = self.tokenizer(prompt)["input_ids"]
         engine = engine_for(self.session, self.shapes)

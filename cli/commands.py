@@ -197,9 +197,9 @@ def _infer(cfg) -> int:
 
 
 def _infer_edge(cfg) -> int:
+    from dstool.decoding.grammar import Grammars  # noqa: PLC0415 (a stage, loaded for its command only)
+    from dstool.decoding.sampling import SamplingError, request_choices  # noqa: PLC0415 (a stage, loaded for its command only)
     from dstool.serve import edge  # noqa: PLC0415 (a stage, loaded for its command only)
-    from dstool.serve.triton_models.grammar import Grammars  # noqa: PLC0415 (a stage, loaded for its command only)
-    from dstool.serve.triton_models.sampling import SamplingError, request_choices  # noqa: PLC0415 (a stage, loaded for its command only)
 
     model = edge.EdgeModel(cfg.edge, cfg.memory_cap_mb)
     prompt_ids = model.tokenizer.encode(cfg.prompt).ids

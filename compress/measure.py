@@ -13,8 +13,9 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dstool import corpus, engine
+from dstool import corpus
 from dstool.artifacts import HFModel, ManifestError, kind_of
+from dstool.decoding import engine
 from dstool.errors import UsageError
 from dstool.onnx_export import ort_session, run_logits
 
@@ -121,9 +122,9 @@ def latency_ms(onnx_paths: list[Path], vocab: int, batch: int, seq_len: int = 12
 
 
 class _Generation:
-    """Greedy generation with a decoder graph on dstool's decode loop (dstool.engine, as the served models run it):
-    each call prefills the prompts (untimed), then decodes `new_tokens` steps of one token per sequence, recording
-    each step's wall time."""
+    """Greedy generation with a decoder graph on dstool's decode loop (dstool.decoding.engine, as the served models
+    run it): each call prefills the prompts (untimed), then decodes `new_tokens` steps of one token per sequence,
+    recording each step's wall time."""
 
     def __init__(self, session, prompt: np.ndarray, new_tokens: int):
         self.session, self.prompt, self.new_tokens = session, prompt.tolist(), new_tokens

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from dstool import architectures
 from dstool.compress.family import Family, Layout, PruneResult
 from dstool.compress.prune_llama import LLAMA
 from dstool.compress.prune_moe import DEEPSEEK_V2, DEEPSEEK_V3
@@ -38,10 +39,10 @@ class LayoutTimer(Protocol):
 
 def family_of(model) -> Family:
     """The architecture family that prunes `model`; ValueError (one line, with what works instead) for none."""
-    model_type = getattr(getattr(model, "config", None), "model_type", None)
-    for family in (DEEPSEEK_V2, DEEPSEEK_V3):
-        if model_type == family.model_type:
-            return family
+    known = architectures.architecture(getattr(getattr(model, "config", None), "model_type", None))
+    pruning = known.pruning if known is not None else "llama"
+    if pruning != "llama":
+        return {"deepseek_v2": DEEPSEEK_V2, "deepseek_v3": DEEPSEEK_V3}[pruning]
     try:
         LLAMA.check(model)
     except ValueError as e:

@@ -22,16 +22,16 @@ from pathlib import Path
 
 import numpy as np
 
-from dstool.engine import FusedRunner
+from dstool import architectures
+from dstool.decoding.engine import FusedRunner
 from dstool.files import replace_folder
 from dstool.onnx_export import OnnxExport, Parity, ort_session
-
-FAMILIES = ("llama", "qwen2", "mistral")
 
 
 def unsupported(config) -> str | None:
     """Why `config`'s model has no fused graph (None: it has one)."""
-    if config.model_type not in FAMILIES:
+    known = architectures.architecture(config.model_type)
+    if known is None or not known.fused_decoder:
         return f"{config.model_type} is not a Llama-layout model"
     if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
         return "sliding-window attention"

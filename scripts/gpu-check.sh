@@ -74,7 +74,7 @@ work = Path("gpu-check-graphs")
 graphs = {"exported": export_decoder_model(model, work / "exported").path,
           "fused": export_fused_decoder(model, work / "fused")}
 providers = ["CUDAExecutionProvider", "CPUExecutionProvider"]
-from dstool.engine import FusedRunner
+from dstool.decoding.engine import FusedRunner
 from dstool.onnx_export import empty_cache, run_decoder
 
 prompt = torch.randint(0, 4096, (3, 11), generator=torch.Generator().manual_seed(1))

@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 
 from dstool.artifacts import EdgePackage, EdgePart, ManifestError
-from dstool.engine import Engine, Sequence
+from dstool.decoding.engine import Engine, Sequence
 from dstool.errors import StageFailed, UsageError
 
 MB = 1 << 20

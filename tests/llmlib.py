@@ -133,18 +133,20 @@ def llm_requests(server) -> int:
 
 def llm_module(monkeypatch):
     """NAME_llm's model.py imported outside Triton: the python backend's module a small fake, the files beside it
-    (engine, sampling, grammar, ort_options) dstool's own."""
+    (the decoding package, ort_options) dstool's own."""
     import importlib
     import sys
     import types
 
-    from dstool import engine
-    from dstool.serve.triton_models import grammar, ort_options, sampling
+    from dstool import decoding
+    from dstool.decoding import engine, grammar, sampling
+    from dstool.serve.triton_models import ort_options
 
     fake = types.SimpleNamespace(TRITONSERVER_RESPONSE_COMPLETE_FINAL=1,
                                  Logger=types.SimpleNamespace(log_error=lambda message: None))
-    for name, module in {"triton_python_backend_utils": fake, "engine": engine, "ort_options": ort_options,
-                         "sampling": sampling, "grammar": grammar}.items():
+    for name, module in {"triton_python_backend_utils": fake, "decoding": decoding, "decoding.engine": engine,
+                         "decoding.sampling": sampling, "decoding.grammar": grammar,
+                         "ort_options": ort_options}.items():
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "dstool.serve.triton_models.llm", raising=False)
     return importlib.import_module("dstool.serve.triton_models.llm")

@@ -171,7 +171,7 @@ def test_the_chat_templates_with_v31s_thinking_toggle_and_deepseeks_tool_calls(t
     """NAME_llm passes chat_template_kwargs to the template (bounded, simple values, never the call's own names);
     R1's prompt opens the thinking, V3.1's closes it unless `thinking` is true; an assistant's calls are laid out in
     DeepSeek's tokens (its templates join arguments as text)."""
-    from dstool.serve.triton_models.grammar import thought_over
+    from dstool.decoding.grammar import thought_over
 
     llm = llm_module(monkeypatch)
     m = llm.TritonPythonModel()
@@ -208,7 +208,7 @@ def test_the_chat_templates_with_v31s_thinking_toggle_and_deepseeks_tool_calls(t
 def test_a_grammar_begins_after_the_thinking_with_r1s_tokenizer(tokenizers):
     """Under AfterThinking every token but the end of the sequence may come while the model thinks (JSON is not
     forced into the reasoning, nor can the answer end there); from the token after `</think>` only the grammar's."""
-    from dstool.serve.triton_models.grammar import Grammars
+    from dstool.decoding.grammar import Grammars
 
     tokenizer = tokenizers["deepseek-r1"]
     grammars = Grammars(tokenizer, {tokenizer.eos_token_id})

@@ -1,4 +1,4 @@
-"""The continuous-batching generation engine (dstool/engine.py) on the exported decoder graph:
+"""The continuous-batching generation engine (dstool/decoding/engine.py) on the exported decoder graph:
 greedy equal to transformers' greedy, sequences joining and leaving a running batch, seeds, the cache budget."""
 
 from __future__ import annotations
@@ -6,9 +6,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstool.engine import Engine, FusedEngine, PrefixCache, Sequence, engine_for
+from dstool.decoding.engine import Engine, FusedEngine, PrefixCache, Sequence, engine_for
+from dstool.decoding.sampling import Sampler, SamplingParams
 from dstool.serve.export.repository import cache_shapes
-from dstool.serve.triton_models.sampling import Sampler, SamplingParams
 
 PROMPTS = ["ROMEO:\nBut soft, what light", "JULIET:\n", "KING RICHARD:\nNow is the winter of our discontent",
            "QUEEN:\nAy", "GLOUCESTER:\nWas ever woman in this humour wooed?", "LADY ANNE:\nFoul devil"]

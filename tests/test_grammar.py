@@ -10,11 +10,11 @@ import jsonschema
 import numpy as np
 import pytest
 
+from dstool.decoding.grammar import GrammarError, Grammars, closed, grammar_of
+from dstool.decoding.sampling import Sampler, SamplingError, SamplingParams, request_choices
 from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, parse
 from dstool.serve.gateway.openai.routes import Choice, Reply
 from dstool.serve.gateway.openai.tools import Calls, Tool, ToolError, grammar, read_tools
-from dstool.serve.triton_models.grammar import GrammarError, Grammars, closed, grammar_of
-from dstool.serve.triton_models.sampling import Sampler, SamplingError, SamplingParams, request_choices
 
 SCHEMA = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 10},

@@ -19,7 +19,7 @@ import pytest
 
 from llmlib import post, stub_process, timed_chat
 
-MODULE = "dstool.serve.triton_models.grammar"
+MODULE = "dstool.decoding.grammar"
 
 
 def lark_chain(n: int) -> str:
@@ -118,7 +118,7 @@ def test_the_compile_threads_hold_ten_times_the_deepest_chain_the_bounds_let_thr
     """The longest `$ref` chain that fits in MAX_SPEC_BYTES is ~850 links of objects (the costliest per link
     measured, ~10 KB of stack each); ten times it, and a Lark chain of ten times MAX_RULES, compile on the grammar
     engine's threads. The same chain kills a process that compiles it on an ordinary thread."""
-    from dstool.serve.triton_models.grammar import MAX_SPEC_BYTES
+    from dstool.decoding.grammar import MAX_SPEC_BYTES
 
     links = 850
     assert len(json.dumps({"json": ref_chain(links, wrap=True)}, separators=(",", ":"))) <= MAX_SPEC_BYTES

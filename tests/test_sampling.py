@@ -1,4 +1,4 @@
-"""The generation model's sampling (serve/triton_models/sampling.py) against transformers' own logits processors,
+"""The generation model's sampling (dstool/decoding/sampling.py) against transformers' own logits processors,
 and its seeds, validation and distribution."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dstool.serve.triton_models import sampling
+from dstool.decoding import sampling
 
 
 def _hf(logits: np.ndarray, ids: list[int], processors) -> np.ndarray:
@@ -107,7 +107,7 @@ def test_bad_parameters_are_named(params, needle):
 
 
 def test_stops_are_eos_and_stop_ids_unless_eos_is_ignored():
-    from dstool.serve.triton_models.sampling import SamplingError, request_choices
+    from dstool.decoding.sampling import SamplingError, request_choices
 
     assert request_choices("{}", 3, None, 8, 64, np.array([7, 9]), {2})[2] == {2, 7, 9}
     assert request_choices('{"ignore_eos": true}', 3, np.array([5]), 8, 64, None, {2})[::2] == (5, set())

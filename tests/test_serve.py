@@ -17,6 +17,7 @@ import psutil
 import pytest
 import torch
 
+from dstool import decoding as decoding_room
 from dstool.artifacts import CompressedModel, Repository
 from dstool.errors import UsageError
 from dstool.files import sha256_file
@@ -66,10 +67,11 @@ def test_repository_layout_and_schema(repo, trained):
     assert [t.name for t in generate.input] == ["text_input", "max_new_tokens", "use_kv_cache", "stop_token_ids"]
     assert generate.dynamic_batching.max_queue_delay_microseconds > 0
     assert (repo / "dstool_lm_tokenizer" / "1" / "tokenizer.json").is_file()
-    for role, beside in (("generate", ["engine.py", "sampling.py"]),
-                         ("llm", ["engine.py", "grammar.py", "ort_options.py", "sampling.py"])):
-        folder = repo / f"dstool_lm_{role}" / "1"  # one decode loop: dstool/engine.py beside both text models
+    decoding = sorted(p.name for p in Path(decoding_room.__file__).parent.glob("*.py"))
+    for role, beside in (("generate", []), ("llm", ["ort_options.py"])):
+        folder = repo / f"dstool_lm_{role}" / "1"  # the decoding room whole beside both text models, as `decoding`
         assert sorted(p.name for p in folder.glob("*.py")) == sorted(["model.py", *beside])
+        assert sorted(p.name for p in (folder / "decoding").iterdir()) == decoding
 
 
 def test_decoder_graph_reuses_the_cache(repo, trained):

@@ -127,7 +127,7 @@ def _qwen2_folder(tmp_path: Path) -> str:
     (["--nproc", "4", "--pipeline-stages", "2", "--tensor-parallel", "2", "--data-format", "chat"],
      "needs pipeline_stages 1"),
     (["--nproc", "4", "--pipeline-stages", "2", "--tensor-parallel", "2", "--model", "QWEN2"],
-     "--pipeline-stages needs a Llama-architecture or DeepSeek-V3 model"),
+     "--pipeline-stages needs a model of type llama or deepseek_v3"),
 ])
 def test_refused_combinations_are_one_line_before_launch(args, needle, tmp_path):
     args = [_qwen2_folder(tmp_path) if a == "QWEN2" else a for a in args]

@@ -15,10 +15,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from dstool import architectures
 from dstool.errors import UsageError
-
-# the model types whose AutoEP presets (same names) `hf_state_dict` maps back (trained and compared in tests)
-PRESETS = frozenset({"deepseek_v2", "deepseek_v3"})
 
 
 def check_model(hf_config, ep: int, model_ref: str) -> str:
@@ -27,8 +25,11 @@ def check_model(hf_config, ep: int, model_ref: str) -> str:
     if not experts:
         raise UsageError(f"--expert-parallel {ep} needs a mixture-of-experts model; {model_ref} "
                          f"({hf_config.model_type}) has no routed experts: drop --expert-parallel")
-    if hf_config.model_type not in PRESETS:
-        raise UsageError(f"--expert-parallel supports DeepSeek-V2/V3 models (deepseek_v2, deepseek_v3); {model_ref} is "
+    # the AutoEP presets (same names as the model types) that `hf_state_dict` maps back
+    known = architectures.architecture(hf_config.model_type)
+    if known is None or not known.expert_parallel:
+        supported = ", ".join(architectures.with_capability("expert_parallel"))
+        raise UsageError(f"--expert-parallel supports the model types {supported}; {model_ref} is "
                          f"{hf_config.model_type}: drop --expert-parallel")
     if experts % ep:
         raise UsageError(f"--expert-parallel {ep} does not divide the {experts} routed experts of {model_ref}: use "

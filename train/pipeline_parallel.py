@@ -18,18 +18,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dstool import models
+from dstool import architectures, models
 from dstool.errors import UsageError
 from dstool.train import tensor_parallel
-
-PIPELINE_MODELS = ("llama", "deepseek_v3")
 
 
 def check_model(model_ref: str) -> None:
     """Refuse, before any rank starts, a model the pipeline cannot cut (one-line UsageError)."""
     cfg = models.model_config(model_ref, 256)
-    if cfg.model_type not in PIPELINE_MODELS:
-        raise UsageError(f"--pipeline-stages needs a Llama-architecture or DeepSeek-V3 model; {model_ref} is "
+    known = architectures.architecture(cfg.model_type)
+    if known is None or not known.pipeline:
+        supported = " or ".join(architectures.with_capability("pipeline"))
+        raise UsageError(f"--pipeline-stages needs a model of type {supported}; {model_ref} is "
                          f"{cfg.model_type}: use --model tiny, tiny-moe or such a folder, or train it data-parallel")
     if cfg.tie_word_embeddings:
         raise UsageError(f"{model_ref} ties its input and output embeddings, which the pipeline cannot split: "

@@ -29,19 +29,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from dstool import models
+from dstool import architectures, models
 from dstool.errors import UsageError
 
-# (name of a linear layer, relative to a decoder layer or the head, as a regex; how it is cut)
-_SPLITS: dict[str, list[tuple[str, str]]] = {
-    "llama": [(r"self_attn\.[qkv]_proj", "column"), (r"self_attn\.o_proj", "row"),
-              (r"mlp\.(gate|up)_proj", "column"), (r"mlp\.down_proj", "row")],
-    "deepseek_v3": [(r"self_attn\.(q_proj|q_b_proj|kv_b_proj)", "column"), (r"self_attn\.o_proj", "row"),
-                    (r"mlp\.(shared_experts\.)?(gate|up)_proj", "column"),
-                    (r"mlp\.(shared_experts\.)?down_proj", "row")],
-}
+# how each architecture's Linear layers are cut: dstool.architectures (Architecture.tensor_splits); the head as here
 _HEAD = (r"lm_head", "column")  # logits gathered: the loss sees the whole vocabulary
-SUPPORTED = tuple(_SPLITS)
+
+
+def _splits(model_type: str) -> tuple[tuple[str, str], ...]:
+    known = architectures.architecture(model_type)
+    return known.tensor_splits if known is not None else ()
 
 
 def check_model(model_ref: str, tensor: int, pipeline_stages: int) -> dict | None:
@@ -53,10 +50,11 @@ def check_model(model_ref: str, tensor: int, pipeline_stages: int) -> dict | Non
     if c.model_type == "deepseek_v2":  # AutoTP's tp_plan route stops on its 'mla_kv_a_proj' style
         raise UsageError(f"--tensor-parallel supports DeepSeek-V3's attention, not DeepSeek-V2's ({model_ref}): train "
                          "it data-parallel, with --expert-parallel for its experts")
-    if c.model_type not in _SPLITS:
+    if not _splits(c.model_type):
         if pipeline_stages > 1:
-            raise UsageError(f"--tensor-parallel with --pipeline-stages needs a Llama or DeepSeek-V3 model; "
-                             f"{model_ref} is {c.model_type}: drop one of the two")
+            raise UsageError(f"--tensor-parallel with --pipeline-stages needs a model of type "
+                             f"{' or '.join(architectures.with_capability('tensor_splits'))}; {model_ref} is "
+                             f"{c.model_type}: drop one of the two")
         return None  # AutoTP's own Hugging Face tp_plan route
     sizes = {"attention heads": c.num_attention_heads}
     if c.model_type == "llama":
@@ -78,7 +76,7 @@ def autotp_partition_config(model_type: str) -> dict | None:
     if model_type != "deepseek_v3":
         return None
     specs: list[dict[str, Any]] = [{"patterns": [rf".*\.{pattern}\.weight$"], "partition_type": kind}
-             for pattern, kind in _SPLITS[model_type]]
+             for pattern, kind in _splits(model_type)]
     specs.append({"patterns": [rf"(^|.*\.){_HEAD[0]}\.weight$"], "partition_type": "column", "gather_output": True})
     return {"use_default_specs": False, "layer_specs": specs}
 
@@ -118,7 +116,7 @@ def sum_mla_rope_gradients(model: nn.Module, group) -> int:
 
 
 def _kind(model_type: str, name: str) -> str | None:
-    for pattern, kind in [*_SPLITS[model_type], _HEAD]:
+    for pattern, kind in [*_splits(model_type), _HEAD]:
         if re.search(rf"(^|\.){pattern}$", name):
             return kind
     return None

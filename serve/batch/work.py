@@ -14,10 +14,10 @@ from pathlib import Path
 
 import numpy as np
 
-from dstool.engine import Engine, Sequence
+from dstool.decoding.engine import Engine, Sequence
+from dstool.decoding.grammar import Grammars
+from dstool.decoding.sampling import SamplingError, request_choices
 from dstool.files import write_atomic
-from dstool.serve.triton_models.grammar import Grammars
-from dstool.serve.triton_models.sampling import SamplingError, request_choices
 
 ROW_ERROR = "dstool-batch-row-error"  # a task failing on a row (--on-error fail) says this; the driver reports it
 PREFILL_TOKENS = 256  # prompt tokens prefilled per engine step: offline, throughput matters more than first tokens

@@ -39,7 +39,7 @@ class SamplingOptions(CommandConfig):
     def _json_schema(cls, v: str | None) -> str | None:
         if v is None:
             return v
-        from dstool.serve.triton_models.grammar import GrammarError, grammar_of  # noqa: PLC0415 (numpy: the CLI's parser imports this module)
+        from dstool.decoding.grammar import GrammarError, grammar_of  # noqa: PLC0415 (numpy: the CLI's parser imports this module)
 
         try:
             schema = json.loads(Path(v).read_text())
@@ -62,7 +62,7 @@ class SamplingOptions(CommandConfig):
     @model_validator(mode="after")
     def _engines_rule(self) -> SamplingOptions:
         """What the models would refuse is refused here, by their own rule (one message, before any work)."""
-        from dstool.serve.triton_models.sampling import SamplingError, SamplingParams  # noqa: PLC0415 (numpy: the CLI's parser imports this module)
+        from dstool.decoding.sampling import SamplingError, SamplingParams  # noqa: PLC0415 (numpy: the CLI's parser imports this module)
 
         try:
             SamplingParams.from_parameters(self.sampling())

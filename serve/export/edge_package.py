@@ -21,7 +21,7 @@ import numpy as np
 from dstool import artifacts, gguf
 from dstool import log as dlog
 from dstool.artifacts import CompressedModel, EdgePackage, EdgeParity, EdgePart
-from dstool.engine import Engine, Sequence
+from dstool.decoding.engine import Engine, Sequence
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config.export_config import ExportConfig

@@ -14,7 +14,7 @@ import onnx
 from google.protobuf import text_format
 from tritonclient.grpc import model_config_pb2 as mc
 
-from dstool import engine
+from dstool import decoding
 from dstool.errors import StageFailed, UsageError
 from dstool.files import replace_folder
 from dstool.serve.config.export_config import RepositorySettings, model_names
@@ -119,11 +119,11 @@ TEXT_MODELS = {  # python model file, inputs (name, type, dims, optional), outpu
              ("prompt_logprobs", mc.TYPE_FP32, [-1]), ("prompt_top_tokens", mc.TYPE_STRING, [-1, -1]),
              ("prompt_top_logprobs", mc.TYPE_FP32, [-1, -1])]),
 }
-# Files a python model imports, deployed beside its model.py (Triton puts the version folder on its path): the
-# decode loop is the core's (dstool/engine.py, numpy only), the rest sit beside the models in triton_models/.
-ENGINE_PY = Path(engine.__file__)
-BESIDE = {"generate": [ENGINE_PY, MODELS_PY / "sampling.py"],
-          "llm": [ENGINE_PY, MODELS_PY / "sampling.py", MODELS_PY / "grammar.py", MODELS_PY / "ort_options.py"]}
+# What a python model imports, deployed beside its model.py (Triton puts the version folder on its path): the
+# decoding room, whole (dstool/decoding: the decode loop, the sampler, the grammars, their errors), as the package
+# `decoding`; the rest sits beside the models in triton_models/.
+DECODING = Path(decoding.__file__).parent
+BESIDE = {"generate": [DECODING], "llm": [DECODING, MODELS_PY / "ort_options.py"]}
 ENGINE_MAX_BATCH = 16  # sequences the llm model decodes at once; more wait for a free place
 # prompt tokens the llm model prefills per step while others decode (about one decoding step's work at 16 here)
 ENGINE_PREFILL_TOKENS = 64
@@ -275,7 +275,10 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
             folder.mkdir(parents=True)
             shutil.copy2(MODELS_PY / TEXT_MODELS[role][0], folder / "model.py")
             for source in BESIDE.get(role, []):
-                shutil.copy2(source, folder / source.name)
+                if source.is_dir():
+                    shutil.copytree(source, folder / source.name, ignore=shutil.ignore_patterns("__pycache__"))
+                else:
+                    shutil.copy2(source, folder / source.name)
             if role == "llm" and a.fused_onnx:
                 (folder / "fused").mkdir()
                 shutil.copy2(a.fused_onnx, folder / "fused" / "model.onnx")

@@ -30,13 +30,13 @@ from dataclasses import dataclass
 
 import orjson
 
+from dstool.decoding.sampling import shown
 from dstool.serve.gateway.cache.digests import generation_parameters, is_draw, key_fingerprint, scoped
 from dstool.serve.gateway.core import GatewayCore, addressable, model_path, request_nonce, served_version
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tenancy.guard import estimated_tokens
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
 from dstool.serve.gateway.triton_json import parse_json
-from dstool.serve.triton_models.sampling import shown
 
 INTEGER_RANGES = {"TYPE_INT8": 8, "TYPE_INT16": 16, "TYPE_INT32": 32, "TYPE_INT64": 64}
 UNSIGNED_RANGES = {"TYPE_UINT8": 8, "TYPE_UINT16": 16, "TYPE_UINT32": 32, "TYPE_UINT64": 64}

@@ -20,8 +20,8 @@ import json
 
 import numpy as np
 import triton_python_backend_utils as pb_utils
-from engine import Engine, Sequence
-from sampling import SamplingError, request_choices
+from decoding.engine import Engine, Sequence
+from decoding.sampling import SamplingError, request_choices
 
 
 class RequestError(ValueError):

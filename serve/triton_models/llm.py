@@ -37,10 +37,10 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
-from engine import PrefixCache, Sequence, engine_for
-from grammar import Grammars, thought_over
+from decoding.engine import PrefixCache, Sequence, engine_for
+from decoding.grammar import Grammars, thought_over
+from decoding.sampling import FINITE, SamplingError, request_choices
 from ort_options import session_options
-from sampling import FINITE, SamplingError, request_choices
 from transformers import AutoTokenizer
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL

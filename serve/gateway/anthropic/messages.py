@@ -26,12 +26,12 @@ from typing import Any
 
 import orjson
 
+from dstool.decoding.sampling import shown
 from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, parse
 from dstool.serve.gateway.openai.tools import NAME
 from dstool.serve.gateway.tenancy.guard import Refused
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
-from dstool.serve.triton_models.sampling import shown
 
 TOP_LEVEL = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
                        "tools", "tool_choice", "metadata", "stream", "thinking", "service_tier", "container",

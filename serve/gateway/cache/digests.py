@@ -8,8 +8,8 @@ import struct
 
 import orjson
 
+from dstool.decoding.sampling import SamplingError, SamplingParams
 from dstool.serve.gateway.tensors import InferRequest
-from dstool.serve.triton_models.sampling import SamplingError, SamplingParams
 
 PREFIX = "dstool:gw:1"
 # Request parameters that only change how or when a result is delivered, not the result itself.

@@ -17,11 +17,11 @@ from typing import Any, ClassVar, TypeVar
 import orjson
 from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
 
+from dstool.decoding import grammar
+from dstool.decoding.grammar import GrammarError
+from dstool.decoding.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
 from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.openai import tools as tooling
-from dstool.serve.triton_models import grammar
-from dstool.serve.triton_models.grammar import GrammarError
-from dstool.serve.triton_models.sampling import MAX_LOGPROBS, SEEDS, SamplingError, SamplingParams, shown
 
 MAX_N = 16  # choices per request
 MAX_PROMPTS = 64  # prompts in one /v1/completions batch

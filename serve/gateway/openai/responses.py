@@ -17,8 +17,8 @@ from typing import Any
 import orjson
 from pydantic import BaseModel, ConfigDict
 
+from dstool.decoding.sampling import shown
 from dstool.serve.gateway.openai.protocol import OpenAIError
-from dstool.serve.triton_models.sampling import shown
 
 # chat fields -> the Responses field a client sent
 PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "text.format",

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import re
 import time
 import urllib.parse
 import uuid
@@ -32,6 +31,8 @@ from typing import Any
 
 import orjson
 
+from dstool.decoding.errors import ContextTooLong
+from dstool.decoding.sampling import shown
 from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.openai import deepseek
@@ -51,10 +52,8 @@ from dstool.serve.gateway.tenancy.guard import Guard, Meter, Refused, estimated_
 from dstool.serve.gateway.tensors import GatewayError, backend_fault
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
-from dstool.serve.triton_models.sampling import shown
 
 # how the engine words a request longer than the model's positions (sampling.request_choices)
-TOO_LONG = re.compile(r"prompt \((\d+) tokens\) \+ max_new_tokens \((\d+)\) exceed the model's (\d+) positions")
 # Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
 # Triton's sending waits), so a slow reader holds a bounded amount here.
 EVENTS_AHEAD = 64
@@ -613,14 +612,14 @@ def _upstream_error(status: int, body: bytes, model: str, chat: bool, grammar_pa
     if status == 404 or "unknown model" in message or "is not found" in message:
         return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model",
                            code="model_not_found")
-    too_long = TOO_LONG.match(message)
-    if too_long:
-        prompt, new, positions = (int(g) for g in too_long.groups())
+    too_long = ContextTooLong.read(message)
+    if too_long is not None:
+        prompt, new, positions = too_long.prompt, too_long.new, too_long.positions
         where = "messages" if chat else "prompt"
         return OpenAIError(400, f"This model's maximum context length is {positions} tokens. However, you requested "
                                 f"{prompt + new} tokens ({prompt} in the {where}, {new} in the completion). Please "
                                 f"reduce the length of the {where} or completion.", where,
-                           code="context_length_exceeded")
+                           code=too_long.code)
     message = message.replace("max_new_tokens", "max_tokens")
     at = message.find("structured_outputs")
     if grammar_param and at >= 0 and status < 500:

@@ -34,6 +34,8 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .errors import GrammarError
+
 COMPACT = {"whitespace_flexible": False, "item_separator": ",", "key_separator": ":"}
 KINDS = ("json", "json_object", "regex", "choice", "grammar")
 MAX_SPEC_BYTES = 64 * 1024  # a spec's JSON text (or a grammar's text), at most
@@ -51,10 +53,6 @@ KEPT_GRAMMARS, KEPT_BYTES, KEPT_MATCHERS = 1024, 16 << 20, 8
 LIMITS = {"initial_lexer_fuel": 50_000, "step_lexer_fuel": 200_000, "step_max_items": 50_000,
           "max_lexer_states": 10_000, "max_grammar_size": 200_000, "verbose_errors": False}
 _LARK_RULE = None  # the compiled pattern of a Lark definition's start (made on first use)
-
-
-class GrammarError(ValueError):
-    """The client's grammar cannot be used (the message names the part and what to do)."""
 
 
 def _llguidance():

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .errors import ContextTooLong, SamplingError
+
 MAX_LOGPROBS = 20  # alternatives reported per token, at most (OpenAI's limit)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy (vLLM's _SAMPLING_EPS)
 FINITE = 1e300  # scores are clipped to +-FINITE after each operation, so none overflows to inf or NaN
@@ -42,10 +44,6 @@ def shown(value) -> str:
     except RecursionError:
         text = f"a {type(value).__name__} nested too deep"
     return text if len(text) <= 60 else text[:57] + "..."
-
-
-class SamplingError(ValueError):
-    """A parameter the client got wrong (the message names it and the accepted values)."""
 
 
 def _number(params: dict, name: str, default: float, low: float, high: float = math.inf,
@@ -255,13 +253,11 @@ def request_choices(parameters: str, prompt_tokens: int, max_new_tokens: np.ndar
         if total is not None:
             new_tokens = min(new_tokens, total - prompt_tokens)
         if new_tokens < 1:
-            raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens (1) exceed the model's "
-                                f"{max_positions} positions: shorten the prompt")
+            raise ContextTooLong(prompt_tokens, 1, max_positions, "shorten the prompt")
     if new_tokens < 1:
         raise SamplingError(f"max_new_tokens must be at least 1, got {new_tokens}")
     if prompt_tokens + new_tokens > max_positions:
-        raise SamplingError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({new_tokens}) exceed the model's "
-                            f"{max_positions} positions: shorten the prompt or ask for fewer tokens")
+        raise ContextTooLong(prompt_tokens, new_tokens, max_positions, "shorten the prompt or ask for fewer tokens")
     ignore_eos = params.get("ignore_eos", False)
     if not isinstance(ignore_eos, bool):
         raise SamplingError(f"ignore_eos must be true or false, got {shown(ignore_eos)}")
