@@ -8,13 +8,12 @@ from __future__ import annotations
 import http.client
 import json
 import secrets
-import time
 
 import jsonschema
 import pytest
 from test_tenants import keys_gateway, new_key, usage_of
 
-from gatewaylib import GatewayProcess, RedisServer
+from gatewaylib import GatewayProcess, RedisServer, eventually
 from llmlib import llm_requests, post
 
 TOKEN = "sk-dstool-anthropic"
@@ -234,9 +233,10 @@ def test_tenant_keys_as_x_api_key(keyed, server):
     other = _client(gw, b).messages.create(**ask)
     assert first.content == again.content == other.content
     assert llm_requests(server) == before + 3  # a once, its stream, b once: b computed for itself
-    time.sleep(0.5)  # charges are sent every 50 ms
-    used = usage_of(redis.url, a)
     received = [first, again, streamed]
+    used = eventually(lambda: usage_of(redis.url, a),  # charges are sent every 50 ms, in the background
+                      lambda u: u.get("requests") == 3 and u.get("completion_tokens") == sum(m.usage.output_tokens
+                                                                                             for m in received))
     assert used["prompt_tokens"] == sum(m.usage.input_tokens + m.usage.cache_read_input_tokens for m in received)
     assert used["completion_tokens"] == sum(m.usage.output_tokens for m in received)
     assert used["requests"] == 3 and used["cache_hits"] == 1

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from test_openai import _greedy
 
-from gatewaylib import GatewayProcess, RedisServer
+from gatewaylib import GatewayProcess, RedisServer, eventually
 from llmlib import error_of, post
 
 PROMPTS = ["ROMEO:\nBut soft", "JULIET:\nO Romeo, Romeo", "KING RICHARD:\nNow is the winter"]
@@ -203,24 +203,26 @@ def test_every_prompt_of_a_batch_is_metered(server, session_tmp):
         key = new_key(redis.url, "--tenant", "batcher")
         client = openai.OpenAI(base_url=f"http://{gw.http_url}/v1", api_key=key, max_retries=0, timeout=120)
 
-        def used() -> tuple[int, int]:
-            import time
-
-            time.sleep(0.3)  # charges are sent every 50 ms
-            u = usage_of(redis.url, key)
+        def used(requests: int) -> tuple[int, int]:
+            """(prompt, completion) tokens charged, once the key's `requests` are (charges are sent every 50 ms, in
+            the background, and a request's after its answer)."""
+            u = eventually(lambda: usage_of(redis.url, key), lambda u: u.get("requests", 0) >= requests)
+            assert u.get("requests", 0) == requests, u
+            u = eventually(lambda: usage_of(redis.url, key),
+                           lambda u: u.get("completion_tokens", 0) >= 18 * requests)  # each request's 18 tokens
             return u.get("prompt_tokens", 0), u.get("completion_tokens", 0)
 
-        before = used()
+        before = used(0)
         answer = client.completions.create(model="dstool_lm", prompt=PROMPTS, max_tokens=3, n=2, temperature=0,
                                            extra_body={"ignore_eos": True}, extra_headers={"Cache-Control": "no-cache"})
-        after = used()
+        after = used(1)
         assert answer.usage.completion_tokens == 18
         assert (after[0] - before[0], after[1] - before[1]) == (answer.usage.prompt_tokens, 18)
         chunks = list(client.completions.create(model="dstool_lm", prompt=PROMPTS, max_tokens=3, n=2, temperature=0,
                                                 stream=True, stream_options={"include_usage": True},
                                                 extra_body={"ignore_eos": True},
                                                 extra_headers={"Cache-Control": "no-cache"}))
-        streamed = used()
+        streamed = used(2)
         assert (streamed[0] - after[0], streamed[1] - after[1]) == (chunks[-1].usage.prompt_tokens, 18)
     finally:
         gw.stop()
