@@ -13,7 +13,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from conftest import dstool
-from gatewaylib import GatewayProcess, RedisServer
+from gatewaylib import GatewayProcess, RedisServer, eventually
 from llmlib import cancelled, metric
 
 TOKEN = "sk-responses-test"
@@ -177,10 +177,10 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
     import openai
 
     a, b = pair
-    started = time.monotonic()
     queued = _client(a).responses.create(model="dstool_lm", input="Speak, Juliet.", max_output_tokens=12,
                                          temperature=0, background=True)
-    assert time.monotonic() - started < 5 and queued.status in ("queued", "in_progress") and queued.background
+    # answered before its answer was made (what the status says, on the store's word), however long either took
+    assert queued.status in ("queued", "in_progress") and queued.background and queued.output == []
     done = _poll(_client(b), queued.id, lambda r: r.status not in ("queued", "in_progress"))
     plain = _client(b).responses.create(model="dstool_lm", input="Speak, Juliet.", max_output_tokens=12,
                                         temperature=0, store=False)
@@ -196,7 +196,8 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
     before = cancelled(server)
     with ThreadPoolExecutor(6) as pool:
         busy = [pool.submit(load, i) for i in range(6)]
-        time.sleep(0.5)
+        in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= 6, 60)
+        assert in_engine >= 6, "the six loads never reached the engine"
         longs = [_client(a).responses.create(model="dstool_lm", input=f"Count to {i}.", max_output_tokens=900,
                                              temperature=1.0, text=LONG, background=True) for i in range(2)]
         # both in the engine before their cancel (one cancelled while still queued never reaches it: nothing to stop)
@@ -206,7 +207,9 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
             time.sleep(0.05)
         stopped = [_client(gw).responses.cancel(r.id) for gw, r in zip((a, b), longs)]
         assert [r.status for r in stopped] == ["cancelled"] * 2, [(r.status, r.usage) for r in stopped]
-        deadline = time.monotonic() + 10
+        # (a net against a hang: B's cancel reaches A at its next heartbeat, on a machine that may be loaded; one
+        # that kept generating never adds to the counter, its 900 tokens end as `completed`)
+        deadline = time.monotonic() + 60
         while cancelled(server) < before + 2:
             assert time.monotonic() < deadline, "a cancelled response kept generating"
             time.sleep(0.1)
@@ -280,14 +283,23 @@ def test_redis_down_is_a_clear_503_and_stateless_requests_still_answer(server, s
                 ask()
             assert down.value.status_code == 503 and down.value.code == "store_unavailable", down.value.body
             assert "response store is unavailable" in down.value.message and "store: false" in down.value.message
-            assert time.monotonic() - t < 3.0
+            assert time.monotonic() - t < 30  # a net against a hang (the store's calls are bounded by 0.5 s each)
         alone = client.responses.create(model="dstool_lm", input="Still here?", max_output_tokens=3, temperature=0,
                                         store=False)
         assert alone.status in ("completed", "incomplete") and alone.store is False
         redis.start()  # back, empty: the store answers again once its back-off ends
-        time.sleep(1.2)
-        with pytest.raises(openai.NotFoundError):
-            client.responses.retrieve(kept.id)
+
+        def looked_up() -> str:
+            try:
+                client.responses.retrieve(kept.id)
+            except openai.NotFoundError:
+                return "not found"
+            except openai.InternalServerError as e:
+                return f"unavailable ({e.status_code})"
+            return "found"
+
+        found = eventually(looked_up, lambda found: not found.startswith("unavailable"))
+        assert found == "not found", found  # the store answers, and what it held is gone with it
         again = client.responses.create(model="dstool_lm", input="After.", max_output_tokens=3, temperature=0)
         assert client.responses.retrieve(again.id).output_text == again.output_text
     finally:
