@@ -150,3 +150,25 @@ def llm_module(monkeypatch):
         monkeypatch.setitem(sys.modules, name, module)
     monkeypatch.delitem(sys.modules, "dstool.serve.triton_models.llm", raising=False)
     return importlib.import_module("dstool.serve.triton_models.llm")
+
+
+def sequences_left(server, seconds: float = 60) -> float:
+    """Sequences in the engine (waiting and running), read until there are none for up to `seconds` (the gauge is set
+    after a step's last response went out): what the work before left in the engine, 0 when it left nothing. A test
+    asks this, not how fast the next request is answered, to know that the engine was left as it was: a machine's
+    load slows every request, a sequence left behind is there however fast the machine."""
+    deadline = time.monotonic() + seconds
+    while True:
+        left = metric(server, "dstool_llm_sequences")
+        if left == 0 or time.monotonic() > deadline:
+            return left
+        time.sleep(0.05)
+
+
+def cpu_seconds(process: psutil.Process, wall: float = 2.0) -> float:
+    """CPU seconds `process` (all its threads) used over `wall` seconds: near 0 for a process that is idle however
+    loaded the machine is; a process that spins on work left behind uses what the machine gives it."""
+    before = process.cpu_times()
+    time.sleep(wall)
+    after = process.cpu_times()
+    return (after.user + after.system) - (before.user + before.system)

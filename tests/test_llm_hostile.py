@@ -13,7 +13,7 @@ import numpy as np
 import psutil
 import pytest
 
-from llmlib import error_of, post, sse_events, stub_process, timed_chat
+from llmlib import cpu_seconds, error_of, post, sequences_left, settled_generated, sse_events, stub_process, timed_chat
 
 VOCAB = 4096
 ODD = [None, True, False, 0, -1, 1.5, 2**31, 2**63, 2**64 + 1, 1e308, 5e-324, -1e-300, "", "x", "1", [], [1],
@@ -165,6 +165,7 @@ def test_hundreds_of_hostile_llm_requests(stack, server):
     assert len(kinds) + 2 * len(grpc_cases) >= 200
     gateway, llm = psutil.Process(stack.proc.pid), stub_process(server, "dstool_lm_llm")
     before = statistics.median(timed_chat(stack.http_port, f"baseline {i}") for i in range(5))
+    idle_before = cpu_seconds(gateway), cpu_seconds(llm)  # idle, as the suite will find them
     rss = gateway.memory_info().rss, llm.memory_info().rss
     wrong = []
     for name, path, body in kinds:
@@ -209,11 +210,20 @@ def test_hundreds_of_hostile_llm_requests(stack, server):
     assert stack.proc.poll() is None
     assert gateway.memory_info().rss - rss[0] < 96 << 20 and llm.memory_info().rss - rss[1] < 160 << 20
     after = statistics.median(timed_chat(stack.http_port, f"after {i}") for i in range(5))
+    # The suite left nothing behind that would slow what follows: no sequence in the engine, and neither the gateway
+    # nor NAME_llm busy once idle (CPU seconds over 2 s, near 0 for an idle process however loaded the machine; a
+    # task or thread left spinning takes what it is given). How fast a chat is answered after is printed, not
+    # bounded: on a loaded machine it says more of the machine than of what the suite left.
+    settled_generated(server)
+    assert sequences_left(server) == 0, "the suite left sequences in the engine"
+    idle_after = cpu_seconds(gateway), cpu_seconds(llm)
     print(f"\nhostile LLM suite: {len(kinds)} HTTP kinds + {len(grpc_cases)} gRPC cases x2, {len(wrong)} wrong; RSS "
           f"gateway {(gateway.memory_info().rss - rss[0]) / 2**20:+.1f} MB, NAME_llm "
           f"{(llm.memory_info().rss - rss[1]) / 2**20:+.1f} MB; chat {before * 1e3:.0f} ms before, "
-          f"{after * 1e3:.0f} ms after")
-    assert after < max(2 * before, before + 0.2), f"a chat took {after:.3f} s after the suite, {before:.3f} s before"
+          f"{after * 1e3:.0f} ms after; CPU s idle over 2 s (gateway, NAME_llm) {idle_before} before, {idle_after} "
+          "after")
+    for name, was, now in zip(("the gateway", "NAME_llm"), idle_before, idle_after):
+        assert now < was + 0.5, f"{name} used {now:.2f} CPU s over 2 idle s after the suite ({was:.2f} s before)"
 
 
 def test_generate_on_a_decoupled_model_asked_to_stream_is_a_4xx(stack, server):
