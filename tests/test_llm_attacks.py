@@ -16,6 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
+from gatewaylib import eventually
 from llmlib import (
     cancelled,
     error_of,
@@ -24,6 +25,7 @@ from llmlib import (
     metric,
     post,
     raw_request,
+    sequences_left,
     settled_generated,
     sse_events,
     stub_process,
@@ -42,6 +44,14 @@ def stack(llm_gateway):
 
 def _chat(content: str = "hi", **fields) -> dict:
     return {"model": "dstool_lm", "messages": [{"role": "user", "content": content}], "max_tokens": 8, **fields}
+
+
+def _serves_as_before(stack, server) -> None:
+    """The engine was left as it was: nothing of the work before is left in it (a sequence left running would slow
+    every request after it, however fast the machine), and a chat is answered (within a net against a hang, not a
+    measure of speed: a loaded machine takes what it takes)."""
+    assert sequences_left(server) == 0, "sequences were left in the engine"
+    assert timed_chat(stack.http_port) < 60
 
 
 def _long_stream(port: int, out: dict) -> threading.Thread:
@@ -75,7 +85,8 @@ def test_sampling_at_the_edges_never_stops_the_engine(stack, server):
     whole, and the engine serves afterwards at once."""
     beside: dict = {}
     t = _long_stream(stack.http_port, beside)
-    time.sleep(0.3)
+    in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= 1 or not t.is_alive(), 60)
+    assert in_engine >= 1, "the stream never reached the engine"  # running beside what follows
     wrong = []
     for route, fields in EXTREME_SAMPLING * 2:
         if route == "chat":
@@ -92,7 +103,7 @@ def test_sampling_at_the_edges_never_stops_the_engine(stack, server):
     assert not wrong, wrong
     events = beside["events"]
     assert beside["status"] == 200 and len(events) == 600 and not any("error" in e for e in events), events[-2:]
-    assert timed_chat(stack.http_port) < 5
+    _serves_as_before(stack, server)
     for path in ("/v2/health/ready", LLM + "/ready"):
         assert urllib.request.urlopen(f"http://{stack.http_url}{path}", timeout=10).status == 200
 
@@ -112,8 +123,10 @@ def test_a_model_name_cannot_smuggle_a_request(stack, server):
         assert 400 <= status < 500, (name, status, body)
         answers = [json.loads(post(stack.http_port, LLM + "/generate", innocent)[2]) for _ in range(3)]
         assert all(a["text_output"] == json.loads(truth)["text_output"] for a in answers), (name, answers)
-    time.sleep(1)
-    assert executions(server, "dstool_lm_llm") <= before + 1  # the innocent request once (then cached); no smuggled
+    # once the engine has stopped generating (a smuggled 600-token request is counted when it ends, not before), a
+    # count read again for 2 s in case one more comes: the innocent request once (then cached); no smuggled one
+    settled_generated(server)
+    assert executions(server, "dstool_lm_llm", before + 2) <= before + 1
 
 
 # ---- 3. only deterministic answers are cached; errors never -------------------------------------------------------
@@ -151,9 +164,12 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
         assert time.monotonic() < deadline, "the chat's 16 choices never all reached the engine"
         time.sleep(0.02)
     s.close()
+    # each choice is counted as it leaves the engine, cancelled: waited for, not read once the engine looks quiet (a
+    # loaded machine stalls it for longer than any quiet spell); a choice that went on is never counted
+    stopped = eventually(lambda: cancelled(server) - before, lambda n: n >= 16)
     settled_generated(server)
-    assert cancelled(server) - before == 16, "the unstreamed chat's choices went on after its client left"
-    assert timed_chat(stack.http_port) < 5
+    assert stopped == 16, f"the unstreamed chat's choices went on after its client left ({stopped} of 16 cancelled)"
+    _serves_as_before(stack, server)
 
     # Clients that hang up 1-3 ms after sending, while the gateway is still in the cache lookup or just sending on
     # to Triton: none of their requests may run on (a cancellation lost there made all 900 tokens a choice, 1 try in
@@ -201,9 +217,11 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
         s.recv(200)
         at_close = generated(server)
         s.close()
+        stopped = eventually(lambda before=before, n=n: cancelled(server) - before,  # (as above: waited for)
+                             lambda got, n=n: got >= n)
         spent_per_choice.append((settled_generated(server, quiet=0.3) - at_close) / n)
-        if cancelled(server) - before != n:
-            missed.append((i, route, cancelled(server) - before))
+        if stopped != n:
+            missed.append((i, route, stopped))
     assert not missed, missed
     assert statistics.median(spent_per_choice) < 100, spent_per_choice
 
@@ -229,9 +247,10 @@ def test_a_grpc_stream_cancelled_through_the_gateway_stops(stack, server):
         at_cancel = generated(server)
         client.stop_stream(cancel_requests=True)
         client.close()
+        stopped = eventually(lambda before=before: cancelled(server) - before, lambda got: got >= 1)  # waited for
         spent.append(settled_generated(server, quiet=0.3) - at_cancel)
-        if cancelled(server) - before != 1:
-            missed.append((i, cancelled(server) - before))
+        if stopped != 1:
+            missed.append((i, stopped))
     assert not missed, missed
     assert statistics.median(spent) < 100, spent
 
@@ -269,9 +288,9 @@ def test_slow_readers_hold_bounded_memory(stack, server):
     for s in readers:
         s.close()
     settled_generated(server)
-    time.sleep(1)
-    assert gateway.memory_info().rss - baseline < 16 << 20
-    assert timed_chat(stack.http_port) < 5
+    grown = eventually(lambda: gateway.memory_info().rss - baseline, lambda grown: grown < 16 << 20)  # given back
+    assert grown < 16 << 20, f"the gateway still holds {grown >> 20} MB more after the readers left"  # (in its time)
+    _serves_as_before(stack, server)
 
 
 # ---- 6. limits before work --------------------------------------------------------------------------------------
@@ -295,10 +314,15 @@ def test_a_huge_prompt_is_refused_before_it_is_tokenized(stack, server):
     beside = timed_chat(stack.http_port)
     for t in senders:
         t.join(60)
+    # refused by its size, unread (what the message says: the gateway's body limit at its Content-Length, NAME_llm's
+    # byte check before any tokenizing), not by what tokenizing it found; the time is a net against a hang, not a
+    # measure of speed
+    refusal = {"/v1/completions": "request body exceeds the gateway's limit", LLM + "/generate": "positions can hold"}
     for (path, _), ((status, _, body), seconds) in result.items():
-        assert 400 <= status < 500 and seconds < 2, (path, status, error_of(body)[:200], seconds)
-    assert beside < 1.5, f"a chat beside the huge prompts took {beside:.2f} s"
-    assert llm.memory_info().rss - rss < 64 << 20
+        assert 400 <= status < 500 and refusal[path] in error_of(body) and seconds < 60, \
+            (path, status, error_of(body)[:200], seconds)
+    assert beside < 60, f"a chat beside the huge prompts took {beside:.2f} s"  # answered, not held up for good
+    assert llm.memory_info().rss - rss < 64 << 20  # nothing of the 8 MB prompts was made into tokens
 
 
 # ---- 7. every client mistake is a 4xx naming the field ----------------------------------------------------------
