@@ -73,6 +73,8 @@ class Stream:
         self.ranked: list[tuple[float, np.ndarray, np.ndarray]] = []
         self.pending: list[int] = []  # streamed tokens not sent yet (the stream interval)
         self.arrived, self.arrived_step, self.started_at = time.monotonic(), 0, None
+        self.first_at: float | None = None  # when its first token was made, and its latest (monotonic)
+        self.last_at: float | None = None
         self.stops: list[str] = []  # its stop strings: generation ends as soon as the text holds one
         self.skip_special = True  # special tokens left out of its text
         self.echo: str | None = None  # the prompt's text, for its first response (the `echo` parameter)
@@ -139,11 +141,35 @@ def _cancelled(sender) -> bool:
 
 class Metrics:
     """The engine's own figures, on Triton's /metrics (the python backend's custom metrics): values read in the
-    engine thread, published through the outbox (gauges only when they change)."""
+    engine thread, published through the outbox (gauges only when they change).
+
+    Beside dstool's own (dstool_llm_*, labelled model and version), the same figures under vLLM's names, label
+    and buckets (vllm/v1/metrics/loggers.py), so that dashboards built for vLLM — its Grafana board among them —
+    read a dstool server unchanged. Their one label, `model_name`, is the served model's name: what clients put in
+    `model`, the family's name, NAME for NAME_llm (the gateway's /v1 routes send model NAME to NAME_llm). As vLLM
+    counts them: time to first token from the request's arrival; inter-token latency per output token after the
+    first; queue time from arrival to the step that began its prefill, prefill time from there to its first token,
+    decode time from its first token to its last, end to end from arrival to its last token (these, and the
+    prompt/generation lengths, observed when a request ends by stop or length); prompt tokens (the whole prompt,
+    cached or not, at its first token) and generated tokens; prefix-cache queries and hits in prompt tokens
+    looked up and found; requests by finished_reason (stop; length: max_new_tokens reached; abort: its client
+    went away; error: its generation failed); running (prefilling or decoding) and waiting requests (paused ones
+    included); KV-cache usage as the share of the engine's cache budget (max_cache_tokens) the admitted
+    sequences reserve — prompt + max_new_tokens each, from admission on, where vLLM allocates blocks as tokens
+    come, so it reads higher than vLLM's would for the same requests; the prefix cache's blocks only take what
+    they leave, as vLLM's cached free blocks, and are not counted."""
 
     SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
+    # vLLM's buckets (vllm/v1/metrics/loggers.py)
+    VLLM_FIRST_TOKEN = [0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
+                        20.0, 40.0, 80.0, 160.0, 640.0, 2560.0]
+    VLLM_INTER_TOKEN = [0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+                        40.0, 80.0]
+    VLLM_REQUEST = [0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
+                    480.0, 960.0, 1920.0, 7680.0]
+    VLLM_REASONS = ("stop", "length", "abort", "error")
 
-    def __init__(self, model, version):
+    def __init__(self, model, version, max_positions):
         labels = {"model": model, "version": version}
         H, C, G = pb_utils.MetricFamily.HISTOGRAM, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         self.families = [
@@ -179,27 +205,115 @@ class Metrics:
         self.running = sequences.Metric(labels={**labels, "state": "running"})
         self.restarts = restarts.Metric(labels=labels)
         self.cancelled = cancelled.Metric(labels=labels)
+        self._vllm(model[:-len("_llm")] if model.endswith("_llm") else model, max_positions)
         self.post = lambda call, *args: call(*args)  # the outbox's, once there is one
         self.published: dict[str, float] = {}  # the gauges' values as last set
+        self.generated = 0  # tokens made since the last step's figures went out
+        self.gaps: list[float] = []  # the inter-token latencies seen since then
+
+    def _vllm(self, served, max_positions):
+        """vLLM's figures (the class's docstring), labelled model_name=`served`; the token-count buckets 1, 2, 5,
+        10, ... up to the model's positions (vLLM's build_1_2_5_buckets(max_model_len))."""
+        H, C, G = pb_utils.MetricFamily.HISTOGRAM, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        label = {"model_name": served}
+        lengths = [m * 10 ** e for e in range(12) for m in (1, 2, 5) if m * 10 ** e <= (max_positions or 0)]
+        family = {name: pb_utils.MetricFamily(name, text, kind) for name, text, kind in (
+            ("vllm:num_requests_running", "Number of requests in model execution batches.", G),
+            ("vllm:num_requests_waiting", "Number of requests waiting to be processed.", G),
+            ("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", G),
+            ("vllm:prefix_cache_queries_total", "Prefix cache queries, in terms of number of queried tokens.", C),
+            ("vllm:prefix_cache_hits_total", "Prefix cache hits, in terms of number of cached tokens.", C),
+            ("vllm:prompt_tokens_total", "Number of prefill tokens processed.", C),
+            ("vllm:generation_tokens_total", "Number of generation tokens processed.", C),
+            ("vllm:request_success_total", "Count of successfully processed requests.", C),
+            ("vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", H),
+            ("vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", H),
+            ("vllm:e2e_request_latency_seconds", "Histogram of e2e request latency in seconds.", H),
+            ("vllm:request_queue_time_seconds", "Histogram of time spent in WAITING phase for request.", H),
+            ("vllm:request_prefill_time_seconds", "Histogram of time spent in PREFILL phase for request.", H),
+            ("vllm:request_decode_time_seconds", "Histogram of time spent in DECODE phase for request.", H),
+            ("vllm:request_prompt_tokens", "Number of prefill tokens processed.", H),
+            ("vllm:request_generation_tokens", "Number of generation tokens processed.", H),
+            ("vllm:request_max_num_generation_tokens", "Histogram of maximum number of requested generation "
+             "tokens.", H))}
+        self.families += family.values()
+
+        def one(name, buckets=None):
+            return family[name].Metric(labels=label, **({"buckets": buckets} if buckets is not None else {}))
+
+        self.vllm_running, self.vllm_waiting = one("vllm:num_requests_running"), one("vllm:num_requests_waiting")
+        self.vllm_kv = one("vllm:kv_cache_usage_perc")
+        self.vllm_queries, self.vllm_hits = one("vllm:prefix_cache_queries_total"), one("vllm:prefix_cache_hits_total")
+        self.vllm_prompt, self.vllm_generated = one("vllm:prompt_tokens_total"), one("vllm:generation_tokens_total")
+        self.vllm_success = {reason: family["vllm:request_success_total"].Metric(
+            labels={**label, "finished_reason": reason}) for reason in self.VLLM_REASONS}
+        self.vllm_first = one("vllm:time_to_first_token_seconds", self.VLLM_FIRST_TOKEN)
+        self.vllm_gap = one("vllm:inter_token_latency_seconds", self.VLLM_INTER_TOKEN)
+        self.vllm_e2e, self.vllm_queue, self.vllm_prefill, self.vllm_decode = (
+            one(f"vllm:{name}_seconds", self.VLLM_REQUEST)
+            for name in ("e2e_request_latency", "request_queue_time", "request_prefill_time", "request_decode_time"))
+        self.vllm_prompt_len = one("vllm:request_prompt_tokens", lengths)
+        self.vllm_output_len = one("vllm:request_generation_tokens", lengths)
+        self.vllm_most_output = one("vllm:request_max_num_generation_tokens", lengths)
 
     def close(self):
         """The metrics before their families (the python backend's rule)."""
         for name in ("queue_steps", "queue", "first", "tokens", "prompt", "prefix_hit", "prefix_miss", "prefix_ratio",
-                     "prefix_held", "waiting", "running", "restarts", "cancelled"):
+                     "prefix_held", "waiting", "running", "restarts", "cancelled",
+                     *[n for n in vars(self) if n.startswith("vllm_")]):
             delattr(self, name)
         self.families.clear()
 
-    def first_token(self, sequence, out, began):
-        """A sequence's first token, in a step that began at `began` (monotonic)."""
-        started = out.started_at if out.started_at is not None else began
-        self.post(self._first, sequence.started_step - out.arrived_step - 1, started - out.arrived,
-                  time.monotonic() - out.arrived, len(sequence.prompt) - sequence.cached)
+    def produced(self, sequence, out, began):
+        """A sequence's new token (its last), made in a step that began at `began` (monotonic)."""
+        now = time.monotonic()
+        if len(sequence.output) == 1:
+            self.first_token(sequence, out, began, now)
+        elif out.last_at is not None:
+            self.gaps.append(now - out.last_at)
+        out.last_at = now
+        self.generated += 1
 
-    def _first(self, steps, queued, first, prompt):
+    def first_token(self, sequence, out, began, now=None):
+        """A sequence's first token, in a step that began at `began` (monotonic)."""
+        now = time.monotonic() if now is None else now
+        if out.started_at is None:  # its whole prompt prefilled in this step
+            out.started_at = began
+        out.first_at = now
+        self.post(self._first, sequence.started_step - out.arrived_step - 1, out.started_at - out.arrived,
+                  now - out.arrived, len(sequence.prompt) - sequence.cached, len(sequence.prompt))
+
+    def _first(self, steps, queued, first, prompt, whole_prompt):
         self.queue_steps.observe(steps)
         self.queue.observe(queued)
         self.first.observe(first)
         self.prompt.increment(prompt)
+        self.vllm_first.observe(first)
+        self.vllm_prompt.increment(whole_prompt)
+
+    def ended(self, sequence, out):
+        """A sequence that has made its last token (stop: a stop token, string or the grammar's end; length:
+        max_new_tokens): its request's figures."""
+        if out.first_at is None or out.last_at is None:
+            return
+        reason = "length" if len(sequence.output) >= sequence.max_new_tokens else "stop"
+        self.post(self._ended, reason, out.last_at - out.arrived, out.started_at - out.arrived,
+                  out.first_at - out.started_at, out.last_at - out.first_at, len(sequence.prompt),
+                  len(sequence.output))
+
+    def _ended(self, reason, e2e, queued, prefill, decode, prompt, output):
+        self.vllm_success[reason].increment(1)
+        self.vllm_e2e.observe(e2e)
+        self.vllm_queue.observe(queued)
+        self.vllm_prefill.observe(prefill)
+        self.vllm_decode.observe(decode)
+        self.vllm_prompt_len.observe(prompt)
+        self.vllm_output_len.observe(output)
+        self.vllm_most_output.observe(output)  # one sequence per request: the most any of its sequences made
+
+    def cut_short(self, reason):
+        """A request that ended before its last token: "abort" (its client went away) or "error"."""
+        self.post(lambda: self.vllm_success[reason].increment(1))
 
     def count(self, name, n=1):
         self.post(lambda: getattr(self, name).increment(n))
@@ -209,19 +323,28 @@ class Metrics:
             out = streams.get(sequence.id)
             if out is not None and out.started_at is None and sequence.started_step == engine.steps_started:
                 out.started_at = began
-        counters = {"tokens": tokens}
+        counters = {"tokens": tokens, "vllm_generated": self.generated}
         gauges: dict[str, float] = {"waiting": len(engine.waiting) + len(engine.prefilling),
-                                    "running": len(engine.running)}
+                                    "running": len(engine.running),
+                                    "vllm_running": len(engine.running) + len(engine.prefilling),
+                                    "vllm_waiting": len(engine.waiting)}
+        if engine.max_cache_tokens:  # the budget the admitted sequences (and paused ones) reserve
+            reserved = sum(s.reserved for s in engine.running + engine.prefilling) + \
+                sum(s.reserved for s in engine.waiting if s.paused)
+            gauges["vllm_kv"] = reserved / engine.max_cache_tokens
         cache = engine.prefix_cache
         if cache is not None:
             hit, miss = cache.hit, cache.looked_up - cache.hit
             counters.update(prefix_hit=hit - self.counted[0], prefix_miss=miss - self.counted[1])
+            counters.update(vllm_hits=counters["prefix_hit"],
+                            vllm_queries=counters["prefix_hit"] + counters["prefix_miss"])
             self.counted = (hit, miss)
             gauges.update(prefix_ratio=cache.hit / cache.looked_up if cache.looked_up else 0.0,
                           prefix_held=cache.tokens)
-        self.post(self._publish, counters, gauges)
+        self.post(self._publish, counters, gauges, self.gaps)
+        self.generated, self.gaps = 0, []
 
-    def _publish(self, counters, gauges):
+    def _publish(self, counters, gauges, gaps=()):
         for name, n in counters.items():
             if n:
                 getattr(self, name).increment(n)
@@ -229,6 +352,8 @@ class Metrics:
             if self.published.get(name) != value:
                 getattr(self, name).set(value)
                 self.published[name] = value
+        for gap in gaps:
+            self.vllm_gap.observe(gap)
 
 
 class Request:
@@ -275,7 +400,7 @@ class TritonPythonModel:
         # (a repository exported before this parameter: a bound as generous as any tokenizer's)
         self.max_prompt_bytes = int(params.get("max_prompt_bytes", 256 * self.max_positions))
         self.streams: dict[str, Stream] = {}
-        self.metrics = Metrics(args["model_name"], args["model_version"])
+        self.metrics = Metrics(args["model_name"], args["model_version"], self.max_positions)
         self.incoming: list[Sequence] = []
         self.cancelled: set[str] = set()  # ids the outbox found cancelled, for the engine loop
         self.wake = threading.Condition()
@@ -464,6 +589,7 @@ class TritonPythonModel:
             for sequence_id in cancelled & held:
                 self.engine.cancel(sequence_id)  # its client has gone; Triton still waits for the final flag
                 self.metrics.count("cancelled")
+                self.metrics.cut_short("abort")
                 self._send(self.streams.pop(sequence_id))
             began, made = time.monotonic(), 0
             for produced in self.engine.steps():  # newcomers' first tokens go out before the batch decodes
@@ -471,9 +597,11 @@ class TritonPythonModel:
                     if token is None:
                         self._fail(sequence)
                         continue
-                    if len(sequence.output) == 1:
-                        self.metrics.first_token(sequence, self.streams[sequence.id], began)
+                    out = self.streams[sequence.id]
+                    self.metrics.produced(sequence, out, began)
                     self._emit(sequence, token)
+                    if sequence.finished:
+                        self.metrics.ended(sequence, out)
                 made += len(produced)
             self.metrics.step(self.engine, self.streams, began, made)
             self.outbox.end_step()
@@ -544,6 +672,7 @@ class TritonPythonModel:
         """End one sequence with its error (it is out of the engine already)."""
         out = self.streams.pop(sequence.id, None)
         if out is not None:
+            self.metrics.cut_short("error")
             self._send(out, pb_utils.InferenceResponse(error=pb_utils.TritonError(
                 f"generation failed: {error or sequence.error}")))
 
