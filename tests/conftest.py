@@ -122,6 +122,18 @@ QUICK = (
 )
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A test that skips must say why (the reason is printed in the summary, `-ra`): a skip without one fails."""
+    outcome = yield
+    report = outcome.get_result()
+    if report.skipped and isinstance(report.longrepr, tuple):
+        reason = str(report.longrepr[2]).removeprefix("Skipped").lstrip(":").strip()
+        if not reason or reason == "unconditional skip":
+            report.outcome = "failed"
+            report.longrepr = f"{item.nodeid} skipped without saying why: give pytest.skip or skipif a reason"
+
+
 def pytest_collection_modifyitems(config, items):
     """The quick tier's marker, then for `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started
     server or a module-scoped fixture form one group, run by one worker, so each is made once; the other tests spread

@@ -155,6 +155,17 @@ def test_readme_commands_answer_help():
         proc = subprocess.run([str(dstool), command, "--help"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and f"usage: dstool {command}" in proc.stdout, (command, proc.stderr[-2000:])
 
+def test_a_skip_without_a_reason_fails(tmp_path):
+    """The suite's conftest turns a skip that does not say why into a failure; a skip with a reason stays a skip."""
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_skips.py").write_text("import pytest\n\n\ndef test_silent():\n    pytest.skip()\n\n\n"
+                                            "def test_said():\n    pytest.skip('no docker-compose binary')\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", "test_skips.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "1 failed, 1 skipped" in proc.stdout, proc.stdout + proc.stderr
+    assert "test_silent skipped without saying why" in proc.stdout
+
+
 def test_static_checks_pass():
     """ruff over the tree and mypy over the dstool.* packages (scripts/check.py maps the source folders)."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py")], capture_output=True, text=True,
