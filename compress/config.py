@@ -24,6 +24,11 @@ class CompressConfig(CommandConfig):
                                                     "(MatMulNBits, per-block scales, activations quantized per block "
                                                     "or fp32), or dynamic (MatMulInteger: per-tensor activations, "
                                                     "fast on VNNI; real models' activation outliers cost accuracy)")
+    int4: Literal["rtn", "gptq"] = Field("rtn", description="--bits 4: round-to-nearest (ONNX Runtime's quantizer), "
+                                         "or GPTQ: each decoder Linear's rounding errors compensated on calibration "
+                                         "activations, layer by layer on 64 x 256 calibration tokens "
+                                         "(SmolLM2-135M: 8 minutes on 2 shared CPU cores); measured worse than "
+                                         "rtn on SmolLM2 (docs/real-model.md)")
     group_size: int | None = Field(None, description="weight-only (4-bit, weight-only int8): input channels per "
                                    "scale [default: 128 for int8, 32 for 4-bit]")
     prune: float | None = Field(None, description="share of the decoder layers' parameters removed; the split between "
@@ -106,6 +111,8 @@ class CompressConfig(CommandConfig):
             raise ValueError(f"group_size must be 16, 32, 64, 128 or 256 (MatMulNBits blocks), not {self.group_size}")
         if "int8" in self.model_fields_set and self.bits != 8:
             raise ValueError("--int8 chooses how --bits 8 quantizes: give --bits 8 with it")
+        if "int4" in self.model_fields_set and self.bits != 4:
+            raise ValueError("--int4 chooses how --bits 4 quantizes: give --bits 4 with it")
         if "group_size" in self.model_fields_set and not (self.bits == 4 or self.bits == 8
                                                           and self.int8 == "weight-only"):
             raise ValueError("--group-size is the weight-only block: give it with --bits 4 or --bits 8 (weight-only)")

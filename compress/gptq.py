@@ -217,13 +217,19 @@ def _run(layer, inputs: list[tuple[tuple, dict]]) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def _hessians(layer, modules: dict[str, torch.nn.Linear], inputs: list[tuple[tuple, dict]]) -> dict[str, torch.Tensor]:
-    """Σ x xᵀ over every calibration token's input of each of `modules` (float64 sums of float32 batch products)."""
+def _hessians(layer, modules: dict[str, torch.nn.Linear], inputs: list[tuple[tuple, dict]],
+              sink_weight: float = 1.0) -> dict[str, torch.Tensor]:
+    """Σ x xᵀ over every calibration token's input of each of `modules` (float64 sums of float32 batch products), the
+    first position of each window (the attention sink every later token attends to) weighted `sink_weight`."""
     sums = {name: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for name, m in modules.items()}
 
     def hook(name):
         def add(_module, args, _output):
-            x = args[0].reshape(-1, args[0].shape[-1]).float()
+            x = args[0].float()
+            if sink_weight != 1.0 and x.dim() == 3:
+                x = x.clone()
+                x[:, 0] *= math.sqrt(sink_weight)
+            x = x.reshape(-1, x.shape[-1])
             sums[name] += (x.T @ x).double()
         return add
 
@@ -238,7 +244,8 @@ def _hessians(layer, modules: dict[str, torch.nn.Linear], inputs: list[tuple[tup
 
 @torch.no_grad()
 def quantize_model(model, calibration: np.ndarray, block: int, act_order: bool = False, windows: int = WINDOWS,
-                   seq_len: int = SEQ_LEN) -> dict[str, BlockCodes]:
+                   seq_len: int = SEQ_LEN, sink_weight: float = 1.0, sequential: bool = True
+                   ) -> dict[str, BlockCodes]:
     """GPTQ of every Linear weight of `model`'s decoder layers on `windows` x `seq_len` tokens of `calibration`
     (the calibration split, never the held-out one). Returns {onnx_digest of the weight: its codes}, with the fused
     decoder's packed Q/K/V weights too. `model` is left as it was (each layer's quantized weights are swapped in
@@ -255,9 +262,9 @@ def quantize_model(model, calibration: np.ndarray, block: int, act_order: bool =
         original = {name: m.weight.data for name, m in linears.items()}
         codes: dict[str, BlockCodes] = {}
         try:
-            for group in _order(list(linears)):
+            for group in _order(list(linears)) if sequential else [list(linears)]:
                 modules = {name: linears[name] for name in group}
-                for name, h in _hessians(layer, modules, inputs).items():
+                for name, h in _hessians(layer, modules, inputs, sink_weight).items():
                     codes[name] = gptq(original[name], h, block, act_order)
                     linears[name].weight.data = torch.from_numpy(codes[name].dequantized()).to(original[name].dtype)
             outputs = _run(layer, inputs)

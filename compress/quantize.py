@@ -27,8 +27,10 @@ LARGE_MODEL_BYTES = 1_800_000_000  # past this, weights go to an external-data f
 # The decoder graph quantized with the logits graph's recipe must give its logits on a prefill (an empty cache):
 # the same weights and the same per-call activation ranges. Measured on the tiny preset: 0.0 for int8.
 PREFILL_TOLERANCE = 1e-3
-# ... and with the same 4-bit weights computed in int8 (the decoder) and fp32 (the logits graph). Measured on the tiny
-# preset: 0.017 (4-bit's own error against fp32 there: 0.24).
+# ... and both computing in int8, activations quantized per block as they come (weight-only int8). 4-bit weights
+# computed in int8 (the decoder) and fp32 (the logits graph) differ by more than any tolerance on a real model
+# (SmolLM2-135M, group 128: 5.2 on random tokens, logits up to 36.6; the tiny preset: 0.017): there the decoder is
+# quantized once more computing in fp32, and that twin must give the logits graph's logits (PREFILL_TOLERANCE).
 MIXED_COMPUTE_TOLERANCE = 0.05
 # The fused-attention decoder quantized with the decoder's recipe (its Q, K and V weights packed into one MatMul,
 # quantized per output column as the three were): its error against the fp32 decoder on a prefill at most this

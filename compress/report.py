@@ -90,7 +90,11 @@ def recipe_lines(r: Recipe) -> list[str]:
                          f"computes in {'fp32' if four or not q.accuracy_level else 'int8'}, the decoder in "
                          f"{'int8 (activations quantized per block)' if q.accuracy_level else 'fp32'} (a batch-1 "
                          "decoding step: " + ", ".join(f"{k} {v:.2f} ms" for k, v in q.decoding_step_ms.items())
-                         + ")")
+                         + ")" + (f"; rounding: GPTQ on {q.calibration_tokens:,} calibration tokens "
+                                  f"({q.gptq_seconds:.0f} s), its codes in " + ", ".join(
+                                      f"{n} MatMuls of the {role} graph" for role, n in q.gptq_weights.items())
+                                  + " (lm_head and the embedding round to nearest)"
+                                  if q.method == "gptq" else "; rounding: to nearest" if four else ""))
         else:
             lines.append("torchao int8: Int8DynamicActivationInt8WeightConfig via TorchAoConfig in "
                          f"{q.torchao_folder}/ "

@@ -21,6 +21,7 @@ import dataclasses
 import os
 import platform
 import shutil
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -50,7 +51,7 @@ from dstool.artifacts import (
     Sparsity,
     TorchaoFigures,
 )
-from dstool.compress import baseline, measure, prune, quality, quantize, report, sparse
+from dstool.compress import baseline, gptq, measure, prune, quality, quantize, report, sparse
 from dstool.compress.baseline import Baseline
 from dstool.compress.config import CompressConfig
 from dstool.errors import StageFailed, UsageError
@@ -344,6 +345,9 @@ class Export(CompressStep):
 class Quantize(CompressStep):
     name = "quantize"
 
+    def __init__(self) -> None:
+        self.codes: dict[str, gptq.BlockCodes] | None = None  # --int4 gptq: the codes of the decoder's weights
+
     def what(self, cfg):
         return f"{cfg.bits}-bit ({cfg.engine}), the same weights recipe on both graphs"
 
@@ -368,10 +372,20 @@ class Quantize(CompressStep):
         for path in quantized.values():
             _gate_integer_ops(path)
         vocab = work.model.config.vocab_size
-        diff = quantize.decoder_prefill_diff(q_logits, q_decoder, vocab)
-        assert work.recipe.quantization is not None
-        mixed = work.recipe.quantization.accuracy_level is not None  # activations quantized per block, as they come
-        limit = quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE
+        q = work.recipe.quantization
+        assert q is not None
+        mixed = q.accuracy_level is not None  # activations quantized per block, as they come
+        if mixed and q.bits == 4:  # the logits graph computes in fp32: the decoder's twin that does too must agree
+            twin = self._decoder_twin(work, decoder)
+            inner = quantize.decoder_prefill_diff(q_logits, q_decoder, vocab)
+            diff, limit = quantize.decoder_prefill_diff(q_logits, twin, vocab), quantize.PREFILL_TOLERANCE
+            twin.unlink()
+            Path(str(twin) + ".data").unlink(missing_ok=True)
+            log.info(f"the decoder's prefill computed in int8 is {inner:.3g} from the logits graph's in fp32 (max "
+                     f"|logit diff|, random tokens); with the same weights in fp32, {diff:.3g}")
+        else:
+            diff = quantize.decoder_prefill_diff(q_logits, q_decoder, vocab)
+            limit = quantize.MIXED_COMPUTE_TOLERANCE if mixed else quantize.PREFILL_TOLERANCE
         if diff > limit:
             raise StageFailed(f"the quantized decoder's prefill disagrees with the quantized logits graph (max |logit "
                               f"diff| {diff:.3g} > {limit})")
@@ -388,13 +402,25 @@ class Quantize(CompressStep):
             Path(str(path) + ".data").unlink(missing_ok=True)
         work.deploy = quantized
 
-    @staticmethod
-    def _fused(work: Work, fused: Path) -> Path | None:
+    def _decoder_twin(self, work: Work, decoder: Path) -> Path:
+        """The fp32 decoder graph quantized as the decoder was, computing in fp32 as the 4-bit logits graph does."""
+        q = work.recipe.quantization
+        assert q is not None and q.block_size is not None
+        twin = work.scratch / "decoder-fp32-compute.onnx"
+        if self.codes is not None:
+            return quantize.quantize_nbits_precomputed(decoder, twin, q.block_size, self.codes)[0]
+        return quantize.quantize_nbits(decoder, twin, q.bits, q.block_size, q.bits == 8)
+
+    def _fused(self, work: Work, fused: Path) -> Path | None:
         """The fused-attention decoder with the decoder's recipe (None where that recipe has no fused form)."""
         q = work.recipe.quantization
         assert q is not None
         if q.format.endswith("matmulnbits"):
             assert q.block_size is not None
+            if self.codes is not None:
+                path, q.gptq_weights["fused"] = quantize.quantize_nbits_precomputed(
+                    fused, fused.with_name("model.int4.onnx"), q.block_size, self.codes, q.accuracy_level)
+                return path
             return quantize.quantize_nbits(fused, fused.with_name(f"model.int{q.bits}.onnx"), q.bits, q.block_size,
                                            q.bits == 8, q.accuracy_level)
         if q.activation_matmuls:  # the fused op computes attention scores in fp32: not the recipe measured
@@ -427,8 +453,7 @@ class Quantize(CompressStep):
                  f"fp32: {', '.join(choice.fp32_layers) or 'nothing'}")
         return q_logits, q_decoder
 
-    @staticmethod
-    def _weight_only(work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
+    def _weight_only(self, work: Work, logits: Path, decoder: Path) -> tuple[Path, Path]:
         # int8 symmetric, 4-bit asymmetric (measured the better on a real model: docs/real-model.md). The decoder
         # (generation, a token per step) computes in whichever of fp32 and int8 decodes faster on this CPU, measured;
         # the 4-bit logits graph (scoring, long sequences) in fp32, the int8 one as the decoder (fp32 compute on 8-bit
@@ -437,14 +462,31 @@ class Quantize(CompressStep):
         symmetric = bits == 8
         level, step_ms = quantize.choose_nbits_accuracy(decoder, work.scratch, work.model.config.vocab_size, bits,
                                                         block, symmetric)
-        q_logits = quantize.quantize_nbits(logits, logits.with_name(f"model.int{bits}.onnx"), bits, block, symmetric,
-                                           level if bits == 8 else None)
-        q_decoder = quantize.quantize_nbits(decoder, decoder.with_name(f"model.int{bits}.onnx"), bits, block,
-                                            symmetric, level)
-        work.recipe.quantization = Quantization(
+        work.recipe.quantization = q = Quantization(
             bits=bits, engine="onnxruntime", format=f"int{bits}-matmulnbits",
             weight_type=f"int{bits} {'symmetric' if symmetric else 'asymmetric'}", block_size=block,
-            accuracy_level=level, decoding_step_ms=step_ms)
+            accuracy_level=level, decoding_step_ms=step_ms, method=work.cfg.int4 if bits == 4 else None)
+        if q.method == "gptq":
+            started = time.perf_counter()
+            try:
+                self.codes = gptq.quantize_model(work.model, work.calib, block)
+            except ValueError as e:  # too little calibration text
+                raise UsageError(f"--int4 gptq: {e}; give more --calibration text") from None
+            q.gptq_seconds = time.perf_counter() - started
+            q.calibration_tokens = min(len(work.calib) // gptq.SEQ_LEN, gptq.WINDOWS) * gptq.SEQ_LEN
+            q_logits, q.gptq_weights["logits"] = quantize.quantize_nbits_precomputed(
+                logits, logits.with_name("model.int4.onnx"), block, self.codes)
+            q_decoder, q.gptq_weights["decoder"] = quantize.quantize_nbits_precomputed(
+                decoder, decoder.with_name("model.int4.onnx"), block, self.codes, level)
+            if q.gptq_weights["logits"] != q.gptq_weights["decoder"] or not q.gptq_weights["logits"]:
+                raise StageFailed(f"GPTQ's codes reached {q.gptq_weights['logits']} MatMuls of the logits graph and "
+                                  f"{q.gptq_weights['decoder']} of the decoder graph: the graphs do not hold the "
+                                  "model's weights")
+        else:
+            q_logits = quantize.quantize_nbits(logits, logits.with_name(f"model.int{bits}.onnx"), bits, block,
+                                               symmetric, level if bits == 8 else None)
+            q_decoder = quantize.quantize_nbits(decoder, decoder.with_name(f"model.int{bits}.onnx"), bits, block,
+                                                symmetric, level)
         log.info(f"{bits}-bit weight-only, group {block}: the decoder computes in {'int8' if level else 'fp32'}, "
                  f"measured faster per decoding step here ({', '.join(f'{k} {v:.2f} ms' for k, v in step_ms.items())})")
         return q_logits, q_decoder

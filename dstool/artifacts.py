@@ -308,6 +308,13 @@ class Quantization(_Model):
                                        "int8 one as the decoder")
     decoding_step_ms: dict[str, float] = Field(default_factory=dict, description="weight-only: one batch-1 "
                                                "decoding step's time with each compute (fp32, int8)")
+    method: Literal["rtn", "gptq"] | None = Field(None, description="4-bit: round-to-nearest (ORT's quantizer) or "
+                                                  "GPTQ (--int4)")
+    calibration_tokens: int | None = Field(None, description="GPTQ: the calibration tokens its Hessians were "
+                                           "measured on (windows x tokens of the calibration split)")
+    gptq_seconds: float | None = Field(None, description="GPTQ: wall time of the pass on the PyTorch model")
+    gptq_weights: dict[str, int] = Field(default_factory=dict, description="GPTQ: graph role -> MatMuls given "
+                                         "GPTQ's codes (the rest, lm_head and the embedding table, round to nearest)")
     fp32_layers: list[str] = Field(default_factory=list, description="layers kept fp32 by measured perplexity "
                                    "(lm_head, layer N)")
     fp32_nodes: dict[str, list[str]] = Field(default_factory=dict, description="graph role -> MatMul nodes kept fp32")

@@ -130,3 +130,13 @@ def test_a_gptq_logits_graph_runs_as_the_torch_model_with_its_weights(tiny, cali
     assert used == 7 * TINY["num_hidden_layers"]
     ids = calibration[:2 * 32].reshape(2, 32)
     assert np.isfinite(run_logits(ort_session(path), ids)).all()
+
+
+def test_int4_is_an_option_of_bits_4():
+    from pydantic import ValidationError
+
+    from dstool.compress import CompressConfig
+
+    assert CompressConfig(model="m", output="o", bits=4, int4="gptq").int4 == "gptq"
+    with pytest.raises(ValidationError, match="--int4 chooses how --bits 4 quantizes"):
+        CompressConfig(model="m", output="o", bits=8, int4="gptq")
