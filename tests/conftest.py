@@ -124,9 +124,21 @@ QUICK = (
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
-    """A test that skips must say why (the reason is printed in the summary, `-ra`): a skip without one fails."""
+    """A test that skips must say why (the reason is printed in the summary, `-ra`): a skip without one fails.
+    A failure whose report pytest cannot render is still reported, with Python's own traceback: CPython 3.11.7's
+    ast.parse, which pytest calls on the failing test's source, can raise a spurious "AST constructor recursion depth
+    mismatch" SystemError, and that ended a whole run here as an INTERNALERROR after one test failed."""
     outcome = yield
-    report = outcome.get_result()
+    try:
+        report = outcome.get_result()
+    except SystemError:
+        style = item.config.option.tbstyle
+        item.config.option.tbstyle = "native"  # traceback.format_exception: no source parsing
+        try:
+            report = pytest.TestReport.from_item_and_call(item, call)
+        finally:
+            item.config.option.tbstyle = style
+        outcome.force_result(report)
     if report.skipped and isinstance(report.longrepr, tuple):
         reason = str(report.longrepr[2]).removeprefix("Skipped").lstrip(":").strip()
         if not reason or reason == "unconditional skip":

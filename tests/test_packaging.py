@@ -166,6 +166,22 @@ def test_a_skip_without_a_reason_fails(tmp_path):
     assert "test_silent skipped without saying why" in proc.stdout
 
 
+def test_a_failure_pytest_cannot_render_is_still_reported(tmp_path):
+    """When pytest's rendering of a failure raises SystemError (CPython 3.11.7's spurious AST recursion-depth error,
+    which once ended a run as an INTERNALERROR), the suite's conftest reports the failure with Python's traceback and
+    the run goes on."""
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    (tmp_path / "test_render.py").write_text(
+        "import _pytest._code.code as code\n\n\n"
+        "def _broken(*args, **kwargs):\n    raise SystemError('AST constructor recursion depth mismatch')\n\n\n"
+        "def test_fails():\n    code.getstatementrange_ast = _broken\n    assert 1 == 2, 'the failure itself'\n\n\n"
+        "def test_after():\n    pass\n")
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_render.py"],
+                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "INTERNALERROR" not in proc.stdout + proc.stderr, proc.stdout + proc.stderr
+    assert "1 failed, 1 passed" in proc.stdout and "the failure itself" in proc.stdout, proc.stdout
+
+
 def test_static_checks_pass():
     """ruff over the tree and mypy over the dstool.* packages (scripts/check.py maps the source folders)."""
     proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "check.py")], capture_output=True, text=True,
