@@ -200,6 +200,7 @@ def _third_party_imports(folder: Path) -> set[str]:
     from dstool.serve.export.repository import BESIDE, MODELS_PY
 
     deployed = {p.stem for files in BESIDE.values() for p in files}  # copied beside the served models' model.py
+    # (the decoding room as the package `decoding`)
     found = set()
     for path in folder.rglob("*.py"):
         if path.resolve() in OTHER_VENVS:
@@ -209,7 +210,7 @@ def _third_party_imports(folder: Path) -> set[str]:
                 [node.module] if isinstance(node, ast.ImportFrom) and node.module and node.level == 0 else []
             # a module beside the importing file is its own (a served model's files are deployed together)
             found.update(n.split(".")[0] for n in names if not (path.parent / f"{n.split('.')[0]}.py").exists()
-                         and not (path.parent.resolve() == MODELS_PY.resolve() and n in deployed))
+                         and not (path.parent.resolve() == MODELS_PY.resolve() and n.split(".")[0] in deployed))
     provided_by_triton = {"triton_python_backend_utils"}  # the python backend's own module
     return {m for m in found if m not in sys.stdlib_module_names and m != "dstool"} - provided_by_triton
 
