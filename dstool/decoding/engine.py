@@ -34,6 +34,21 @@ A sequence with a `score` (prompt logprobs) is given its prompt's own logits as 
 with the position each begins at; its prompt is computed whole, never from the prefix cache (kept positions carry no
 logits).
 
+With a `Speculation` (vLLM's n-gram speculative decoding, prompt lookup), a running sequence's next tokens may be
+drafted from its own text: the most recent earlier occurrence of its last n tokens (n from `prompt_lookup_max` down
+to `prompt_lookup_min`) in prompt + output proposes the up to `num_speculative_tokens` that followed it, and one graph
+run over [last token, drafts] gives the logits of every position. The sequence's own `choose` is then called on them
+in order, as plain decoding would call it (one call per token made: the same RNG draws, penalties and grammar
+state), while each chosen token equals the draft: a step makes the accepted drafts and the first choice that differs
+(or the one after the last draft), so greedy and seeded outputs are exactly those without speculation. The rejected
+drafts' positions are dropped (FusedEngine: the row's `held` count does not pass them; Engine: the cache and mask
+are cut). It drafts only when it cannot hold anyone up: a single running sequence, nothing prefilling or waiting
+(the fused op runs a chunk after cached positions one row at a time, so a batch would verify row by row; at a batch
+the plain step is the cheaper one). A sequence's `speculative` lowers its draft length or turns drafting off (0). The
+engine counts drafts, draft tokens and accepted tokens (by position) as vLLM does (`spec_counts`). A graph that
+gives the last position's logits only cannot verify: the engine then decodes plainly and drafts no more
+(`speculation` None).
+
 A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
 its own sequence; a graph run that fails ends the sequences of that run (the prefilling group, or the running
 batch, whose cache is then dropped). Such a sequence comes out of `steps` with the token None and its `error` set;
@@ -43,11 +58,76 @@ the engine goes on with the others.
 from __future__ import annotations
 
 import hashlib
+import json
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import Any, ClassVar
 
 import numpy as np
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """Prompt-lookup drafting, as vLLM's speculative_config {"method": "ngram", "num_speculative_tokens": K,
+    "prompt_lookup_max": N, "prompt_lookup_min": M} (vLLM's defaults: both lookups 5 when neither is given, else
+    the one given)."""
+
+    num_speculative_tokens: int
+    prompt_lookup_max: int
+    prompt_lookup_min: int
+
+    MAX_TOKENS: ClassVar[int] = 16  # drafts per step, at most
+    MAX_LOOKUP: ClassVar[int] = 32  # n-gram length, at most
+
+    @classmethod
+    def parse(cls, value: str | dict) -> Speculation:
+        """From the JSON text (or the mapping) of a speculative_config; ValueError naming what is wrong."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise ValueError("must be the JSON text of an object") from None
+        if not isinstance(value, dict):
+            raise ValueError('must be an object such as {"method": "ngram", "num_speculative_tokens": 4}')
+        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        unknown = sorted(set(value) - known)
+        if unknown:
+            raise ValueError(f"{unknown[0]} is not read: give {', '.join(sorted(known))}")
+        if value.get("method") != "ngram":
+            raise ValueError(f"method must be \"ngram\" (prompt lookup: the only method without a draft model), "
+                             f"got {json.dumps(value.get('method'))[:40]}")
+
+        def integer(name: str, high: int, default: int | None) -> int:
+            v = value.get(name, default)
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= high:
+                raise ValueError(f"{name} must be an integer from 1 to {high}, got {json.dumps(v)[:40]}")
+            return v
+
+        k = integer("num_speculative_tokens", cls.MAX_TOKENS, None)
+        high, low = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
+        high = integer("prompt_lookup_max", cls.MAX_LOOKUP, 5 if high is None and low is None else low)
+        low = integer("prompt_lookup_min", cls.MAX_LOOKUP, high)
+        if low > high:
+            raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
+        return cls(k, high, low)
+
+    def text(self) -> str:
+        """The config as vLLM writes it (JSON)."""
+        return json.dumps({"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
+                           "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
+
+    def draft(self, tokens: list[int], k: int) -> list[int]:
+        """Up to `k` tokens that followed the most recent earlier occurrence of the last n of `tokens` (the longest
+        n that occurs); none when no n-gram recurs."""
+        ids = np.asarray(tokens, np.int64)
+        for n in range(min(self.prompt_lookup_max, len(ids) - 1), self.prompt_lookup_min - 1, -1):
+            tail = ids[-n:]
+            ends = np.flatnonzero(ids[n - 1:-1] == tail[-1])  # earlier n-grams' starts with the same last token
+            for start in ends[::-1]:
+                if np.array_equal(ids[start:start + n], tail):
+                    return ids[start + n:start + n + k].tolist()
+        return []
 
 
 @dataclass
@@ -72,6 +152,7 @@ class Sequence:
     # the prompt's own logits (prompt logprobs): each prefilled chunk's [chunk, vocab] with the position of its first
     # token; such a prompt is computed whole (the prefix cache's positions have no logits)
     score: Callable[[np.ndarray, int], None] | None = None
+    speculative: int | None = None  # tokens it may draft per step (None: the engine's; 0: none)
 
     @property
     def reserved(self) -> int:
@@ -91,13 +172,14 @@ class Sequence:
 class Engine:
     def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
                  max_cache_tokens: int | None = None, max_prefill_tokens: int = 64,
-                 prefix_cache: PrefixCache | None = None):
+                 prefix_cache: PrefixCache | None = None, speculation: Speculation | None = None):
         """`session`: what runs the decoder graph, anything with onnxruntime's `run(output names, feeds)` (its
         logits for every position, or for the last one only, which serves one prompt per prefill: max_batch 1);
         `cache_shapes`: its cache inputs
         (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all admitted
         sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step;
-        `prefix_cache`: where prompts' computed prefixes are kept and found (none: every prompt computed whole)."""
+        `prefix_cache`: where prompts' computed prefixes are kept and found (none: every prompt computed whole);
+        `speculation`: n-gram drafting (none: one token per step)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -113,6 +195,10 @@ class Engine:
         self.running: list[Sequence] = []  # the batch cache's rows, in order
         self.cache: dict[str, np.ndarray] = self._empty(0)  # input name -> [rows, kv_heads, positions, head_dim]
         self.mask = np.zeros((0, 0), np.int64)  # [rows, positions]: 1 where a row holds a token
+        self.speculation = speculation
+        # vLLM's spec_decode counters: drafts verified, tokens drafted, drafts accepted, accepted at each position
+        self.spec_counts: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0,
+                            "accepted_at": [0] * (speculation.num_speculative_tokens if speculation else 0)}
 
     @property
     def busy(self) -> bool:
@@ -160,7 +246,7 @@ class Engine:
             yield produced
         if self.running:
             try:
-                yield self._decode()
+                yield self._speculate() or self._decode()
             except _RunFailed as e:  # the batch's cache is gone with it: every running sequence ends
                 failed: list[tuple[Sequence, int | None]] = [s._fail(e.cause) for s in self.running]
                 self._drop_batch()
@@ -340,6 +426,58 @@ class Engine:
             "position_ids": np.array([[len(s.prompt) + len(s.output) - 1] for s in batch], np.int64), **self.cache})
         self.mask = mask
         return [self._choose(s, logits[b, -1]) for b, s in enumerate(batch)]
+
+    def _speculate(self) -> list[tuple[Sequence, int | None]] | None:
+        """A lone running sequence's drafted tokens verified in one run (the module's docstring): the tokens it
+        made; None when it does not draft (a batch, others prefilling or waiting, no n-gram recurring)."""
+        if self.speculation is None or len(self.running) != 1 or self.prefilling or self.waiting:
+            return None
+        s = self.running[0]
+        k = min(self.speculation.num_speculative_tokens, s.max_new_tokens - len(s.output) - 1,
+                self.speculation.num_speculative_tokens if s.speculative is None else s.speculative)
+        drafted = self.speculation.draft(s.prompt + s.output, k) if k > 0 else []
+        if not drafted:
+            return None
+        logits = self._verify(s, drafted)
+        if logits.shape[0] != len(drafted) + 1:  # the last position's logits only: nothing to verify with
+            self.speculation = None
+            return None
+        produced: list[tuple[Sequence, int | None]] = []
+        for i in range(len(drafted) + 1):
+            produced.append(self._choose(s, logits[i]))
+            token = produced[-1][1]
+            if token is None or s.finished or i == len(drafted) or token != drafted[i]:
+                break
+        accepted = sum(1 for (_, t), d in zip(produced, drafted) if t == d)
+        counts = self.spec_counts
+        counts["drafts"] += 1
+        counts["draft_tokens"] += len(drafted)
+        counts["accepted"] += accepted
+        for i in range(accepted):
+            counts["accepted_at"][i] += 1
+        self._commit(len(produced), len(drafted) + 1)
+        return produced
+
+    def _verify(self, s: Sequence, drafted: list[int]) -> np.ndarray:
+        """The lone row's last token and drafts run after its cache: their logits [1 + drafts, vocab] (or fewer
+        from a graph that gives the last position's only, the cache then unchanged); the new positions held until
+        `_commit`."""
+        new = len(drafted) + 1
+        mask = np.concatenate([self.mask, np.ones((1, new), np.int64)], axis=1)
+        logits, present = self._run({
+            "input_ids": np.array([[s.output[-1], *drafted]], np.int64), "attention_mask": mask,
+            "position_ids": (len(s.prompt) + len(s.output) - 1 + np.arange(new, dtype=np.int64))[None], **self.cache})
+        if logits.shape[1] == new:
+            self.cache, self.mask = present, mask
+        return logits[0]
+
+    def _commit(self, made: int, verified: int) -> None:
+        """Of the `verified` positions `_verify` added, keep the first `made` (the last token and the accepted
+        drafts), dropping the rejected drafts'."""
+        end = self.mask.shape[1] - verified + made
+        if end < self.mask.shape[1]:
+            self.mask = self.mask[:, :end]
+            self.cache = {n: np.ascontiguousarray(v[:, :, :end]) for n, v in self.cache.items()}
 
     @staticmethod
     def _choose(s: Sequence, logits: np.ndarray) -> tuple[Sequence, int | None]:
@@ -523,6 +661,14 @@ class FusedEngine(Engine):
         logits = self._run_fused(ids, self.held, {n: v[:rows] for n, v in self.cache.items()})
         self.held = self.held + 1
         return [self._choose(s, logits[b, -1]) for b, s in enumerate(self.running)]
+
+    def _verify(self, s: Sequence, drafted: list[int]) -> np.ndarray:
+        ids = np.array([[s.output[-1], *drafted]], np.int64)
+        self._fit(int(self.held[0]) + ids.shape[1])
+        return self._run_fused(ids, self.held, {n: v[:1] for n, v in self.cache.items()})[0]
+
+    def _commit(self, made: int, verified: int) -> None:
+        self.held = self.held + made  # the rejected drafts' positions are written over next
 
     def _row(self, row: int) -> dict[str, np.ndarray]:
         return {n: v[row:row + 1, :, :self.held[row]].copy() for n, v in self.cache.items()}
