@@ -42,11 +42,13 @@ in order, as plain decoding would call it (one call per token made: the same RNG
 state), while each chosen token equals the draft: a step makes the accepted drafts and the first choice that differs
 (or the one after the last draft), so greedy and seeded outputs are exactly those without speculation. The rejected
 drafts' positions are dropped (FusedEngine: the row's `held` count does not pass them; Engine: the cache and mask
-are cut). It drafts only when it cannot hold anyone up: a single running sequence, nothing prefilling or waiting
-(the fused op runs a chunk after cached positions one row at a time, so a batch would verify row by row; at a batch
-the plain step is the cheaper one). A sequence's `speculative` lowers its draft length or turns drafting off (0). The
-engine counts drafts, draft tokens and accepted tokens (by position) as vLLM does (`spec_counts`). A graph that
-gives the last position's logits only cannot verify: the engine then decodes plainly and drafts no more
+are cut). When it drafts (the rule measured in docs/export-serve.md): only for a single running sequence with
+nothing prefilling or waiting — the fused op runs a chunk after cached positions one row at a time, so a batch would
+verify row by row, each run costing about a whole batch's decoding step —, and not for the next 1, 2, 4, ...
+MAX_BACKOFF steps after a draft none of which was accepted (until one is: a verifying run costs more than a decoding
+step, and free text seldom repeats itself). A sequence's `speculative` lowers its draft length or turns drafting off
+(0). The engine counts drafts, draft tokens and accepted tokens (by position) as vLLM does (`spec_counts`). A graph
+that gives the last position's logits only cannot verify: the engine then decodes plainly and drafts no more
 (`speculation` None).
 
 A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
@@ -65,6 +67,8 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import numpy as np
+
+MAX_BACKOFF = 16  # steps a sequence drafts no more after drafts that all failed, at most
 
 
 @dataclass(frozen=True)
@@ -153,6 +157,8 @@ class Sequence:
     # token; such a prompt is computed whole (the prefix cache's positions have no logits)
     score: Callable[[np.ndarray, int], None] | None = None
     speculative: int | None = None  # tokens it may draft per step (None: the engine's; 0: none)
+    backoff: int = 0  # steps it drafts no more after a draft none of which was accepted (doubling while none is)
+    idle: int = 0  # steps of the backoff still to go
 
     @property
     def reserved(self) -> int:
@@ -433,6 +439,9 @@ class Engine:
         if self.speculation is None or len(self.running) != 1 or self.prefilling or self.waiting:
             return None
         s = self.running[0]
+        if s.idle:
+            s.idle -= 1
+            return None
         k = min(self.speculation.num_speculative_tokens, s.max_new_tokens - len(s.output) - 1,
                 self.speculation.num_speculative_tokens if s.speculative is None else s.speculative)
         drafted = self.speculation.draft(s.prompt + s.output, k) if k > 0 else []
@@ -455,6 +464,8 @@ class Engine:
         counts["accepted"] += accepted
         for i in range(accepted):
             counts["accepted_at"][i] += 1
+        s.backoff = 0 if accepted else min(2 * s.backoff or 1, MAX_BACKOFF)
+        s.idle = s.backoff
         self._commit(len(produced), len(drafted) + 1)
         return produced
 

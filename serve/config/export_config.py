@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dstool.config import CommandConfig, positional
+from dstool.decoding.engine import Speculation
 
 STREAM_INTERVAL = 1  # tokens per streamed response: docs/export-serve.md has the measurement
 NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.-]*$")
@@ -41,6 +42,11 @@ class RepositorySettings(CommandConfig):
     stream_interval: int = Field(STREAM_INTERVAL, ge=1, le=64, description="NAME_llm streams a request's tokens in "
                                  "responses of this many (the first token and the last response always at once), "
                                  "as vLLM's --stream-interval")
+    speculative_config: str | None = Field(
+        None, description="NAME_llm drafts tokens by prompt lookup and verifies them in one step while a single "
+        "request runs (vLLM's n-gram speculative decoding; outputs unchanged), as vLLM's --speculative-config: "
+        "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
+        "\"prompt_lookup_min\": 2}'", json_schema_extra={"cli": {"metavar": "JSON"}})
 
     @field_validator("name")
     @classmethod
@@ -48,6 +54,12 @@ class RepositorySettings(CommandConfig):
         if not NAME_RE.match(v) or v in (".", ".."):
             raise ValueError(f"'{v}' is not a name Triton accepts: use letters, digits, '_', '-' and '.'")
         return v
+
+    @field_validator("speculative_config", mode="before")
+    @classmethod
+    def _speculative(cls, v):
+        """vLLM's speculative config (JSON text, or a mapping in YAML), checked and written as vLLM writes it."""
+        return None if v is None else Speculation.parse(v if isinstance(v, (str, dict)) else str(v)).text()
 
     @model_validator(mode="after")
     def _batching(self) -> RepositorySettings:

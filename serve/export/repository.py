@@ -269,6 +269,7 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                               "prefix_cache_tokens": str(ENGINE_MAX_BATCH * a.max_positions if s.prefix_cache else 0),
                               "prefix_cache_block": str(PREFIX_CACHE_BLOCK),
                               "stream_interval": str(s.stream_interval),
+                              **({"speculative_config": s.speculative_config} if s.speculative_config else {}),
                               **({"fused_decoder": "fused/model.onnx"} if a.fused_onnx else {}), **generation}}
         for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)

@@ -14,7 +14,9 @@ token (the text it adds, and its id) and the last one marked final; otherwise on
 The `echo` parameter adds the prompt's text (prompt_text) to the first response, and `prompt_logprobs` K (as vLLM's)
 the prompt's tokens' texts and log-probabilities with K alternatives each (prompt_token_texts, prompt_logprobs,
 prompt_top_tokens, prompt_top_logprobs; the first token has none), computed from the prompt's logits as it is
-prefilled (such a prompt is computed whole, not from the prefix cache).
+prefilled (such a prompt is computed whole, not from the prefix cache). With the `speculative_config` parameter in the
+model's config (vLLM's n-gram speculative decoding, engine.py), the `num_speculative_tokens` request parameter lowers
+the drafts per step for this request, or turns them off (0); a model without it refuses a value above 0.
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
@@ -37,7 +39,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
-from decoding.engine import PrefixCache, Sequence, engine_for
+from decoding.engine import PrefixCache, Sequence, Speculation, engine_for
 from decoding.grammar import Grammars, thought_over
 from decoding.sampling import FINITE, SamplingError, request_choices
 from ort_options import session_options
@@ -56,7 +58,8 @@ TEMPLATE_OWN = frozenset({"messages", "tools", "documents", "add_generation_prom
 REASONING_PARSERS = ("deepseek_r1",)  # the thinking a grammar waits for: <think> ... </think>
 # read here, besides sampling's
 OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop", "skip_special_tokens",
-                            "prompt_logprobs", "echo", "chat_template_kwargs", "reasoning_parser"})
+                            "prompt_logprobs", "echo", "chat_template_kwargs", "reasoning_parser",
+                            "num_speculative_tokens"})
 MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt token, at most (as for generated ones)
 SCORE_ROWS = 64  # prompt positions scored at once (a float64 block of SCORE_ROWS x vocab)
 
@@ -81,6 +84,7 @@ class Stream:
         self.prompt_ranked: list[tuple[float, np.ndarray, np.ndarray]] | None = None  # with prompt_logprobs
         self.prompt_k = 0
         self.prompt_sent = False
+        self.made = 0  # its tokens handled so far (a step may make several: speculative decoding)
 
 
 class Outbox:
@@ -157,7 +161,9 @@ class Metrics:
     included); KV-cache usage as the share of the engine's cache budget (max_cache_tokens) the admitted
     sequences reserve — prompt + max_new_tokens each, from admission on, where vLLM allocates blocks as tokens
     come, so it reads higher than vLLM's would for the same requests; the prefix cache's blocks only take what
-    they leave, as vLLM's cached free blocks, and are not counted."""
+    they leave, as vLLM's cached free blocks, and are not counted. With speculative decoding, vLLM v1's
+    spec_decode counters (drafts, draft tokens, accepted tokens, accepted tokens by draft position) and their
+    dstool_llm_spec_decode_* twins: mean accepted length = accepted / drafts + 1."""
 
     SECONDS = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0]
     # vLLM's buckets (vllm/v1/metrics/loggers.py)
@@ -169,7 +175,7 @@ class Metrics:
                     480.0, 960.0, 1920.0, 7680.0]
     VLLM_REASONS = ("stop", "length", "abort", "error")
 
-    def __init__(self, model, version, max_positions):
+    def __init__(self, model, version, max_positions, speculation=None):
         labels = {"model": model, "version": version}
         H, C, G = pb_utils.MetricFamily.HISTOGRAM, pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
         self.families = [
@@ -206,6 +212,11 @@ class Metrics:
         self.restarts = restarts.Metric(labels=labels)
         self.cancelled = cancelled.Metric(labels=labels)
         self._vllm(model[:-len("_llm")] if model.endswith("_llm") else model, max_positions)
+        self.spec_names: list[str] = []  # the speculative counters' attributes, by engine.spec_counts key
+        if speculation is not None:
+            self._speculative(labels, model[:-len("_llm")] if model.endswith("_llm") else model,
+                              speculation.num_speculative_tokens)
+        self.spec_counted: dict = {}  # engine.spec_counts as last published
         self.post = lambda call, *args: call(*args)  # the outbox's, once there is one
         self.published: dict[str, float] = {}  # the gauges' values as last set
         self.generated = 0  # tokens made since the last step's figures went out
@@ -256,18 +267,42 @@ class Metrics:
         self.vllm_output_len = one("vllm:request_generation_tokens", lengths)
         self.vllm_most_output = one("vllm:request_max_num_generation_tokens", lengths)
 
+    def _speculative(self, labels, served, k):
+        """vLLM v1's spec_decode counters (model_name=`served`; per position 0..k-1) and dstool's twins."""
+        C = pb_utils.MetricFamily.COUNTER
+        families = {name: pb_utils.MetricFamily(name, text, C) for name, text in (
+            ("vllm:spec_decode_num_drafts_total", "Number of spec decoding drafts."),
+            ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."),
+            ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens."),
+            ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position."),
+            ("dstool_llm_spec_decode_drafts_total", "Drafts verified (n-gram speculative decoding)"),
+            ("dstool_llm_spec_decode_draft_tokens_total", "Tokens drafted"),
+            ("dstool_llm_spec_decode_accepted_tokens_total", "Drafted tokens accepted"))}
+        self.families += families.values()
+        vllm = {"model_name": served}
+        for key, name in (("drafts", "num_drafts"), ("draft_tokens", "num_draft_tokens"),
+                          ("accepted", "num_accepted_tokens")):
+            setattr(self, f"vllm_spec_{key}", families[f"vllm:spec_decode_{name}_total"].Metric(labels=vllm))
+            own = "accepted_tokens" if key == "accepted" else key
+            setattr(self, f"spec_{key}", families[f"dstool_llm_spec_decode_{own}_total"].Metric(labels=labels))
+            self.spec_names += [f"vllm_spec_{key}", f"spec_{key}"]
+        for i in range(k):
+            setattr(self, f"vllm_spec_at_{i}", families["vllm:spec_decode_num_accepted_tokens_per_pos_total"].Metric(
+                labels={**vllm, "position": str(i)}))
+
     def close(self):
         """The metrics before their families (the python backend's rule)."""
         for name in ("queue_steps", "queue", "first", "tokens", "prompt", "prefix_hit", "prefix_miss", "prefix_ratio",
                      "prefix_held", "waiting", "running", "restarts", "cancelled",
-                     *[n for n in vars(self) if n.startswith("vllm_")]):
+                     *[n for n in vars(self) if n.startswith(("vllm_", "spec_")) and n not in (
+                         "spec_names", "spec_counted")]):
             delattr(self, name)
         self.families.clear()
 
     def produced(self, sequence, out, began):
         """A sequence's new token (its last), made in a step that began at `began` (monotonic)."""
         now = time.monotonic()
-        if len(sequence.output) == 1:
+        if out.made == 1:
             self.first_token(sequence, out, began, now)
         elif out.last_at is not None:
             self.gaps.append(now - out.last_at)
@@ -341,6 +376,14 @@ class Metrics:
             self.counted = (hit, miss)
             gauges.update(prefix_ratio=cache.hit / cache.looked_up if cache.looked_up else 0.0,
                           prefix_held=cache.tokens)
+        if self.spec_names:  # the engine's speculative counters, what they added since the last step
+            spec = engine.spec_counts
+            for key in ("drafts", "draft_tokens", "accepted"):
+                counters[f"vllm_spec_{key}"] = counters[f"spec_{key}"] = spec[key] - self.spec_counted.get(key, 0)
+            for i, n in enumerate(spec["accepted_at"]):
+                counters[f"vllm_spec_at_{i}"] = n - self.spec_counted.get(i, 0)
+            self.spec_counted = {**{k: spec[k] for k in ("drafts", "draft_tokens", "accepted")},
+                                 **dict(enumerate(spec["accepted_at"]))}
         self.post(self._publish, counters, gauges, self.gaps)
         self.generated, self.gaps = 0, []
 
@@ -388,8 +431,9 @@ class TritonPythonModel:
         budget = int(params["max_cache_tokens"])
         # (a repository exported before the prefix cache: none)
         prefix_tokens, block = int(params.get("prefix_cache_tokens", 0)), int(params.get("prefix_cache_block", 16))
+        speculation = Speculation.parse(params["speculative_config"]) if params.get("speculative_config") else None
         self.engine = engine_for(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
-                             PrefixCache(block, prefix_tokens) if prefix_tokens else None)
+                                 PrefixCache(block, prefix_tokens) if prefix_tokens else None, speculation)
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.vocab = len(self.tokenizer)  # token ids a prompt may hold (input_ids): those the tokenizer can read
         self.eos = set(json.loads(params["eos_token_ids"]))
@@ -400,7 +444,7 @@ class TritonPythonModel:
         # (a repository exported before this parameter: a bound as generous as any tokenizer's)
         self.max_prompt_bytes = int(params.get("max_prompt_bytes", 256 * self.max_positions))
         self.streams: dict[str, Stream] = {}
-        self.metrics = Metrics(args["model_name"], args["model_version"], self.max_positions)
+        self.metrics = Metrics(args["model_name"], args["model_version"], self.max_positions, speculation)
         self.incoming: list[Sequence] = []
         self.cancelled: set[str] = set()  # ids the outbox found cancelled, for the engine loop
         self.wake = threading.Condition()
@@ -560,7 +604,8 @@ class TritonPythonModel:
                 not thought_over(read.text if read.ids is None else self.tokenizer.decode(read.ids)):
             sampler.constraint = self.grammars.after_thinking(sampler.constraint)  # the model thinks first
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,
-                        salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant")), sampler
+                        salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant"),
+                        speculative=_speculative(read, self.engine.speculation)), sampler
 
     def _serve(self):
         """The engine loop, started again whenever it fails (what it held ends with the error)."""
@@ -597,39 +642,48 @@ class TritonPythonModel:
                     if token is None:
                         self._fail(sequence)
                         continue
-                    out = self.streams[sequence.id]
+                    out = self.streams.get(sequence.id)
+                    if out is None:  # ended by a stop string at an earlier token of this step (speculation)
+                        continue
+                    out.made += 1
+                    made += 1
                     self.metrics.produced(sequence, out, began)
-                    self._emit(sequence, token)
-                    if sequence.finished:
+                    if self._emit(sequence, out):
                         self.metrics.ended(sequence, out)
-                made += len(produced)
             self.metrics.step(self.engine, self.streams, began, made)
             self.outbox.end_step()
 
-    def _emit(self, sequence, token):
-        out = self.streams[sequence.id]
-        if out.stops and not sequence.finished:  # a stop string: what would follow it is not wanted, nor generated
-            tail = self.tokenizer.decode(sequence.output[-(max(map(len, out.stops)) + 4):],
+    def _emit(self, sequence, out):
+        """The sequence's token number `out.made` to its request; whether it was the last. (A step may have made
+        tokens after it: speculative decoding's accepted drafts.)"""
+        made, output = out.made, sequence.output
+        done = sequence.finished and made == len(output)
+        if out.stops and not done:  # a stop string: what would follow it is not wanted, nor generated
+            tail = self.tokenizer.decode(output[max(0, made - max(map(len, out.stops)) - 4):made],
                                          skip_special_tokens=out.skip_special)
-            sequence.finished = any(stop in tail for stop in out.stops)
+            done = any(stop in tail for stop in out.stops)
+            if done:
+                del output[made:]  # tokens a step made past it: plain decoding would not have made them
+                sequence.finished = True
         if out.stream:
-            out.pending.append(token)
-        if not sequence.finished and (not out.stream or 1 < len(sequence.output) and
-                                      len(out.pending) < self.stream_interval):
-            return  # the first token goes at once; then a response every stream_interval tokens, and the last
-        text = self.tokenizer.decode(sequence.output, skip_special_tokens=out.skip_special)
+            out.pending.append(output[made - 1])
+        if not done and (not out.stream or 1 < made and len(out.pending) < self.stream_interval):
+            return False  # the first token goes at once; then a response every stream_interval tokens, and the last
+        text = self.tokenizer.decode(output[:made], skip_special_tokens=out.skip_special)
         if out.stream:  # the new tokens' text
-            if text.endswith("\ufffd") and not sequence.finished:
+            if text.endswith("\ufffd") and not done:
                 delta = ""  # a character still incomplete: its bytes come with the next token
             else:
                 delta, out.sent = text[len(out.sent):], text
             ids, out.pending = out.pending, []
-            response = self._response(delta, ids, sequence, out.ranked[-len(ids):] if out.ranked else [], out)
+            response = self._response(delta, ids, sequence, out.ranked[made - len(ids):made] if out.ranked else [],
+                                      out)
         else:  # the whole text
-            response = self._response(text, sequence.output, sequence, out.ranked, out)
-        self._send(out, response, FINAL if sequence.finished else 0)
-        if sequence.finished:
+            response = self._response(text, output, sequence, out.ranked[:made], out)
+        self._send(out, response, FINAL if done else 0)
+        if done:
             self.streams.pop(sequence.id, None)
+        return done
 
     def _response(self, text, ids, sequence, ranked, out=None):
         tensors = [pb_utils.Tensor("text_output", np.array([text.encode("utf-8")], dtype=np.object_)),
@@ -867,6 +921,23 @@ def _stops(read):
         raise RequestError(f"stop must be a string or the JSON text of a list of up to 4 strings of 1-{MAX_STOP_CHARS} "
                            "characters")
     return stops
+
+
+def _speculative(read, speculation):
+    """The `num_speculative_tokens` parameter: the drafts per step this request allows (0: none), at most the
+    model's speculative_config's; None when not given (the model's)."""
+    try:
+        value = json.loads(read.parameters or "{}").get("num_speculative_tokens")
+    except ValueError:
+        return None
+    if value is None:
+        return None
+    high = speculation.num_speculative_tokens if speculation is not None else 0
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= high:
+        why = f"from 0 to {high} (the model's speculative_config)" if high else \
+            "0: this model does not speculate (dstool export --speculative-config turns it on)"
+        raise RequestError(f"num_speculative_tokens must be an integer {why}, got {json.dumps(value)[:40]}")
+    return value
 
 
 def _text_parameter(read, name):
