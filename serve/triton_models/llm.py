@@ -300,9 +300,9 @@ class Metrics:
         self.families.clear()
 
     def produced(self, sequence, out, began):
-        """A sequence's new token (its last), made in a step that began at `began` (monotonic)."""
+        """A sequence's next token, made in a step that began at `began` (monotonic)."""
         now = time.monotonic()
-        if out.made == 1:
+        if out.first_at is None:
             self.first_token(sequence, out, began, now)
         elif out.last_at is not None:
             self.gaps.append(now - out.last_at)
