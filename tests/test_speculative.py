@@ -140,6 +140,27 @@ def test_max_new_tokens_and_stop_ids_end_it_exactly_where_plain_decoding_does(se
     assert fast == plain and fast["0"][-1] == stop and stop not in fast["0"][:-1]
 
 
+def test_a_choice_failing_at_a_draft_ends_its_sequence_after_the_tokens_before_it(setup):
+    session, shapes, tokenizer = setup
+    plain = _both(setup, lambda: _sequences(tokenizer)[:1])[0]["0"]
+    engine = engine_for(session, shapes, speculation=NGRAM)
+    s = _sequences(tokenizer)[0]
+    calls, choose = [0], s.choose
+
+    def failing(logits, prompt, output):
+        calls[0] += 1
+        if calls[0] == 12:
+            raise RuntimeError("no choice")
+        return choose(logits, prompt, output)
+
+    s.choose = failing
+    engine.add(s)
+    made: list[int | None] = []
+    while engine.busy:
+        made += [token for _, token in engine.step()]
+    assert made == [*plain[:11], None] and s.error == "RuntimeError: no choice" and engine.spec_counts["drafts"]
+
+
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():
     ngram = Speculation(num_speculative_tokens=3, prompt_lookup_max=3, prompt_lookup_min=2)
     assert ngram.draft([1, 2, 3, 9, 8, 7, 6, 1, 2, 3], 3) == [9, 8, 7]
@@ -224,6 +245,20 @@ def _counters(srv, served: str = "dstool_lm") -> dict[str, float]:
     return out
 
 
+def _settled(srv) -> dict[str, float]:
+    """The counters once they stop moving (NAME_llm publishes a step's figures after its responses)."""
+    import time
+
+    last = _counters(srv)
+    for _ in range(50):
+        time.sleep(0.3)
+        now = _counters(srv)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the spec_decode counters kept moving")
+
+
 def _generate(srv, body: dict, model: str = SPEC_LLM) -> tuple[int, dict]:
     from llmlib import post
 
@@ -241,10 +276,10 @@ def test_triton_serves_it_counts_it_and_a_request_turns_it_off(spec_server):
     config = text_format.Parse((repo / SPEC_LLM / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     assert json.loads(config.parameters["speculative_config"].string_value) == json.loads(NGRAM.text())
     body = {"text_input": PROMPTS[0], "max_new_tokens": 40}
-    before = _counters(srv)
+    before = _settled(srv)
     status, on = _generate(srv, body)
     assert status == 200, on
-    counts = _counters(srv)
+    counts = _settled(srv)
     drafts = counts["vllm:spec_decode_num_drafts_total"] - before.get("vllm:spec_decode_num_drafts_total", 0)
     accepted = counts["vllm:spec_decode_num_accepted_tokens_total"] - \
         before.get("vllm:spec_decode_num_accepted_tokens_total", 0)
@@ -256,7 +291,7 @@ def test_triton_serves_it_counts_it_and_a_request_turns_it_off(spec_server):
         assert counts[f"dstool_llm_spec_decode_{ours}_total"] == counts[f"vllm:spec_decode_{theirs}_total"]
     status, off = _generate(srv, {**body, "parameters": {"num_speculative_tokens": 0}})
     assert status == 200 and off["text_output"] == on["text_output"]
-    assert _counters(srv)["vllm:spec_decode_num_drafts_total"] == counts["vllm:spec_decode_num_drafts_total"]
+    assert _settled(srv)["vllm:spec_decode_num_drafts_total"] == counts["vllm:spec_decode_num_drafts_total"]
     status, plain = _generate(srv, body, PLAIN_LLM)
     assert status == 200 and plain["text_output"] == on["text_output"] and not _counters(srv, "plain")
     text = on["text_output"]

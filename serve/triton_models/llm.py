@@ -657,7 +657,7 @@ class TritonPythonModel:
         """The sequence's token number `out.made` to its request; whether it was the last. (A step may have made
         tokens after it: speculative decoding's accepted drafts.)"""
         made, output = out.made, sequence.output
-        done = sequence.finished and made == len(output)
+        done = sequence.finished and made == len(output) and sequence.error is None  # (a failure: _fail ends it)
         if out.stops and not done:  # a stop string: what would follow it is not wanted, nor generated
             tail = self.tokenizer.decode(output[max(0, made - max(map(len, out.stops)) - 4):made],
                                          skip_special_tokens=out.skip_special)
