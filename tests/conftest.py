@@ -240,6 +240,16 @@ def real_model() -> Path:
 
 
 @pytest.fixture(scope="session")
+def real_repo(real_model, tmp_path_factory, worker_id) -> Path:
+    """`dstool export smollm2` (fp32, name `smol`): served by the real-model tests, and its logits graph
+    (`smol/1/model.onnx`, which export refuses beyond 1e-3 of PyTorch's logits) is what the quality and eval tests
+    score, so the real model is exported once per run."""
+    return _built_once(tmp_path_factory, worker_id, "real_repository",
+                       lambda path: dstool("export", "smollm2", "--repository", str(path), "--name", "smol",
+                                           "--max-batch-size", "4", "--instances", "1", timeout=900))
+
+
+@pytest.fixture(scope="session")
 def int8_output(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` quantized to int8 (weight-only, the default) through the Python API (both graphs, one recipe; no
     speed gate: that is opt-in)."""

@@ -45,18 +45,15 @@ def test_a_gguf_is_read_as_users_have_it(real_model, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def real_logits(real_model, tmp_path_factory):
-    """The real model's logits graph (fp32, parity-checked against PyTorch) and held-out tokens of real text."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+def real_logits(real_model, real_repo):
+    """The real model's logits graph (fp32: `dstool export` refuses one beyond 1e-3 of PyTorch's logits) and held-out
+    tokens of real text."""
+    from transformers import AutoTokenizer
 
     from dstool.compress import measure
-    from dstool.onnx_export import export_logits_model
 
-    model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
-    exported = export_logits_model(model, tmp_path_factory.mktemp("real") / "logits")
     _, heldout, _ = measure.heldout_tokens(real_model, AutoTokenizer.from_pretrained(real_model), None)
-    return exported, heldout
+    return real_repo / "smol" / "1" / "model.onnx", heldout
 
 
 def test_int8_keeps_the_real_models_quality(real_logits, tmp_path):
@@ -64,25 +61,24 @@ def test_int8_keeps_the_real_models_quality(real_logits, tmp_path):
     earlier default, does not (SmolLM2's activation outliers): the reason the default changed."""
     from dstool.compress import measure, quantize
 
-    exported, heldout = real_logits
-    assert exported.max_abs_diff < 1e-3
-    base = measure.perplexity_onnx(exported.path, heldout, limit=8)
-    weight_only = quantize.quantize_nbits(exported.path, tmp_path / "w8.onnx", 8, 128, True, 4)
-    dynamic = quantize.quantize_int8(exported.path, tmp_path / "dyn.onnx", quantize.int8_choice_for_this_cpu())
+    graph, heldout = real_logits
+    base = measure.perplexity_onnx(graph, heldout, limit=8)
+    weight_only = quantize.quantize_nbits(graph, tmp_path / "w8.onnx", 8, 128, True, 4)
+    dynamic = quantize.quantize_int8(graph, tmp_path / "dyn.onnx", quantize.int8_choice_for_this_cpu())
     recovery = {name: 100 * base / measure.perplexity_onnx(p, heldout, limit=8)
                 for name, p in (("weight-only", weight_only), ("dynamic", dynamic))}
     assert 20 < base < 200, base  # a model that knows English (random weights: ~50,000)
     assert recovery["weight-only"] >= 99.0, recovery
     assert recovery["dynamic"] < 95.0, recovery
-    four = quantize.quantize_nbits(exported.path, tmp_path / "w4.onnx", 4, 128, False, None)
-    four_sym = quantize.quantize_nbits(exported.path, tmp_path / "w4s.onnx", 4, 128, True, None)
+    four = quantize.quantize_nbits(graph, tmp_path / "w4.onnx", 4, 128, False, None)
+    four_sym = quantize.quantize_nbits(graph, tmp_path / "w4s.onnx", 4, 128, True, None)
     asym, sym = (100 * base / measure.perplexity_onnx(p, heldout, limit=8) for p in (four, four_sym))
     assert asym > sym, (asym, sym)  # the default 4-bit recipe (a zero point per block) is the better one here
     assert np.isfinite(asym) and asym > 80
 
 
 @pytest.mark.slow
-def test_the_served_greedy_answer_is_transformers(real_model, tmp_path):
+def test_the_served_greedy_answer_is_transformers(real_model, real_repo, tmp_path):
     """The real model exported (fp32) and served by Triton behind the gateway: its greedy chat answer through the
     OpenAI client is transformers' `generate` on the same folder, token for token, and a structured answer holds its
     schema."""
@@ -93,12 +89,8 @@ def test_the_served_greedy_answer_is_transformers(real_model, tmp_path):
     from dstool.proc import free_port
     from dstool.serve.runtime import triton
 
-    from conftest import dstool
     from gatewaylib import GatewayProcess
 
-    repo = tmp_path / "repo"
-    dstool("export", "smollm2", "--repository", str(repo), "--name", "smol", "--max-batch-size", "4",
-           "--instances", "1", timeout=900)
     messages = [{"role": "user", "content": "What is the capital of France?"}]
     tokenizer = AutoTokenizer.from_pretrained(real_model)
     model = AutoModelForCausalLM.from_pretrained(real_model, dtype=torch.float32).eval()
@@ -108,7 +100,7 @@ def test_the_served_greedy_answer_is_transformers(real_model, tmp_path):
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
     expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in expected  # a model that knows something
-    srv = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
+    srv = triton.start(real_repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
     gw = GatewayProcess(tmp_path / "gw.log", config={"upstreams": [srv.http_url], "upstreams_grpc": [srv.grpc_url],
                                                      "cache": "memory"})
     try:
