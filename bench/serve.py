@@ -22,6 +22,9 @@ Face folder on Triton (gRPC) and through the gateway (OpenAI), beside llama-serv
 Q4_1 GGUF (and the optional peers when installed); the prompt is the same text for all (PROMPT_TOKENS tokens under
 the model's tokenizer), each engine's prompt cache left as it ships (dstool's prefix cache, llama-server's
 cache_prompt: both on).
+Each streaming system's latencies, every request of every round pooled: time to the first token and inter-token
+latency (p50 / p99), time per output token, and goodput (requests/s meeting `--goodput ttft:MS tpot:MS`, vLLM's
+bench_serving's objectives).
 Also 16 streams arriving one decoding step apart on Triton: the queue wait (send to first token) in steps, p99.
 Targets (issue #14): at 16 streams >= 1.0x vLLM and onnxruntime-genai fp32, >= 0.85x the loop, the gateway within
 5 %; at 1 stream >= 0.9x the loop, first token <= 1.2x the loop's; int8/4-bit faster than fp32 at 1 stream.
@@ -164,7 +167,18 @@ async def _grpc_streams(url: str, model: str, prompt: str, streams: int, new_tok
     return {"tokens_per_s": sum(d[0] for d in done) / wall,
             "first_token_ms": 1e3 * float(np.median([d[1][0] for d in done])),
             "first_token_ms_all": [1e3 * d[1][0] for d in done], "tokens": sum(d[0] for d in done),
-            "step_ms": 1e3 * float(np.median(gaps)) if gaps else None}
+            "step_ms": 1e3 * float(np.median(gaps)) if gaps else None, **latencies(done, wall)}
+
+
+def latencies(done: list[tuple[int, list[float]]], wall: float) -> dict:
+    """Per-request latencies from each request's (tokens, response times in s after it was sent), as vLLM's
+    bench_serving reports them: its first-token time, the gaps between responses (inter-token latency), its time per
+    output token after the first; and the run's wall time (goodput's denominator)."""
+    done = [(n, t) for n, t in done if t]
+    return {"ttft_ms_all": [1e3 * t[0] for _, t in done],
+            "itl_ms_all": [1e3 * (b - a) for _, t in done for a, b in zip(t, t[1:])],
+            "tpot_ms_all": [1e3 * (t[-1] - t[0]) / (n - 1) if n > 1 else 0.0 for n, t in done],
+            "n_all": [n for n, _ in done], "wall_s": wall}
 
 
 async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_tokens: int) -> dict:
@@ -172,19 +186,18 @@ async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_t
 
     client = openai.AsyncOpenAI(base_url=f"http://{url}/v1", api_key="none", max_retries=0, timeout=600)
 
-    async def one() -> tuple[int, float]:
-        sent, first, tokens, chunks = time.perf_counter(), 0.0, 0, 0
+    async def one() -> tuple[int, list[float]]:
+        sent, times, tokens = time.perf_counter(), [], 0
         stream = await client.completions.create(
             model=model, prompt=prompt, max_tokens=new_tokens, temperature=0, stream=True,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
             extra_headers={"Cache-Control": "no-cache"})
         async for chunk in stream:
             if chunk.choices and chunk.choices[0].text:
-                first = first or time.perf_counter() - sent
-                chunks += 1
+                times.append(time.perf_counter() - sent)
             if chunk.usage:
                 tokens = chunk.usage.completion_tokens
-        return tokens or chunks, first
+        return tokens or len(times), times
 
     try:
         started = time.perf_counter()
@@ -193,8 +206,8 @@ async def _openai_streams(url: str, model: str, prompt: str, streams: int, new_t
     finally:
         await client.close()
     return {"tokens_per_s": sum(d[0] for d in done) / wall,
-            "first_token_ms": 1e3 * float(np.median([d[1] for d in done])),
-            "tokens": sum(d[0] for d in done)}
+            "first_token_ms": 1e3 * float(np.median([d[1][0] for d in done])),
+            "tokens": sum(d[0] for d in done), **latencies(done, wall)}
 
 
 class Loop:
@@ -302,10 +315,19 @@ def main() -> int:
     p.add_argument("--model", help="a real model (smollm2, or a .gguf): its fp32 export on Triton and through the "
                                    "gateway beside llama-server on its GGUFs (and the optional peers); without it, "
                                    "bench/compress.py's 42 M Llama and all systems")
+    p.add_argument("--goodput", nargs="+", default=["ttft:2000", "tpot:100"], metavar="METRIC:MS",
+                   help="the service-level objectives a request must meet to count in goodput, as vLLM's bench_serving "
+                        "names them (ttft, tpot, e2el; milliseconds)")
     p.add_argument("--stream-interval", type=int, default=0,
                    help="also the fp32 engine streaming this many tokens per response (on Triton and through the "
                         "gateway's OpenAI route); 0: not")
     a = p.parse_args()
+    try:
+        a.slo = {k: float(v) for k, v in (item.split(":", 1) for item in a.goodput)}
+    except ValueError:
+        p.error(f"--goodput: give METRIC:MS pairs such as ttft:2000 tpot:100, got {' '.join(a.goodput)}")
+    if not a.slo or set(a.slo) - {"ttft", "tpot", "e2el"}:
+        p.error(f"--goodput: the metrics are ttft, tpot and e2el, got {' '.join(a.goodput)}")
     peers = Path(a.peers)
     with tempfile.TemporaryDirectory(prefix="dstool-bench-serve-") as tmp:
         work = Path(a.work) if a.work else Path(tmp)
@@ -517,6 +539,24 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
         x, y = med(x_label, streams, "tokens_per_s"), med(y_label, streams, "tokens_per_s")
         if x and y:
             print(f"{x_label} / {y_label}, tokens_per_s at {streams}: {x / y:.2f}x")
+    slo = ", ".join(f"{k} <= {v:g} ms" for k, v in a.slo.items())
+    print(f"\nLatency (every request of every round pooled; ITL: the gap between responses) and goodput (requests/s "
+          f"meeting {slo}; median of the rounds):\n")
+    print("| system | streams | TTFT p50 / p99, ms | ITL p50 / p99, ms | TPOT p50, ms | goodput, req/s | meeting the "
+          "SLO |\n|---|---:|---:|---:|---:|---:|---:|")
+    for label in results:
+        for streams, rows in sorted(results[label].items()):
+            if not rows or "ttft_ms_all" not in rows[0]:
+                continue
+            ttft, itl, tpot = ([x for r in rows for x in r[key]] for key in ("ttft_ms_all", "itl_ms_all",
+                                                                              "tpot_ms_all"))
+            met = [[meets(a.slo, f, t, n) for f, t, n in zip(r["ttft_ms_all"], r["tpot_ms_all"], r["n_all"])]
+                   for r in rows]
+            goodput = float(np.median([sum(m) / r["wall_s"] for m, r in zip(met, rows)]))
+            share = sum(map(sum, met)) / sum(map(len, met))
+            itl_cell = f"{np.percentile(itl, 50):.1f} / {np.percentile(itl, 99):.1f}" if itl else "–"
+            print(f"| {label} | {streams} | {np.percentile(ttft, 50):.0f} / {np.percentile(ttft, 99):.0f} | "
+                  f"{itl_cell} | {np.percentile(tpot, 50):.1f} | {goodput:.2f} | {100 * share:.0f} % |")
     if not waits:
         return
     total = queue.get(float("inf"), 0)
@@ -526,6 +566,12 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
     print(f"{a.streams} streams arriving one decoding step apart: time to the first token of each newcomer p50 "
           f"{np.percentile(waits, 50):.2f}, p99 {np.percentile(waits, 99):.2f} decoding steps of the batch it joined "
           f"({step_ms:.1f} ms a step)")
+
+
+def meets(slo: dict[str, float], ttft: float, tpot: float, responses: int) -> bool:
+    """Whether a request met every objective (e2el: its first token plus the gaps after it)."""
+    e2el = ttft + tpot * max(responses - 1, 0)
+    return all(value <= slo[key] for key, value in (("ttft", ttft), ("tpot", tpot), ("e2el", e2el)) if key in slo)
 
 
 if __name__ == "__main__":

@@ -105,6 +105,22 @@ def test_a_streamed_chat_completion(api, trained):
     assert chunks[-1].usage.prompt_tokens == prompt_tokens and chunks[-1].usage.completion_tokens == len(ids)
 
 
+def test_each_answer_says_its_own_timings(api):
+    """Per-request timings in the answer's headers (issue 44): the gateway's time to the first token and, for a whole
+    answer, to its end; a stream's headers go out with its first token, so they carry the first."""
+    client = _client(api)
+    ask = {"model": "dstool_lm", "messages": [{"role": "user", "content": "Timings?"}], "max_tokens": 6,
+           "temperature": 0.7, "extra_headers": {"Cache-Control": "no-cache"}}
+    whole = client.chat.completions.with_raw_response.create(**ask)
+    first, end = (float(whole.headers[f"x-dstool-{n}-ms"]) for n in ("time-to-first-token", "e2e"))
+    assert 0 < first <= end and whole.parse().usage.completion_tokens == 6
+    with client.chat.completions.with_streaming_response.create(stream=True, **ask) as streamed:
+        assert float(streamed.headers["x-dstool-time-to-first-token-ms"]) > 0
+        assert "x-dstool-e2e-ms" not in streamed.headers  # not known when the headers go out
+        events = [line for line in streamed.iter_lines() if line.startswith("data: ")]
+        assert len(events) > 2 and events[-1] == "data: [DONE]"
+
+
 def test_async_client_seeds_n_and_stop_strings(api, trained):
     import openai
 

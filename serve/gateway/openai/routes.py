@@ -337,7 +337,7 @@ class OpenAIFrontend:
     async def _complete(self, request, opt_out: bool, principal: Principal | None = None):
         """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a
         tenant's key), from its tenant's cache scope, its tokens charged as they come."""
-        chat = isinstance(request, ChatCompletionRequest)
+        chat, arrived = isinstance(request, ChatCompletionRequest), time.monotonic()
         meter = self.guard.meter(principal) if self.guard is not None and principal is not None else None
         scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
         asked = request.max_new_tokens if request.max_new_tokens is not None or chat else COMPLETION_TOKENS
@@ -405,10 +405,11 @@ class OpenAIFrontend:
                 raise first
             reply = Reply(chat, request.model, choices, max_tokens, request.top_logprobs_asked is not None,
                           request.stream_options is not None and request.stream_options.include_usage)
+            timings = [("x-dstool-time-to-first-token-ms", _ms(time.monotonic() - arrived))]
             if request.stream:
                 handed_over = True  # the stream's end (or the client's) stops the choices
-                return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")],
-                                         self._sse(first, events, reply), stop)
+                return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
+                                               *timings], self._sse(first, events, reply), stop)
             done, event = 0, first
             while True:
                 if isinstance(event, OpenAIError):
@@ -421,7 +422,8 @@ class OpenAIFrontend:
         finally:
             if not handed_over:
                 stop()  # also when the client hung up (this task cancelled): the choices end on Triton too
-        return HttpResponse(200, [orjson.dumps(reply.whole())], [("Content-Type", "application/json")])
+        return HttpResponse(200, [orjson.dumps(reply.whole())], [("Content-Type", "application/json"), *timings,
+                                                                 ("x-dstool-e2e-ms", _ms(time.monotonic() - arrived))])
 
     @staticmethod
     async def _sse(event, events: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
@@ -525,6 +527,10 @@ class OpenAIFrontend:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+def _ms(seconds: float) -> str:
+    return f"{1e3 * seconds:.1f}"
 
 
 def _model_object(name: str) -> dict:
