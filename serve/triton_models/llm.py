@@ -212,11 +212,11 @@ class Metrics:
         self.restarts = restarts.Metric(labels=labels)
         self.cancelled = cancelled.Metric(labels=labels)
         self._vllm(model[:-len("_llm")] if model.endswith("_llm") else model, max_positions)
-        self.spec_names: list[str] = []  # the speculative counters' attributes, by engine.spec_counts key
+        self.speculative_names: list[str] = []  # the speculative counters' attributes, by engine.spec_counts key
         if speculation is not None:
             self._speculative(labels, model[:-len("_llm")] if model.endswith("_llm") else model,
                               speculation.num_speculative_tokens)
-        self.spec_counted: dict = {}  # engine.spec_counts as last published
+        self.speculative_counted: dict = {}  # engine.spec_counts as last published
         self.post = lambda call, *args: call(*args)  # the outbox's, once there is one
         self.published: dict[str, float] = {}  # the gauges' values as last set
         self.generated = 0  # tokens made since the last step's figures went out
@@ -285,7 +285,7 @@ class Metrics:
             setattr(self, f"vllm_spec_{key}", families[f"vllm:spec_decode_{name}_total"].Metric(labels=vllm))
             own = "accepted_tokens" if key == "accepted" else key
             setattr(self, f"spec_{key}", families[f"dstool_llm_spec_decode_{own}_total"].Metric(labels=labels))
-            self.spec_names += [f"vllm_spec_{key}", f"spec_{key}"]
+            self.speculative_names += [f"vllm_spec_{key}", f"spec_{key}"]
         for i in range(k):
             setattr(self, f"vllm_spec_at_{i}", families["vllm:spec_decode_num_accepted_tokens_per_pos_total"].Metric(
                 labels={**vllm, "position": str(i)}))
@@ -294,8 +294,7 @@ class Metrics:
         """The metrics before their families (the python backend's rule)."""
         for name in ("queue_steps", "queue", "first", "tokens", "prompt", "prefix_hit", "prefix_miss", "prefix_ratio",
                      "prefix_held", "waiting", "running", "restarts", "cancelled",
-                     *[n for n in vars(self) if n.startswith(("vllm_", "spec_")) and n not in (
-                         "spec_names", "spec_counted")]):
+                     *[n for n in vars(self) if n.startswith(("vllm_", "spec_"))]):
             delattr(self, name)
         self.families.clear()
 
@@ -376,13 +375,14 @@ class Metrics:
             self.counted = (hit, miss)
             gauges.update(prefix_ratio=cache.hit / cache.looked_up if cache.looked_up else 0.0,
                           prefix_held=cache.tokens)
-        if self.spec_names:  # the engine's speculative counters, what they added since the last step
+        if self.speculative_names:  # the engine's speculative counters, what they added since the last step
             spec = engine.spec_counts
             for key in ("drafts", "draft_tokens", "accepted"):
-                counters[f"vllm_spec_{key}"] = counters[f"spec_{key}"] = spec[key] - self.spec_counted.get(key, 0)
+                added = spec[key] - self.speculative_counted.get(key, 0)
+                counters[f"vllm_spec_{key}"] = counters[f"spec_{key}"] = added
             for i, n in enumerate(spec["accepted_at"]):
-                counters[f"vllm_spec_at_{i}"] = n - self.spec_counted.get(i, 0)
-            self.spec_counted = {**{k: spec[k] for k in ("drafts", "draft_tokens", "accepted")},
+                counters[f"vllm_spec_at_{i}"] = n - self.speculative_counted.get(i, 0)
+            self.speculative_counted = {**{k: spec[k] for k in ("drafts", "draft_tokens", "accepted")},
                                  **dict(enumerate(spec["accepted_at"]))}
         self.post(self._publish, counters, gauges, self.gaps)
         self.generated, self.gaps = 0, []
