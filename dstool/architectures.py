@@ -26,6 +26,7 @@ class Architecture:
     pipeline: bool = False  # train --pipeline-stages cuts it
     expert_parallel: bool = False  # train --expert-parallel: DeepSpeed's AutoEP preset of the same name
     pruning: str = "llama"  # compress --prune: the pruning family (compress/prune_llama.py, prune_moe.py)
+    mtp: bool = False  # train --mtp-layers: DeepSeek-V3's multi-token prediction layers (train/mtp.py)
 
 
 ARCHITECTURES = {a.model_type: a for a in (
@@ -34,7 +35,7 @@ ARCHITECTURES = {a.model_type: a for a in (
     Architecture("mistral", "Mistral", fused_decoder=True),
     Architecture("deepseek_v2", "DeepSeek-V2", expert_parallel=True, pruning="deepseek_v2"),
     Architecture("deepseek_v3", "DeepSeek-V3", tensor_splits=_DEEPSEEK_V3_SPLITS, pipeline=True, expert_parallel=True,
-           pruning="deepseek_v3"),
+           pruning="deepseek_v3", mtp=True),
 )}
 
 

@@ -37,6 +37,7 @@ from dstool.train import (
     expert_parallel,
     launch,
     lora,
+    mtp,
     pipeline_parallel,
     preempt,
     sources,
@@ -70,6 +71,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     tensor_partition = tensor_parallel.check_model(cfg.model, cfg.tensor_parallel, cfg.pipeline_stages)
     experts = (expert_parallel.check_model(models.model_config(cfg.model, 256), cfg.expert_parallel, cfg.model)
                if cfg.expert_parallel > 1 else None)
+    if cfg.mtp_layers:
+        mtp.check_model(models.model_config(cfg.model, 256), cfg.mtp_layers, cfg.model)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
     topo = launch.plan(cfg)
@@ -247,7 +250,7 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
            else checkpoint.resolve_explicit(cfg.resume))
     if tag is None:
         return None
-    _check_same_model(tag, cfg.model, vocab_size)
+    _check_same_model(tag, cfg.model, vocab_size, cfg.mtp_layers)
     saved = checkpoint.manifest(tag)
     asked = lora.spec(cfg)
     if saved.lora and asked and {**saved.lora, "base": ""} == {**asked, "base": ""} \
@@ -296,19 +299,28 @@ def _resume_point(cfg: TrainConfig, out: Path, world: int, vocab_size: int, prec
     return tag
 
 
-def _meta_model(model_ref: str, vocab_size: int):
-    """The model's modules with no weights (the meta device): shapes and names only."""
+def _meta_model(model_ref: str, vocab_size: int, mtp_layers: int = 0):
+    """The model's modules with no weights (the meta device): shapes and names only (with its MTP layers)."""
     with torch.device("meta"):
-        return AutoModelForCausalLM.from_config(models.model_config(model_ref, vocab_size))
+        model = AutoModelForCausalLM.from_config(models.model_config(model_ref, vocab_size))
+        if mtp_layers:
+            mtp.attach(model, mtp_layers)
+        return model
 
 
-def _check_same_model(tag: Path, model_ref: str, vocab_size: int) -> None:
+def _check_same_model(tag: Path, model_ref: str, vocab_size: int, mtp_layers: int = 0) -> None:
     """Refuse, before any rank starts, a checkpoint whose parameter shapes are not this model's."""
     saved = checkpoint.manifest(tag).model_shapes
     if not saved:  # written before shapes were recorded
         return
-    model = _meta_model(model_ref, vocab_size)
+    model = _meta_model(model_ref, vocab_size, mtp_layers)
     ours = checkpoint.model_shapes(model)
+    first = getattr(model.config, "num_hidden_layers", 0)
+    saved_mtp = sum(f"model.layers.{first + k}.eh_proj.weight" in saved for k in range(8))
+    if saved_mtp != mtp_layers:
+        raise UsageError(f"checkpoint {tag} trained {saved_mtp} MTP layers (--mtp-layers {saved_mtp}), this run asks "
+                         f"{mtp_layers}: resume with --mtp-layers {saved_mtp}, or start from its weights: --model "
+                         f"{tag.parent.parent / 'model'} --output NEW")
     if ours != saved:
         diff = next((n for n in ours if saved.get(n) != ours[n]), None) or next(n for n in saved if n not in ours)
         raise UsageError(f"checkpoint {tag} holds another model shape ({diff}: saved {saved.get(diff)}, "

@@ -114,6 +114,15 @@ class TrainConfig(CommandConfig):
                                                                                             "metavar": "NAME"}})
     distill_from: str | None = Field(None, description="teacher model folder: loss = cross-entropy + KL(teacher || "
                                      "student) on the logits (knowledge distillation)")
+    mtp_layers: int = Field(0, ge=0, le=8, description="DeepSeek-V3 multi-token prediction: train this many MTP "
+                            "depths alongside the model (each a decoder layer predicting one token further, the "
+                            "embedding and output head shared), saved in model/ as DeepSeek's model.layers.{L}; "
+                            "DeepSeek-V3 layouts only (0 = off)")
+    mtp_loss_weight: float = Field(0.3, ge=0, description="MTP loss weight λ: loss = main + λ x mean of the depths' "
+                                   "cross-entropies (DeepSeek-V3: 0.3, then 0.1)")
+    mtp_loss_weight_final: float = Field(0.1, ge=0, description="λ after --mtp-loss-drop-ratio of the steps")
+    mtp_loss_drop_ratio: float = Field(0.676, ge=0, le=1, description="share of max_steps after which λ drops to "
+                                       "--mtp-loss-weight-final (DeepSeek-V3: after 10T of 14.8T tokens; 1 = never)")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -153,6 +162,16 @@ class TrainConfig(CommandConfig):
                                       or self.keep_zero_weights):
             raise ValueError("lora trains with data parallelism and ZeRO only: drop pipeline_stages, tensor_parallel, "
                              "distill_from and keep_zero_weights")
+        if self.mtp_layers == 0 and (self.mtp_loss_weight, self.mtp_loss_weight_final, self.mtp_loss_drop_ratio) != (
+                0.3, 0.1, 0.676):
+            raise ValueError("mtp_loss_weight, mtp_loss_weight_final and mtp_loss_drop_ratio need --mtp-layers N")
+        if self.mtp_layers and (self.pipeline_stages > 1 or self.tensor_parallel > 1 or self.lora is not None
+                                or self.distill_from):
+            raise ValueError(f"mtp_layers {self.mtp_layers} trains with data and expert parallelism and ZeRO only: "
+                             "drop pipeline_stages, tensor_parallel, lora and distill_from, or --mtp-layers")
+        if self.mtp_layers and self.mtp_layers > self.seq_len - 2:
+            raise ValueError(f"mtp_layers {self.mtp_layers} needs --seq-len {self.mtp_layers + 2} or more (depth k "
+                             "predicts the token k+1 ahead)")
         if self.node_rank is not None and self.node_rank >= self.num_nodes and not self.hostfile:
             raise ValueError(f"node_rank {self.node_rank} is not below num_nodes {self.num_nodes}")
         if self.profile_steps is not None:

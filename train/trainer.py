@@ -32,6 +32,7 @@ from dstool.train import (
     data,
     expert_parallel,
     lora,
+    mtp,
     pipeline_parallel,
     preempt,
     tensor_parallel,
@@ -74,7 +75,7 @@ class Trainer:
         self.progress = _Progress(self.rank, self.start_step, cfg.max_steps)
         self.window = MetricsWindow(self.engine, cfg, self.metrics, self.observer, self.progress, self.world,
                                     samples_per_step * cfg.seq_len, flops, self.scheduler,
-                                    distilling=self.teacher is not None)
+                                    distilling=self.teacher is not None, mtp_layers=cfg.mtp_layers)
         self.validator = Validator(self.engine, val_split, cfg, self.metrics)
 
     @classmethod
@@ -88,7 +89,7 @@ class Trainer:
             probe._build_engine(autobatch.with_micro(ds_config, micro, accumulation=1))
             split = data.open_run(probe.out / "data").train
             batch = data.collate([split[i % len(split)] for i in range(micro)], probe.engine.device)
-            probe.engine.backward(probe.engine(**batch).loss)
+            probe.engine.backward(mtp.objective(probe.engine(**batch), cfg.mtp_loss_weight))
             probe.engine.step()
         except (torch.OutOfMemoryError, RuntimeError) as e:  # cuBLAS and NCCL say it in RuntimeErrors of their own
             if not autobatch.is_out_of_memory(e):
@@ -115,6 +116,10 @@ class Trainer:
         else:
             model = AutoModelForCausalLM.from_pretrained(cfg.model, dtype=torch.float32)
         model.config.use_cache = False
+        if cfg.mtp_layers:  # before activation checkpointing, which then recomputes them too
+            loaded = mtp.attach(model, cfg.mtp_layers, None if models.is_preset(cfg.model) else cfg.model)
+            log.info(f"dstool: multi-token prediction: {cfg.mtp_layers} MTP layer(s) at model.layers."
+                     f"{model.config.num_hidden_layers}+" + (f", {loaded} loaded from {cfg.model}" if loaded else ""))
         model.train()  # from_pretrained leaves a model in eval mode
         if cfg.activation_checkpointing and cfg.pipeline_stages == 1:
             # transformers' mechanism: each decoder layer runs again in the backward pass (torch.utils.checkpoint,
@@ -162,9 +167,11 @@ class Trainer:
         embedding = self.model.get_input_embeddings().weight
         matmul_params = self.active_params - getattr(embedding, "ds_numel", embedding.numel())
         c = self.model.config
+        matmul_params += self.cfg.mtp_layers * c.vocab_size * c.hidden_size  # each MTP depth runs the shared head again
         log.info(f"dstool: {self.total_params:,} parameters ({self.active_params:,} active per token); MFU against a "
                  f"declared peak of {peak:g} TFLOP/s per rank")
-        return flops_per_token(matmul_params, c.num_hidden_layers, c.hidden_size, self.cfg.seq_len), peak
+        return flops_per_token(matmul_params, c.num_hidden_layers + self.cfg.mtp_layers, c.hidden_size,
+                               self.cfg.seq_len), peak
 
     # ---- the loop ------------------------------------------------------------------------------------------
     def run(self) -> None:
@@ -202,7 +209,7 @@ class Trainer:
             self.metrics.close()
         if not stopping:
             _save_hf_folder(self.engine, self.model, self.tokenizer, self.validator.split, self.out, self.precision,
-                            self.step, self.adapter)
+                            self.step, self.adapter, self.cfg.mtp_layers)
 
     def batches(self):
         """The step's micro-batches, as the global sample order deals them to this model replica."""
@@ -220,18 +227,22 @@ class Trainer:
             loss = engine.train_batch(data_iter=((b["input_ids"], b["labels"]) for b in self.batches()))
             self.window.add(loss.float().reshape(()))  # shape (1,) off the last stage: the step's mean
         else:
+            cfg = self.cfg
+            weight = mtp.loss_weight(self.step, cfg.max_steps, cfg.mtp_loss_weight, cfg.mtp_loss_weight_final,
+                                     cfg.mtp_loss_drop_ratio)
             for batch in self.batches():
                 outputs = engine(**batch)
                 loss = outputs.loss
                 kl = distill_kl(outputs.logits, self.teacher, batch["input_ids"]) if self.teacher is not None else None
                 if kl is not None:
                     loss = loss + kl
-                engine.backward(loss)
+                engine.backward(mtp.objective(outputs, weight) if cfg.mtp_layers else loss)
                 engine.step()
                 if self.masks and engine.is_gradient_accumulation_boundary():
                     _apply_masks(self.masks)
                 self.window.add(loss.detach().float() / self.accum,
-                                None if kl is None else kl.detach().float() / self.accum)
+                                None if kl is None else kl.detach().float() / self.accum,
+                                outputs.mtp_losses.detach().float() / self.accum if cfg.mtp_layers else None, weight)
         self.step += 1
         self.observer.stepped()
         # DeepSpeed's global grad norm is already agreed by all ranks: checking it every step costs no collective,
@@ -305,18 +316,25 @@ class MetricsWindow:
     to write the next: every --log-every steps and at every save."""
 
     def __init__(self, engine, cfg: TrainConfig, metrics: MetricsLog | None, observer: Observer, progress: _Progress,
-                 world: int, tokens_per_step: int, flops: tuple[float, float], scheduler, distilling: bool):
+                 world: int, tokens_per_step: int, flops: tuple[float, float], scheduler, distilling: bool,
+                 mtp_layers: int = 0):
         self.cfg, self.metrics, self.observer, self.world, self.scheduler = cfg, metrics, observer, world, scheduler
         self.progress = progress
         self.tokens_per_step, (self.flops_per_token, self.peak) = tokens_per_step, flops
         self.loss = torch.zeros((), device=engine.device)
         self.kl = torch.zeros((), device=engine.device) if distilling else None
+        self.mtp = torch.zeros(mtp_layers, device=engine.device) if mtp_layers else None  # each depth's loss
+        self.mtp_weight: float | None = None
         self.seconds, self.steps = 0.0, 0
 
-    def add(self, loss: torch.Tensor, kl: torch.Tensor | None = None) -> None:
+    def add(self, loss: torch.Tensor, kl: torch.Tensor | None = None, mtp_losses: torch.Tensor | None = None,
+            mtp_weight: float | None = None) -> None:
         self.loss += loss
         if kl is not None and self.kl is not None:
             self.kl += kl
+        if mtp_losses is not None and self.mtp is not None:
+            self.mtp += mtp_losses
+            self.mtp_weight = mtp_weight
 
     def stepped(self, seconds: float) -> None:
         self.seconds, self.steps = self.seconds + seconds, self.steps + 1
@@ -338,6 +356,11 @@ class MetricsWindow:
             dist.all_reduce(self.kl)
             row["distill_kl"] = self.kl.item() / (self.world * self.steps)
             self.kl.zero_()
+        if self.mtp is not None:  # the main loss is `loss`; each MTP depth's cross-entropy, and the λ of the last step
+            dist.all_reduce(self.mtp)
+            row.update({f"mtp_loss_{k}": v / (self.world * self.steps) for k, v in enumerate(self.mtp.tolist(), 1)})
+            row["mtp_loss_weight"] = self.mtp_weight
+            self.mtp.zero_()
         if self.metrics:
             self.metrics.write(step, **row)
             self.observer.window(step, row)
@@ -442,10 +465,12 @@ def evaluate(engine, split: data.Split, micro: int, batches: int) -> float:
     return total.item() / (per_rank * dist.get_world_size())
 
 
-def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int, adapter) -> None:
+def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: str, step: int, adapter,
+                    mtp_layers: int = 0) -> None:
     """Consolidate the weights the engine computes with into out/model (`module`: the Hugging Face model; with
-    `adapter`, the PEFT model around it, merged into it and saved beside it in out/adapter), then prove it: reload
-    with transformers and compare logits with the engine's on held-out tokens."""
+    `adapter`, the PEFT model around it, merged into it and saved beside it in out/adapter; its `mtp_layers` MTP
+    layers as DeepSeek's model.layers.{L}...), then prove it: reload with transformers and compare logits with the
+    engine's on held-out tokens."""
     rank = dist.get_rank()
     probe = torch.stack([torch.from_numpy(val_split.tokens(i % len(val_split)).astype("int64")) for i in range(2)])
     probe = probe[:, :64]
@@ -472,6 +497,10 @@ def _save_hf_folder(engine, module, tokenizer, val_split, out: Path, precision: 
         state = lora.save_and_merge(adapter, state, out / "adapter")
     target, tmp = out / "model", out / ".model.tmp"
     shutil.rmtree(tmp, ignore_errors=True)
+    if mtp_layers:
+        state = mtp.hf_state(state, module.config, mtp_layers)
+    if hasattr(module.config, "num_mtp_layers"):  # DeepSeek-V3's config.json `num_nextn_predict_layers`: what is saved
+        module.config.num_mtp_layers = mtp_layers
     module.config.use_cache = True
     module.config.dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     module.save_pretrained(tmp, state_dict={k: v.detach().cpu() for k, v in state.items()}, safe_serialization=True)
@@ -508,7 +537,8 @@ class _Progress:
             self.bar.set_postfix(loss=f"{row['loss']:.4f}")
         norm = "n/a" if row["grad_norm"] is None else f"{row['grad_norm']:.3f}"  # DeepSpeed gives none at ZeRO-0 fp32
         log.info(f"step {step} loss {row['loss']:.4f} lr {row['lr']:.3g} grad_norm {norm} "
-                 f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}")
+                 f"tok/s {row['tokens_per_s']:,.0f} mfu {row['mfu']:.2%}" +
+                 "".join(f" mtp_loss_{k} {row[f'mtp_loss_{k}']:.4f}" for k in range(1, 9) if f"mtp_loss_{k}" in row))
 
     def close(self) -> None:
         if self.bar:
