@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import subprocess
 import sys
 import tempfile
@@ -30,6 +29,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _machine import cpu_name
 
 # Runs in a fresh Python process (a Spark session per process, as `dstool batch` has): argv = config JSON.
 BATCH_CHILD = """
@@ -236,8 +236,7 @@ def report(results: dict[str, list[dict]], a, cores: int, ort_version: str, weig
         values = [r[key] for r in results.get(label, []) if key in r]
         return f"{min(values):.1f}–{max(values):.1f}" if values else "–"
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     print(f"\n{cpu}, {cores} cores; onnxruntime {ort_version}; decoder graph {weights_mb:.1f} MB; {a.rows} held-out "
           f"prompts, {a.max_new_tokens} new "
           f"tokens at most, greedy, stopping at the end of sequence; medians of {a.rounds} interleaved rounds\n")

@@ -24,6 +24,8 @@ import threading
 import time
 from pathlib import Path
 
+from _machine import cpu_name
+
 from dstool.proc import free_port
 from dstool.serve.runtime import triton
 
@@ -122,8 +124,7 @@ def main() -> int:
                 medians[state].append(statistics.median(samples))
                 print(f"round {r} {state:>7}: time to first token p50 {medians[state][-1] * 1e3:7.1f} ms", flush=True)
         idle, flooded = statistics.median(medians["idle"]), statistics.median(medians["flooded"])
-        cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                    if line.startswith("model name")), "?")
+        cpu = cpu_name()
         print(f"\nCPU: {cpu}\nvictim time to first token: idle {idle * 1e3:.1f} ms, while another tenant floods "
               f"{flooded * 1e3:.1f} ms: {flooded / idle:.2f}x idle (target <= 2x)")
     finally:

@@ -36,7 +36,6 @@ import argparse
 import asyncio
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -48,6 +47,8 @@ import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _machine import cpu_name  # noqa: E402 (beside this script)
+
 PROMPT_TOKENS = 25
 
 
@@ -492,8 +493,7 @@ def report(results: dict, a, waits: list[float], step_ms: float, queue: dict[flo
         rows = results.get(label, {}).get(streams)
         return float(np.median([r[key] for r in rows])) if rows and key in rows[0] else None
 
-    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
-                if line.startswith("model name")), platform.processor())
+    cpu = cpu_name()
     print(f"\n{cpu}, {os.cpu_count()} cores; {PROMPT_TOKENS}-token prompt, {a.new_tokens} new tokens, greedy; "
           f"medians of {a.rounds} interleaved rounds; 1-minute load average {a.load[0]:.2f} before the rounds, "
           f"{max(a.load[1:]):.2f} at most after each\n")

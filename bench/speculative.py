@@ -23,13 +23,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+
+from _llm import llm_config, llm_engine
+from _machine import cpu_name, interleaved_ms
 
 TEXT = ("The city council met on Tuesday to discuss the new library. Maria Gonzalez, the council's chair, opened the "
         "meeting at seven o'clock. She said the library would cost four million dollars and open in March next year. "
@@ -65,26 +68,10 @@ def prepare(a, work: Path) -> Path:
 def build(repo: Path, speculation):
     """An engine as NAME_llm's `initialize` makes one (its config.pbtxt's parameters), and the model's eos ids."""
     import onnxruntime as ort
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
 
-    from dstool.decoding.engine import PrefixCache, engine_for
-
-    folder = next(p for p in repo.iterdir() if p.name.endswith("_llm"))
-    config = text_format.Parse((folder / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
-    params = {k: v.string_value for k, v in config.parameters.items()}
-    version = max((p for p in folder.iterdir() if p.name.isdigit()), key=lambda p: int(p.name))
-    sys.path.insert(0, str(version))
-    from ort_options import session_options
-
-    session = ort.InferenceSession(str(version / params["fused_decoder"]), session_options(ort),
-                                   providers=["CPUExecutionProvider"])
-    shapes = {k: tuple(v) for k, v in json.loads(params["empty_cache"]).items()}
-    prefix = int(params["prefix_cache_tokens"])
-    engine = engine_for(session, shapes, int(params["max_batch"]), int(params["max_cache_tokens"]),
-                        int(params["max_prefill_tokens"]),
-                        PrefixCache(int(params["prefix_cache_block"]), prefix) if prefix else None, speculation)
-    return engine, set(json.loads(params["eos_token_ids"])), version
+    params, version, options = llm_config(repo)
+    session = ort.InferenceSession(str(version / params["fused_decoder"]), options, providers=["CPUExecutionProvider"])
+    return llm_engine(session, params, speculation), set(json.loads(params["eos_token_ids"])), version
 
 
 def sequence(name: str, ids: list[int], new_tokens: int, eos: set[int]):
@@ -123,17 +110,12 @@ def step_costs(engine, ids: list[int], k: int, repeats: int = 20) -> dict[str, f
     runner.run(np.array([ids, ids], np.int64), np.zeros(2, np.int64), buffers)  # both rows hold the prompt
     held = np.full(2, len(ids), np.int64)
 
-    def timed(rows: int, new: int) -> float:
-        began = time.perf_counter()
-        runner.run(np.array([ids[-new:]] * rows, np.int64), held[:rows], {n: v[:rows] for n, v in buffers.items()})
-        return 1000 * (time.perf_counter() - began)
+    def run(rows: int, new: int) -> Callable[[], object]:
+        return lambda: runner.run(np.array([ids[-new:]] * rows, np.int64), held[:rows],
+                                  {n: v[:rows] for n, v in buffers.items()})
 
-    kinds = {"decode 1 row": (1, 1), f"verify 1 row, 1 + {k} tokens": (1, k + 1), "decode 2 rows": (2, 1)}
-    times: dict[str, list[float]] = {name: [] for name in kinds}
-    for _ in range(repeats):  # interleaved
-        for name, (rows, new) in kinds.items():
-            times[name].append(timed(rows, new))
-    return {name: statistics.median(t) for name, t in times.items()}
+    return interleaved_ms({"decode 1 row": run(1, 1), f"verify 1 row, 1 + {k} tokens": run(1, k + 1),
+                           "decode 2 rows": run(2, 1)}, repeats)
 
 
 def main() -> int:
@@ -188,11 +170,7 @@ def main() -> int:
             print(f"round {r + 1}/{a.rounds} done", file=sys.stderr, flush=True)
         costs = step_costs(plain, prompts[("grounded", "summarise")], speculation.num_speculative_tokens)
 
-    cpu = platform.processor() or platform.machine()
-    try:
-        cpu = next(line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
+    cpu = cpu_name()
     import os
 
     print(f"# speculative decoding (n-gram), SmolLM2-135M-Instruct fp32 (fused graph, as NAME_llm), {cpu}, "

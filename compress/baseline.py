@@ -25,16 +25,16 @@ from pathlib import Path
 import numpy as np
 
 from dstool import log as dlog
-from dstool import onnx_export
+from dstool import logits_graph, onnx_export
 from dstool.compress import measure, quality
 from dstool.files import cache_dir, replace_folder, sha256_file, write_json_atomic
-from dstool.onnx_export import OnnxExport, export_decoder_model, export_logits_model
+from dstool.onnx_export import OnnxExport, export_decoder_model
 
 log = dlog.log
 KEEP = 4
 MAX_BYTES = 2 << 30
 LIBRARIES = ("torch", "transformers", "onnx", "onnxscript", "onnxruntime", "onnx-ir", "dstool")
-CODE = tuple(Path(str(m.__file__)) for m in (measure, quality, onnx_export)) + (Path(__file__),)
+CODE = tuple(Path(str(m.__file__)) for m in (measure, quality, onnx_export, logits_graph)) + (Path(__file__),)
 
 
 @dataclass
@@ -56,8 +56,8 @@ def baseline(model, src: Path, weights: str, heldout: np.ndarray, cloze: quality
         model.eval().config.use_cache = False  # as the logits export leaves it
         log.info(f"baseline graphs and figures reused: {entry} (the same input, data and exporter)")
         return found
-    logits = export_logits_model(model, work / "baseline")
     decoder = export_decoder_model(model, work / "baseline-decoder")  # decoding speed
+    logits = logits_graph.from_decoder(model, decoder, work / "baseline")
     made = Baseline(logits, decoder, *measured(logits.path, model, heldout, cloze))
     if entry is not None:
         _write(entry, made)

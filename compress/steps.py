@@ -31,7 +31,7 @@ import onnx
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, TorchAoConfig
 
-from dstool import artifacts, fused_decoder
+from dstool import artifacts, fused_decoder, logits_graph
 from dstool import log as dlog
 from dstool.artifacts import (
     SPEED_FIGURES,
@@ -326,8 +326,9 @@ class Export(CompressStep):
     def run(self, work):
         r = work.recipe
         if r.pruning or r.sparsity or (r.recovery and r.recovery.kept):
-            work.fp32 = {"logits": export_logits_model(work.model, work.stage / "onnx" / "logits"),
-                         "decoder": export_decoder_model(work.model, work.stage / "onnx" / "decoder")}
+            decoder = export_decoder_model(work.model, work.stage / "onnx" / "decoder")
+            work.fp32 = {"logits": logits_graph.from_decoder(work.model, decoder, work.stage / "onnx" / "logits"),
+                         "decoder": decoder}
         else:  # the weights are the input's: its baseline graphs are these (parity-checked when they were made)
             for role, e in (("logits", work.base.logits), ("decoder", work.base.decoder)):
                 shutil.copytree(e.path.parent, work.stage / "onnx" / role)

@@ -523,8 +523,11 @@ class Deployment(_Model):
     compressed: str | None = Field(None, description="the dstool compress output it was deployed from")
     recipe: Recipe | None = Field(None, description="that output's recipe (None: fp32, exported here)")
     graphs: dict[str, str] = Field(description="role -> sha256 of the deployed .onnx file (logits, decoder; fused: "
-                                   "NAME_llm's fused-attention decoder, where it has one)")
+                                   "NAME_llm's fused-attention decoder, where it has one; mtp1..mtpD: its MTP draft "
+                                   "graphs, a DeepSeek-V3 model's MTP depths)")
     settings: dict = Field(description="the ExportConfig it was written with")
+    adapters: dict[str, str] = Field(default_factory=dict, description="LoRA adapter name -> sha256 of its files "
+                                     "(those NAME_llm loads at start; more may be loaded at run time)")
     created: str = Field(default_factory=lambda: time.strftime("%Y-%m-%dT%H:%M:%S%z"))
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from dstool import architectures
+from dstool.decoding.adapters import RowWeights, graph_layout
 from dstool.decoding.engine import FusedRunner
 from dstool.files import replace_folder
 from dstool.onnx_export import OnnxExport, Parity, ort_session
@@ -48,13 +49,15 @@ def head_dim(config) -> int:
     return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
-def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxExport:
+def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3, lora: bool = False) -> OnnxExport:
     """`model` (fp32, eval, `unsupported(model.config)` None) as `out_dir/model.onnx`, verified against PyTorch.
-    Its weight MatMuls are named by what they hold (`layers.I.qkv`, `.o`, `.gate`, `.up`, `.down`; `lm_head`)."""
+    Its weight MatMuls are named by what they hold (`layers.I.qkv`, `.o`, `.gate`, `.up`, `.down`; `lm_head`).
+    With `lora`, every linear layer of the decoder layers also takes per-row LoRA adapters (`dstool.decoding.adapters`:
+    inputs lora.layers.I.M.{A,B}; verified with none in use)."""
     tmp = out_dir.with_name(out_dir.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    _write(model, tmp / "model.onnx")
+    _write(model, tmp / "model.onnx", lora)  # (parity below: with no adapter in use)
     measured = parity(model, tmp / "model.onnx")
     measured.check(tolerance, "the fused decoder")
     replace_folder(tmp, out_dir)
@@ -65,7 +68,7 @@ def export_fused_decoder(model, out_dir: Path, tolerance: float = 1e-3) -> OnnxE
                       [o.name for o in graph.output])
 
 
-def _write(model, path: Path) -> None:
+def _write(model, path: Path, lora: bool = False) -> None:
     import onnx
     import torch
     from onnx import TensorProto as T
@@ -90,7 +93,17 @@ def _write(model, path: Path) -> None:
                     epsilon=cfg.rms_norm_eps)
 
     def linear(x: str, weight: str, out: str) -> str:
-        return node("MatMul", [x, const(weight, weights[weight].T)], out, name=f"layers.{out}")
+        base = node("MatMul", [x, const(weight, weights[weight].T)], out + ("_w" if lora else ""), name=f"layers.{out}")
+        return node("Add", [base, adapted(x, weight, out)], out) if lora else base
+
+    def adapted(x: str, weight: str, out: str) -> str:
+        """x @ A @ B of each row's own adapter for the linear layer `weight`."""
+        layer, module = out.split(".")[0], weight.split(".")[-2].removesuffix("_proj")
+        fan_out, fan_in = weights[weight].shape
+        a, b = f"lora.layers.{layer}.{module}.A", f"lora.layers.{layer}.{module}.B"
+        inputs.extend([h.make_tensor_value_info(a, T.FLOAT, ["batch", fan_in, "lora_rank"]),
+                       h.make_tensor_value_info(b, T.FLOAT, ["batch", "lora_rank", fan_out])])
+        return node("MatMul", [node("MatMul", [x, a], f"{out}.lora_down"), b], f"{out}.lora")
 
     with torch.no_grad():  # the module's own rotary tables: every rope scaling as transformers computes it
         cos, sin = model.model.rotary_emb(torch.zeros(1), torch.arange(cfg.max_position_embeddings)[None])
@@ -108,6 +121,9 @@ def _write(model, path: Path) -> None:
         proj = [p + f"self_attn.{n}_proj." for n in "qkv"]
         qkv = node("MatMul", [normed, const(p + "qkv", np.concatenate([weights[n + "weight"] for n in proj]).T)],
                    f"{i}.qkv", name=f"layers.{i}.qkv")
+        if lora:  # each of q, k and v its own adapters, their outputs side by side as the packed projection's
+            qkv = node("Add", [qkv, node("Concat", [adapted(normed, n + "weight", f"{i}.{n[-7]}") for n in proj],
+                                         f"{i}.qkv_lora", axis=-1)], f"{i}.qkv_adapted")
         if proj[0] + "bias" in weights:  # Qwen2's
             qkv = node("Add", [qkv, const(p + "qkv.bias", np.concatenate([weights[n + "bias"] for n in proj]))],
                        f"{i}.qkv_b")
@@ -140,7 +156,13 @@ def cache_buffers(session, rows: int, capacity: int) -> dict[str, np.ndarray]:
 
 def parity(model, onnx_path: Path) -> Parity:
     """max |logit diff| to PyTorch: a 3-row prefill of 11 tokens, 3 single-token steps (rows in a batch), then one
-    row's last 3 tokens as a prompt chunk after its first 11 (a prefix-cache hit)."""
+    row's last 3 tokens as a prompt chunk after its first 11 (a prefix-cache hit). (A graph with LoRA inputs: with
+    no adapter in use; `model` may be a PEFT-merged model and `adapter` then the adapter every row runs.)"""
+    return adapter_parity(model, onnx_path, None)
+
+
+def adapter_parity(model, onnx_path: Path, adapter) -> Parity:
+    """`parity`, every row running `adapter` (a `dstool.decoding.adapters.Adapter`, or None) against `model`."""
     import torch
 
     ids = torch.randint(0, model.config.vocab_size, (3, 14), generator=torch.Generator().manual_seed(1))
@@ -148,15 +170,32 @@ def parity(model, onnx_path: Path) -> Parity:
         ref = model(input_ids=ids).logits.float().numpy()
     session = ort_session(onnx_path)
     runner, buffers = FusedRunner(session), cache_buffers(session, 3, 32)
+    lora = _lora_inputs(session, adapter)
+
+    def run(ids, held, buffers):
+        return runner.run(ids, held, buffers, None if lora is None else lora(len(ids)))
+
     held = np.zeros(3, np.int64)
-    diffs = [np.abs(runner.run(ids[:, :11].numpy(), held, buffers) - ref[:, :11]).max()]
+    diffs = [np.abs(run(ids[:, :11].numpy(), held, buffers) - ref[:, :11]).max()]
     for t in range(11, 14):
-        diffs.append(np.abs(runner.run(ids[:, t:t + 1].numpy(), held + t, buffers)[:, 0] - ref[:, t]).max())
+        diffs.append(np.abs(run(ids[:, t:t + 1].numpy(), held + t, buffers)[:, 0] - ref[:, t]).max())
     row = {n: b[1:2] for n, b in buffers.items()}
-    diffs.append(np.abs(runner.run(ids[1:2, 11:].numpy(), np.array([11]), row)[0] - ref[1, 11:]).max())
+    diffs.append(np.abs(run(ids[1:2, 11:].numpy(), np.array([11]), row)[0] - ref[1, 11:]).max())
     return Parity(float(max(diffs)), float(np.abs(ref).max()))
 
 
-def prefill(session, ids: np.ndarray) -> np.ndarray:
-    """The logits of `ids` [batch, sequence] prefilled on an empty cache."""
-    return FusedRunner(session).run(ids, np.zeros(len(ids), np.int64), cache_buffers(session, len(ids), ids.shape[1]))
+def _lora_inputs(session, adapter):
+    """rows -> the LoRA inputs of a run of that many rows, every row running `adapter`; None for a graph without."""
+    layout = graph_layout(session.get_inputs())
+    if not layout:
+        return None
+    weights = RowWeights(layout)
+    return lambda rows: weights.rows([adapter] * rows)
+
+
+def prefill(session, ids: np.ndarray, adapter=None) -> np.ndarray:
+    """The logits of `ids` [batch, sequence] prefilled on an empty cache (every row with `adapter`, on a graph with
+    LoRA inputs)."""
+    lora = _lora_inputs(session, adapter)
+    return FusedRunner(session).run(ids, np.zeros(len(ids), np.int64), cache_buffers(session, len(ids), ids.shape[1]),
+                                    None if lora is None else lora(len(ids)))

@@ -51,6 +51,17 @@ step, and free text seldom repeats itself). A sequence's `speculative` lowers it
 that gives the last position's logits only cannot verify: the engine then decodes plainly and drafts no more
 (`speculation` None).
 
+With the method `deepseek_mtp` (vLLM's name; `mtp` too) the drafts come from DeepSeek-V3's MTP module instead
+(`MTPDrafter`, the draft graph `dstool export` writes beside such a model, whose decoder graph then also gives its
+last hidden state): the same loop, the same rule of when to draft, the same verification and counters. The main
+graph's hidden states of each sequence's positions are kept (only while the engine has the drafter, and only those
+the MTP layer has not read yet); at a draft, the MTP layer first reads them (with the next token of each position)
+into its own cache, its last position proposing the first draft, then runs on its own output hidden state and that
+draft for the next (the same layer chained, as vLLM does past num_nextn_predict_layers). Those chained positions
+are not kept: the MTP cache holds exactly the positions the main cache holds but the last, and after verification
+the accepted tokens' hidden states are kept for the MTP layer's next read, the rejected ones' dropped with their
+main-cache positions.
+
 A failure ends only the sequences it concerns: a choice that raises (or picks an id outside the vocabulary) ends
 its own sequence; a graph run that fails ends the sequences of that run (the prefilling group, or the running
 batch, whose cache is then dropped). Such a sequence comes out of `steps` with the token None and its `error` set;
@@ -68,21 +79,27 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from .adapters import Adapter, RowWeights, graph_layout
+
 MAX_BACKOFF = 16  # steps a sequence drafts no more after drafts that all failed, at most
+MTP_PENDING = 256  # main-graph hidden states a sequence holds unread before its MTP layer reads them (a bound)
 
 
 @dataclass(frozen=True)
 class Speculation:
     """Prompt-lookup drafting, as vLLM's speculative_config {"method": "ngram", "num_speculative_tokens": K,
     "prompt_lookup_max": N, "prompt_lookup_min": M} (vLLM's defaults: both lookups 5 when neither is given, else
-    the one given)."""
+    the one given); or DeepSeek's MTP module drafting, {"method": "deepseek_mtp", "num_speculative_tokens": K} (the
+    lookups unused)."""
 
     num_speculative_tokens: int
-    prompt_lookup_max: int
-    prompt_lookup_min: int
+    prompt_lookup_max: int = 0
+    prompt_lookup_min: int = 0
+    method: str = "ngram"
 
     MAX_TOKENS: ClassVar[int] = 16  # drafts per step, at most
     MAX_LOOKUP: ClassVar[int] = 32  # n-gram length, at most
+    MTP_METHODS: ClassVar[tuple[str, ...]] = ("deepseek_mtp", "mtp")  # vLLM's names of MTP drafting
 
     @classmethod
     def parse(cls, value: str | dict) -> Speculation:
@@ -94,13 +111,15 @@ class Speculation:
                 raise ValueError("must be the JSON text of an object") from None
         if not isinstance(value, dict):
             raise ValueError('must be an object such as {"method": "ngram", "num_speculative_tokens": 4}')
-        known = {"method", "num_speculative_tokens", "prompt_lookup_max", "prompt_lookup_min"}
+        method = value.get("method")
+        if method not in ("ngram", *cls.MTP_METHODS):
+            raise ValueError(f"method must be \"ngram\" (prompt lookup) or \"deepseek_mtp\" (the model's own MTP "
+                             f"module), got {json.dumps(method)[:40]}")
+        known = {"method", "num_speculative_tokens"} | \
+            ({"prompt_lookup_max", "prompt_lookup_min"} if method == "ngram" else set())
         unknown = sorted(set(value) - known)
         if unknown:
             raise ValueError(f"{unknown[0]} is not read: give {', '.join(sorted(known))}")
-        if value.get("method") != "ngram":
-            raise ValueError(f"method must be \"ngram\" (prompt lookup: the only method without a draft model), "
-                             f"got {json.dumps(value.get('method'))[:40]}")
 
         def integer(name: str, high: int, default: int | None) -> int:
             v = value.get(name, default)
@@ -109,6 +128,8 @@ class Speculation:
             return v
 
         k = integer("num_speculative_tokens", cls.MAX_TOKENS, None)
+        if method != "ngram":
+            return cls(k, method=method)
         high, low = value.get("prompt_lookup_max"), value.get("prompt_lookup_min")
         high = integer("prompt_lookup_max", cls.MAX_LOOKUP, 5 if high is None and low is None else low)
         low = integer("prompt_lookup_min", cls.MAX_LOOKUP, high)
@@ -116,8 +137,22 @@ class Speculation:
             raise ValueError(f"prompt_lookup_min ({low}) must not exceed prompt_lookup_max ({high})")
         return cls(k, high, low)
 
+    @property
+    def mtp(self) -> bool:
+        """Drafting with the model's MTP module."""
+        return self.method in self.MTP_METHODS
+
+    def check_mtp(self, depths: int) -> None:
+        """ValueError unless the model has the MTP depths this method drafts with (num_nextn_predict_layers)."""
+        if self.mtp and depths < 1:
+            raise ValueError(f"method {self.method} drafts with the model's MTP module, and this model has none "
+                             "(num_nextn_predict_layers 0, no MTP graph exported): train it with --mtp-layers N and "
+                             "export it again, or use method ngram")
+
     def text(self) -> str:
         """The config as vLLM writes it (JSON)."""
+        if self.mtp:
+            return json.dumps({"method": self.method, "num_speculative_tokens": self.num_speculative_tokens})
         return json.dumps({"method": "ngram", "num_speculative_tokens": self.num_speculative_tokens,
                            "prompt_lookup_max": self.prompt_lookup_max, "prompt_lookup_min": self.prompt_lookup_min})
 
@@ -132,6 +167,88 @@ class Speculation:
                 if np.array_equal(ids[start:start + n], tail):
                     return ids[start + n:start + n + k].tolist()
         return []
+
+
+@dataclass
+class MTPState:
+    """A sequence's MTP drafting state: the MTP layer's cache over positions `start`.. (`start`: its first position
+    with a hidden state, after a prefix cache's, which have none) and the main graph's hidden states of the positions
+    after those, not read by the MTP layer yet."""
+
+    start: int
+    cache: dict[str, np.ndarray] | None = None  # past_key_values.layers.0.* [1, 1, held, dim]
+    hidden: list[np.ndarray] = field(default_factory=list)  # [positions, hidden] chunks, in order
+
+    @property
+    def held(self) -> int:
+        return _positions(self.cache)
+
+    @property
+    def pending(self) -> int:
+        return sum(len(h) for h in self.hidden)
+
+    def drop(self, rows: int) -> None:
+        """Forget the last `rows` hidden states (the rejected drafts' positions)."""
+        if rows:
+            kept = np.concatenate(self.hidden)[:-rows]
+            self.hidden = [kept] if len(kept) else []
+
+
+class MTPDrafter:
+    """DeepSeek's MTP module drafting a sequence's next tokens: the first depth's exported draft graph
+    (dstool.onnx_export.MTPDraft: token ids, hidden states, position ids, attention mask, its own cache -> logits,
+    its output hidden states, the grown cache), each draft its most likely token."""
+
+    def __init__(self, session):
+        self.session = session
+        self.cache_names = [i.name for i in session.get_inputs() if i.name.startswith("past_key_values.")]
+        self.shapes = {i.name: (i.shape[1], i.shape[3]) for i in session.get_inputs() if i.name in self.cache_names}
+        self.outputs = ["logits", "next_hidden_states", *(c.replace("past_key_values.", "cache.", 1)
+                                                          for c in self.cache_names)]
+
+    def run(self, ids: list[int], hidden: np.ndarray, first: int, cache: dict[str, np.ndarray] | None):
+        """The MTP layer over `ids` at positions first.. with `hidden` [n, hidden] after `cache`: (logits [n, vocab],
+        output hidden states [n, hidden], the grown cache)."""
+        past = cache or {n: np.zeros((1, h, 0, d), np.float32) for n, (h, d) in self.shapes.items()}
+        held, n = _positions(past), len(ids)
+        logits, out, *grown = self.session.run(self.outputs, {
+            "input_ids": np.array([ids], np.int64), "hidden_states": hidden[None].astype(np.float32),
+            "position_ids": (first + np.arange(n, dtype=np.int64))[None],
+            "attention_mask": np.ones((1, held + n), np.int64), **past})
+        return logits[0], out[0], dict(zip(self.cache_names, grown))
+
+    def _read(self, s: Sequence, n: int):
+        """The first `n` of `s`'s unread hidden states, each with its position's next token, read into its MTP
+        cache (kept): the layer's logits and output hidden states at those positions."""
+        state, tokens = s.mtp, s.prompt + s.output
+        assert state is not None
+        first, hidden = state.start + state.held, np.concatenate(state.hidden)
+        logits, out, state.cache = self.run(tokens[first + 1:first + 1 + n], hidden[:n], first, state.cache)
+        state.hidden = [hidden[n:]] if n < len(hidden) else []
+        return logits, out
+
+    def absorb(self, s: Sequence) -> None:
+        """`s`'s unread hidden states whose next token is known read into its MTP cache, as a draft reads them: a
+        sequence that does not draft for a while (in a batch) holds at most MTP_PENDING of them."""
+        state = s.mtp
+        if state is not None and state.hidden:  # the last position's next token is still being chosen
+            n = min(state.pending, len(s.prompt) + len(s.output) - 1 - (state.start + state.held))
+            if n > 0:
+                self._read(s, n)
+
+    def draft(self, s: Sequence, k: int) -> list[int]:
+        """Up to `k` tokens after `s`'s: its unread hidden states read into its MTP cache first (kept), then the
+        layer chained on its own output for each further draft (not kept)."""
+        state = s.mtp
+        if state is None or not state.hidden:
+            return []
+        logits, out = self._read(s, state.pending)  # every unread position: the last is the one before the newest
+        drafted, cache, at = [int(np.argmax(logits[-1]))], state.cache, len(s.prompt) + len(s.output) - 1
+        for _ in range(k - 1):
+            logits, out, cache = self.run(drafted[-1:], out[-1:], at, cache)
+            drafted.append(int(np.argmax(logits[-1])))
+            at += 1
+        return drafted
 
 
 @dataclass
@@ -159,6 +276,13 @@ class Sequence:
     speculative: int | None = None  # tokens it may draft per step (None: the engine's; 0: none)
     backoff: int = 0  # steps it drafts no more after a draft none of which was accepted (doubling while none is)
     idle: int = 0  # steps of the backoff still to go
+    adapter: Adapter | None = None  # the LoRA adapter it decodes with (a graph with LoRA inputs); None: the base
+    mtp: MTPState | None = None  # its MTP drafting state (an engine with an MTPDrafter)
+
+    @property
+    def scope(self) -> str:
+        """Its prefix-cache scope: its salt and its adapter's content (another adapter's keys and values differ)."""
+        return self.salt if self.adapter is None else f"{self.salt}\x00{self.adapter.sha256}"
 
     @property
     def reserved(self) -> int:
@@ -178,14 +302,16 @@ class Sequence:
 class Engine:
     def __init__(self, session, cache_shapes: dict[str, tuple[int, int]], max_batch: int = 16,
                  max_cache_tokens: int | None = None, max_prefill_tokens: int = 64,
-                 prefix_cache: PrefixCache | None = None, speculation: Speculation | None = None):
+                 prefix_cache: PrefixCache | None = None, speculation: Speculation | None = None,
+                 mtp: MTPDrafter | None = None):
         """`session`: what runs the decoder graph, anything with onnxruntime's `run(output names, feeds)` (its
         logits for every position, or for the last one only, which serves one prompt per prefill: max_batch 1);
         `cache_shapes`: its cache inputs
         (past_key_values.*) -> (kv_heads, head_dim); `max_cache_tokens`: the cache positions all admitted
         sequences together may hold (default: unbounded); `max_prefill_tokens`: prompt tokens prefilled per step;
         `prefix_cache`: where prompts' computed prefixes are kept and found (none: every prompt computed whole);
-        `speculation`: n-gram drafting (none: one token per step)."""
+        `speculation`: n-gram or MTP drafting (none: one token per step); `mtp`: the MTP draft graph's drafter,
+        which method deepseek_mtp needs (and a decoder graph giving `hidden_states`)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be at least 1, got {max_prefill_tokens}")
         self.max_prefill_tokens = max_prefill_tokens
@@ -202,6 +328,13 @@ class Engine:
         self.cache: dict[str, np.ndarray] = self._empty(0)  # input name -> [rows, kv_heads, positions, head_dim]
         self.mask = np.zeros((0, 0), np.int64)  # [rows, positions]: 1 where a row holds a token
         self.speculation = speculation
+        if speculation is not None and speculation.mtp:
+            speculation.check_mtp(0 if mtp is None else 1)
+            if "hidden_states" not in {o.name for o in session.get_outputs()}:
+                raise ValueError(f"method {speculation.method} reads the decoder's last hidden state, and this "
+                                 "decoder graph gives none: export the model with dstool export again")
+        self.mtp = mtp if speculation is not None and speculation.mtp else None
+        self.lora: RowWeights | None = None  # each row's adapter weights, for a graph with LoRA inputs (FusedEngine)
         # vLLM's spec_decode counters: drafts verified, tokens drafted, drafts accepted, accepted at each position
         self.spec_counts: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0,
                             "accepted_at": [0] * (speculation.num_speculative_tokens if speculation else 0)}
@@ -211,6 +344,9 @@ class Engine:
         return bool(self.waiting or self.prefilling or self.running)
 
     def add(self, sequence: Sequence) -> None:
+        if sequence.adapter is not None and self.lora is None:
+            raise ValueError("this decoder graph has no LoRA inputs: export the model with --adapter or --enable-lora "
+                             "to serve adapters")
         if self.max_cache_tokens is not None and sequence.reserved > self.max_cache_tokens:
             raise ValueError(f"prompt ({len(sequence.prompt)} tokens) + max_new_tokens ({sequence.max_new_tokens}) "
                              f"exceed the engine's {self.max_cache_tokens} cache positions")
@@ -317,7 +453,7 @@ class Engine:
             places[s.tenant] = places.get(s.tenant, 0) + 1
             held += 0 if s.paused else s.reserved
             if self.prefix_cache is not None and not s.prefilled and s.score is None:
-                s.cached, s.partial = self.prefix_cache.match(s.prompt, s.salt)
+                s.cached, s.partial = self.prefix_cache.match(s.prompt, s.scope)
                 s.prefilled = s.cached
             admitted.append(s)
         self._fit_prefix_cache(held)
@@ -353,13 +489,26 @@ class Engine:
             budget -= take
         return group
 
-    def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        names = ["logits", *self.cache_outputs.values()]
+    def _run(self, feeds: dict[str, np.ndarray]) -> tuple[np.ndarray, dict[str, np.ndarray], np.ndarray | None]:
+        """(logits, the grown cache, the last hidden states where MTP drafting reads them, else None)."""
+        names = ["logits", *self.cache_outputs.values(), *(["hidden_states"] if self.mtp else [])]
         try:
             logits, *caches = self.session.run(names, feeds)
         except Exception as e:  # noqa: BLE001 (whatever the runtime raises ends this run's sequences, not the engine)
             raise _RunFailed(e) from e
-        return logits, dict(zip(self.cache_shapes, caches))
+        hidden = caches.pop() if self.mtp else None
+        return logits, dict(zip(self.cache_shapes, caches)), hidden
+
+    def _keep_hidden(self, s: Sequence, hidden: np.ndarray | None, position: int) -> None:
+        """The main graph's hidden states [positions, hidden] of `s` from `position` on, for its MTP drafts (a
+        sequence that does not draft keeps none)."""
+        if hidden is None or s.speculative == 0:
+            return
+        if s.mtp is None:
+            s.mtp = MTPState(start=position)
+        s.mtp.hidden.append(hidden)
+        if self.mtp is not None and s.mtp.pending > MTP_PENDING:
+            self.mtp.absorb(s)
 
     def _prefill(self):
         """The next chunks of the prefilling sequences' prompts, up to `max_prefill_tokens` in all, as one batch
@@ -385,8 +534,8 @@ class Engine:
                 for name in past:
                     past[name][b, :, :held] = s.partial[name][0]
         try:
-            logits, present = self._run({"input_ids": ids, "attention_mask": mask, "position_ids": positions,
-                                         **past})
+            logits, present, hidden = self._run({"input_ids": ids, "attention_mask": mask,
+                                                 "position_ids": positions, **past})
         except _RunFailed as e:  # this group's prompts end; nothing else held changed
             failed = {id(s) for s, _ in group}
             self.prefilling = [s for s in self.prefilling if id(s) not in failed]
@@ -403,6 +552,7 @@ class Engine:
                 if unscored is not None:
                     produced.append(unscored)
                     continue
+            self._keep_hidden(s, None if hidden is None else hidden[b, :take], s.prefilled)
             s.prefilled += take
             held = np.flatnonzero(mask[b])  # the row's own positions, the padding left out
             row = {name: value[b:b + 1, :, held] for name, value in present.items()}
@@ -411,7 +561,7 @@ class Engine:
                 continue
             s.partial = None
             if self.prefix_cache is not None:
-                self.prefix_cache.add(s.prompt, row, s.salt)
+                self.prefix_cache.add(s.prompt, row, s.scope)
                 self._fit_prefix_cache()
             last = take - 1 - (width - logits.shape[1])  # the graph may give the last position's logits only
             if last < 0:
@@ -427,10 +577,12 @@ class Engine:
         """One token for every row: the last token in, the graph's cache out kept as the batch cache."""
         batch = self.running
         mask = np.concatenate([self.mask, np.ones((len(batch), 1), np.int64)], axis=1)
-        logits, self.cache = self._run({
+        logits, self.cache, hidden = self._run({
             "input_ids": np.array([[s.output[-1]] for s in batch], np.int64), "attention_mask": mask,
             "position_ids": np.array([[len(s.prompt) + len(s.output) - 1] for s in batch], np.int64), **self.cache})
         self.mask = mask
+        for b, s in enumerate(batch):
+            self._keep_hidden(s, None if hidden is None else hidden[b], len(s.prompt) + len(s.output) - 1)
         return [self._choose(s, logits[b, -1]) for b, s in enumerate(batch)]
 
     def _speculate(self) -> list[tuple[Sequence, int | None]] | None:
@@ -444,7 +596,8 @@ class Engine:
             return None
         k = min(self.speculation.num_speculative_tokens, s.max_new_tokens - len(s.output) - 1,
                 self.speculation.num_speculative_tokens if s.speculative is None else s.speculative)
-        drafted = self.speculation.draft(s.prompt + s.output, k) if k > 0 else []
+        drafted = [] if k <= 0 else self.mtp.draft(s, k) if self.mtp else \
+            self.speculation.draft(s.prompt + s.output, k)
         if not drafted:
             return None
         logits = self._verify(s, drafted)
@@ -475,16 +628,20 @@ class Engine:
         `_commit`."""
         new = len(drafted) + 1
         mask = np.concatenate([self.mask, np.ones((1, new), np.int64)], axis=1)
-        logits, present = self._run({
+        at = len(s.prompt) + len(s.output) - 1
+        logits, present, hidden = self._run({
             "input_ids": np.array([[s.output[-1], *drafted]], np.int64), "attention_mask": mask,
-            "position_ids": (len(s.prompt) + len(s.output) - 1 + np.arange(new, dtype=np.int64))[None], **self.cache})
+            "position_ids": (at + np.arange(new, dtype=np.int64))[None], **self.cache})
         if logits.shape[1] == new:
             self.cache, self.mask = present, mask
+            self._keep_hidden(s, None if hidden is None else hidden[0], at)
         return logits[0]
 
     def _commit(self, made: int, verified: int) -> None:
         """Of the `verified` positions `_verify` added, keep the first `made` (the last token and the accepted
-        drafts), dropping the rejected drafts'."""
+        drafts), dropping the rejected drafts' (and their hidden states, for MTP drafting)."""
+        if self.running[0].mtp is not None:
+            self.running[0].mtp.drop(verified - made)
         end = self.mask.shape[1] - verified + made
         if end < self.mask.shape[1]:
             self.mask = self.mask[:, :end]
@@ -545,11 +702,14 @@ class FusedRunner:
         self.session, self.ort_value = session, ort.OrtValue.ortvalue_from_numpy
         self.binding, self.bound, self.held_arrays = None, None, []
 
-    def run(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+    def run(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray],
+            lora: dict[str, np.ndarray] | None = None) -> np.ndarray:
         """`ids` [rows, new] after `held` [rows] positions each -> logits [rows, new, vocab]; the new positions'
         keys and values written into `buffers` (capacity >= held + new). The cache bindings are kept while the
-        buffers are the same memory and shape (each decoding step of a batch that did not change)."""
-        key = [(b.__array_interface__["data"][0], b.shape) for b in buffers.values()]
+        buffers are the same memory and shape (each decoding step of a batch that did not change). A graph with LoRA
+        inputs takes `lora`: each row's adapter weights (bound again only when they are other arrays)."""
+        weights = lora or {}
+        key = [(b.__array_interface__["data"][0], b.shape) for b in (*buffers.values(), *weights.values())]
         if self.binding is None or key != self.bound:
             self.release()
             binding = self.session.io_binding()
@@ -558,7 +718,10 @@ class FusedRunner:
                 value = self.ort_value(buffer)  # shares the array's memory (C-contiguous)
                 binding.bind_ortvalue_input(name, value)
                 binding.bind_ortvalue_output(name.replace("past_key_values.", "cache.", 1), value)
-            self.binding, self.bound, self.held_arrays = binding, key, list(buffers.values())
+            for name, weight in weights.items():
+                binding.bind_ortvalue_input(name, self.ort_value(weight))
+            self.binding, self.bound = binding, key
+            self.held_arrays = [*buffers.values(), *weights.values()]
         binding = self.binding
         binding.bind_cpu_input("input_ids", np.ascontiguousarray(ids, np.int64))
         binding.bind_cpu_input("seqlens_k", (held + ids.shape[1] - 1).astype(np.int32))
@@ -586,6 +749,8 @@ class FusedEngine(Engine):
         super().__init__(session, *args, **kwargs)
         self.runner = FusedRunner(session)
         self.held = np.zeros(0, np.int64)  # positions each running row holds
+        layout = graph_layout(session.get_inputs())
+        self.lora = RowWeights(layout) if layout else None
 
     def _drop_batch(self) -> None:
         self.running, self.cache, self.held = [], self._empty(0), np.zeros(0, np.int64)
@@ -603,9 +768,16 @@ class FusedEngine(Engine):
             buffer[:rows, :, :kept] = self.cache[name][:rows, :, :kept]
         self.cache = refit
 
-    def _run_fused(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray]) -> np.ndarray:
+    def _run_fused(self, ids: np.ndarray, held: np.ndarray, buffers: dict[str, np.ndarray],
+                   rows: list[Sequence] | None = None) -> np.ndarray:
+        """A run over `rows` (a prefill run's sequences, their own buffers), or over the batch buffer's first rows
+        (None: the running sequences there)."""
         try:
-            return self.runner.run(ids, held, buffers)
+            lora = None
+            if self.lora is not None:  # the running batch's kept between steps; a prefill run's made for it
+                lora = self.lora.rows([s.adapter for s in rows]) if rows is not None else \
+                    self.lora.batch([s.adapter for s in self.running[:len(ids)]], self.max_batch)
+            return self.runner.run(ids, held, buffers, lora)
         except Exception as e:  # noqa: BLE001 (whatever the runtime raises ends this run's sequences, not the engine)
             raise _RunFailed(e) from e
 
@@ -641,7 +813,7 @@ class FusedEngine(Engine):
                 ids[b, :take] = s.prompt[s.prefilled:s.prefilled + take]
             held = np.array([s.prefilled for s, _ in run], np.int64)
             try:
-                logits = self._run_fused(ids, held, buffers)
+                logits = self._run_fused(ids, held, buffers, [s for s, _ in run])
             except _RunFailed as e:  # this run's prompts end; nothing else held changed
                 produced += [s._fail(e.cause) for s, _ in run]
                 continue
@@ -656,7 +828,7 @@ class FusedEngine(Engine):
                     continue
                 row, s.partial = s.partial or {}, None
                 if self.prefix_cache is not None:
-                    self.prefix_cache.add(s.prompt, row, s.salt)
+                    self.prefix_cache.add(s.prompt, row, s.scope)
                     self._fit_prefix_cache()
                 produced.append(self._choose(s, logits[b, take - 1]))
                 joining.append((s, row))

@@ -45,3 +45,26 @@ class ContextTooLong(SamplingError):
             return None
         prompt, new, positions = (int(g) for g in m.groups())
         return cls(prompt, new, positions, message[m.end():].lstrip(": "))
+
+
+class AdapterError(DecodingError):
+    """A LoRA adapter the server cannot load as asked (the message names the reason)."""
+
+    code = "invalid_adapter"
+
+
+class UnknownAdapter(DecodingError):
+    """A request names an adapter that is not loaded (OpenAI's 404 model_not_found)."""
+
+    code = "model_not_found"
+    _WORDS = re.compile(r"adapter '([A-Za-z0-9._-]{1,64})' is not loaded")
+
+    def __init__(self, name: str, loaded: list[str], said: str | None = None):
+        super().__init__(said or f"adapter '{name}' is not loaded: the loaded ones are {', '.join(loaded) or 'none'}")
+        self.name = name
+
+    @classmethod
+    def read(cls, message: str) -> UnknownAdapter | None:
+        """The error a message says, when it is this one's (as Triton passed it on)."""
+        m = cls._WORDS.match(message)
+        return None if m is None else cls(m[1], [], message)

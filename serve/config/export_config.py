@@ -8,6 +8,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from dstool.config import CommandConfig, positional
+from dstool.decoding.adapters import NAME as ADAPTER_NAME
 from dstool.decoding.engine import Speculation
 
 STREAM_INTERVAL = 1  # tokens per streamed response: docs/export-serve.md has the measurement
@@ -43,10 +44,19 @@ class RepositorySettings(CommandConfig):
                                  "responses of this many (the first token and the last response always at once), "
                                  "as vLLM's --stream-interval")
     speculative_config: str | None = Field(
-        None, description="NAME_llm drafts tokens by prompt lookup and verifies them in one step while a single "
-        "request runs (vLLM's n-gram speculative decoding; outputs unchanged), as vLLM's --speculative-config: "
+        None, description="NAME_llm drafts tokens and verifies them in one step while a single request runs "
+        "(vLLM's speculative decoding; outputs unchanged), as vLLM's --speculative-config: by prompt lookup, "
         "'{\"method\": \"ngram\", \"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, "
-        "\"prompt_lookup_min\": 2}'", json_schema_extra={"cli": {"metavar": "JSON"}})
+        "\"prompt_lookup_min\": 2}', or with a DeepSeek-V3 model's own MTP module (dstool train --mtp-layers), "
+        "'{\"method\": \"deepseek_mtp\", \"num_speculative_tokens\": 1}'",
+        json_schema_extra={"cli": {"metavar": "JSON"}})
+    enable_lora: bool = Field(False, description="NAME_llm serves LoRA adapters beside the base model, each request "
+                              "its own in one batch, loaded and unloaded at run time (implied by --adapter; Llama-"
+                              "layout models, whose NAME_llm runs the fused-attention decoder)")
+    max_lora_rank: int = Field(64, ge=1, le=1024, description="the highest LoRA rank NAME_llm loads (as vLLM's "
+                               "--max-lora-rank)")
+    max_loras: int = Field(16, ge=1, le=256, description="adapters NAME_llm holds loaded at once (as vLLM's "
+                           "--max-cpu-loras)")
 
     @field_validator("name")
     @classmethod
@@ -82,16 +92,35 @@ class ExportConfig(RepositorySettings):
     repository: str = Field("model_repository", description="repository folder")
     output: str = Field("edge_package", description="--target edge: the package folder")
     layers_per_block: int = Field(1, ge=1, description="--target edge: decoder layers per block file")
+    adapters: list[str] = Field(default_factory=list, description="a PEFT LoRA adapter served beside the base, "
+                                "as NAME=FOLDER (repeat; e.g. a dstool train --lora run's model/adapter): clients "
+                                "pick it by name", json_schema_extra={"cli": {"flag": "--adapter",
+                                                                              "metavar": "NAME=FOLDER"}})
+
+    @field_validator("adapters")
+    @classmethod
+    def _adapters(cls, v: list[str]) -> list[str]:
+        names = []
+        for item in v:
+            name, eq, folder = item.partition("=")
+            if not eq or not folder or not ADAPTER_NAME.fullmatch(name):
+                raise ValueError(f"adapter {item[:80]!r}: give NAME=FOLDER, NAME 1-64 letters, digits, '.', '_' or "
+                                 "'-' beginning with a letter or digit")
+            if name in names:
+                raise ValueError(f"adapter {name!r} is given twice: give each adapter one name")
+            names.append(name)
+        return v
 
     @model_validator(mode="after")
     def _target(self) -> ExportConfig:
         given = self.model_fields_set
         wrong = given & {"output", "layers_per_block"} if self.target == "triton" else \
-            given & (set(RepositorySettings.model_fields) | {"repository"})
+            given & (set(RepositorySettings.model_fields) | {"repository", "adapters"})
         if wrong:
             other = "edge" if self.target == "triton" else "triton"
             raise ValueError(f"--{sorted(wrong)[0].replace('_', '-')} applies to --target {other} only")
         return self
 
     def settings(self) -> RepositorySettings:
-        return RepositorySettings(**{k: getattr(self, k) for k in RepositorySettings.model_fields})
+        values = {k: getattr(self, k) for k in RepositorySettings.model_fields}
+        return RepositorySettings(**{**values, "enable_lora": self.enable_lora or bool(self.adapters)})

@@ -36,8 +36,9 @@ class KeysConfig(CommandConfig):
                             "(default: $DSTOOL_REDIS_URL or redis://127.0.0.1:6379/0, the serving cache's)",
                             json_schema_extra={"cli": {"metavar": "URL"}})
     tenant: str | None = Field(None, description="the tenant (create, limits; list and usage: only its rows)")
-    models: str | None = Field(None, description="comma-separated models (or families, NAME for NAME_llm, ...) "
-                               "the key may use (default: all)", json_schema_extra={"cli": {"metavar": "M,..."}})
+    models: str | None = Field(None, description="comma-separated models (or families, NAME for NAME_llm, ...; "
+                               "BASE:ADAPTER for a LoRA adapter, which its base's name does not grant) the key may "
+                               "use (default: all)", json_schema_extra={"cli": {"metavar": "M,..."}})
     rpm: int = Field(0, ge=0, le=10**12, description="requests per minute (0: no limit)")
     tpm: int = Field(0, ge=0, le=10**12, description="tokens per minute, prompt and generated (0: no limit)")
     budget_tokens: int = Field(0, ge=0, le=10**15, description="tokens per --per day or month (0: no budget)",
@@ -51,8 +52,8 @@ class KeysConfig(CommandConfig):
     cache_scope: Literal["tenant", "shared"] = Field("tenant", description="tenant: cached answers are this tenant's "
                                                      "alone; shared: the key reads and writes the scope every shared "
                                                      "key uses (see docs/tenants.md for the risk)")
-    admin: bool = Field(False, description="the key may also load and unload models, use shared memory, read "
-                        "/metrics and every model's statistics")
+    admin: bool = Field(False, description="the key may also load and unload models and LoRA adapters, use shared "
+                        "memory, read /metrics and every model's statistics")
     grace: str = Field("0s", description="rotate: how long the old secret still works", json_schema_extra={
         "cli": {"metavar": "DURATION"}})
     format: Literal["table", "json"] = Field("table", description="how list and usage print")

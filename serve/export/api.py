@@ -19,7 +19,8 @@ from dstool.errors import UsageError
 from dstool.files import sha256_file
 from dstool.serve.config.export_config import ExportConfig
 from dstool.serve.export import repository
-from dstool.serve.export.source import generation_facts, onnx_graphs, read_source
+from dstool.serve.export.adapters import check_adapters, precheck_adapters
+from dstool.serve.export.source import check_speculation, generation_facts, onnx_graphs, read_source
 
 log = dlog.log
 
@@ -38,9 +39,15 @@ def export(cfg: ExportConfig) -> Deployment:
     source = Path(cfg.model)
     compressed = read_source(source)
     hf_dir = source / compressed.model if compressed else source
+    lora = cfg.settings().enable_lora
+    if lora and (compressed or not cfg.fused_attention):
+        raise UsageError("--adapter and --enable-lora serve adapters on an fp32 fused-attention decoder: export a "
+                         "Hugging Face folder (not a compress output), without --no-fused-attention")
+    precheck_adapters(cfg.adapters, cfg.max_lora_rank)  # before the graphs are made
+    check_speculation(cfg.speculative_config, None if compressed else hf_dir)
     work = Path(tempfile.mkdtemp(prefix="dstool-export-"))
     try:
-        fused = None
+        fused, mtp = None, []
         if compressed:
             logits, decoder = (source / compressed.graphs[role].path for role in ("logits", "decoder"))
             if cfg.fused_attention and "fused" in compressed.graphs:
@@ -51,14 +58,17 @@ def export(cfg: ExportConfig) -> Deployment:
                                                                  else "it has no fused-attention decoder)")))
         else:
             graphs = onnx_graphs(hf_dir, work, ("logits", "decoder", "fused") if cfg.fused_attention else
-                                 ("logits", "decoder"))
+                                 ("logits", "decoder"), lora=lora)
             logits, decoder, fused = graphs["logits"], graphs["decoder"], graphs.get("fused")
+            mtp = [graphs[f"mtp{k}"] for k in range(1, len(graphs) + 1) if f"mtp{k}" in graphs]
+        adapters = check_adapters(cfg.adapters, hf_dir, fused, cfg.max_lora_rank) if fused else {}
         eos, positions = generation_facts(hf_dir)
         repo.mkdir(parents=True, exist_ok=True)
         dlog.to_file(repo / "dstool-export.log")
         placed = repository.write_repository(repo, cfg.settings(), repository.Artefacts(
             logits_onnx=logits, decoder_onnx=decoder, tokenizer_dir=hf_dir, eos_token_ids=eos,
-            max_positions=positions, fused_onnx=fused))
+            max_positions=positions, fused_onnx=fused,
+            adapters={name: Path(a.path) for name, a in adapters.items()}, mtp_onnx=mtp))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     version = int(placed["logits"].name)
@@ -67,8 +77,11 @@ def export(cfg: ExportConfig) -> Deployment:
         source=compressed.source if compressed else artifacts.source_model(hf_dir),
         compressed=str(source.resolve()) if compressed else None, recipe=compressed.recipe if compressed else None,
         graphs={**{role: sha256_file(placed[role] / "model.onnx") for role in ("logits", "decoder")},
-                **({"fused": sha256_file(placed["llm"] / "fused" / "model.onnx")} if fused else {})},
-        settings=cfg.model_dump(mode="json", exclude={"model", "repository"}))
+                **({"fused": sha256_file(placed["llm"] / "fused" / "model.onnx")} if fused else {}),
+                **{f"mtp{k}": sha256_file(placed["llm"] / "mtp" / str(k) / "model.onnx")
+                   for k in range(1, len(mtp) + 1)}},
+        settings=cfg.model_dump(mode="json", exclude={"model", "repository"}),
+        adapters={name: a.sha256 for name, a in adapters.items()})
     _record(repo, deployment)
     log.info(f"dstool export: {repo} version {version} of {', '.join(p.parent.name for p in placed.values())} "
              f"({cfg.backend} backend, max_batch_size {cfg.max_batch_size}, {cfg.instances} instance(s); every config "

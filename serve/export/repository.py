@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import onnx
@@ -210,6 +210,8 @@ class Artefacts:
     max_positions: int
     default_max_new_tokens: int = 32
     fused_onnx: Path | None = None  # the fused-attention decoder NAME_llm runs (dstool.fused_decoder), if any
+    adapters: dict[str, Path] = field(default_factory=dict)  # LoRA adapters NAME_llm loads at start, by name
+    mtp_onnx: list[Path] = field(default_factory=list)  # DeepSeek's MTP depths as draft graphs (dstool.onnx_export)
 
 
 def prompt_bytes_bound(tokenizer_dir: Path, positions: int) -> int:
@@ -270,7 +272,12 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                               "prefix_cache_block": str(PREFIX_CACHE_BLOCK),
                               "stream_interval": str(s.stream_interval),
                               **({"speculative_config": s.speculative_config} if s.speculative_config else {}),
-                              **({"fused_decoder": "fused/model.onnx"} if a.fused_onnx else {}), **generation}}
+                              **({"fused_decoder": "fused/model.onnx"} if a.fused_onnx else {}),
+                              **({"mtp_graphs": json.dumps([f"mtp/{k}/model.onnx" for k in
+                                                            range(1, len(a.mtp_onnx) + 1)])} if a.mtp_onnx else {}),
+                              **({"lora": json.dumps({"adapters": sorted(a.adapters), "max_lora_rank": s.max_lora_rank,
+                                                      "max_loras": s.max_loras})} if s.enable_lora else {}),
+                              **generation}}
         for role in ("tokenizer", "detokenizer", "generate", "llm"):
             folder = staging / names[role] / str(version)
             folder.mkdir(parents=True)
@@ -286,6 +293,16 @@ def write_repository(repository: Path, s: RepositorySettings, a: Artefacts) -> d
                 data = Path(str(a.fused_onnx) + ".data")  # the graph names its weights file: kept as it is
                 if data.exists():
                     shutil.copy2(data, folder / "fused" / data.name)
+                for adapter_name, adapter in a.adapters.items():  # PEFT's two files, as NAME_llm reads them
+                    (folder / "adapters" / adapter_name).mkdir(parents=True)
+                    for peft_file in ("adapter_config.json", "adapter_model.safetensors"):
+                        shutil.copy2(adapter / peft_file, folder / "adapters" / adapter_name / peft_file)
+            if role == "llm":
+                for k, graph in enumerate(a.mtp_onnx, start=1):  # the graph names its weights file: kept as it is
+                    (folder / "mtp" / str(k)).mkdir(parents=True)
+                    for f in (graph, Path(str(graph) + ".data")):
+                        if f.exists():
+                            shutil.copy2(f, folder / "mtp" / str(k) / f.name)
             if role != "generate":
                 for name in TOKENIZER_FILES:
                     if (a.tokenizer_dir / name).is_file():

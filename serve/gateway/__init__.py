@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 
 __all__ = ["Gateway", "GatewayConfig", "run_gateway"]
 log = dlog.log
+GRPC_METADATA_BYTES = 16 << 10  # a call's metadata, all headers together (RESOURCE_EXHAUSTED beyond)
 
 
 class Gateway:
@@ -135,7 +136,11 @@ class Gateway:
                                           c.health_timeout, c.forward_headers, self.guard, shared)
         self._grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", int(self.reuse_port)),
                                                      ("grpc.max_receive_message_length", c.max_request_bytes),
-                                                     ("grpc.max_send_message_length", -1)])
+                                                     ("grpc.max_send_message_length", -1),
+                                                     # one bound, not grpc's band (8-16 KiB) where metadata is
+                                                     # refused at random: below it a call reaches the key check
+                                                     ("grpc.max_metadata_size", GRPC_METADATA_BYTES),
+                                                     ("grpc.absolute_max_metadata_size", GRPC_METADATA_BYTES)])
         self._grpc_server.add_generic_rpc_handlers((self.grpc_frontend,))
         try:
             self.grpc_port = self._grpc_server.add_insecure_port(f"{c.host}:{c.grpc_port}")

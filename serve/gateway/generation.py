@@ -162,8 +162,9 @@ class GenerationCache:
         self.metrics = metrics
 
     def _key(self, model: str, served: str, fingerprint: str, route: str, request: dict,
-             headers: tuple[tuple[str, str], ...], scope: str) -> str:
-        blob = orjson.dumps([route, model, served, request, list(headers)], option=orjson.OPT_SORT_KEYS)
+             headers: tuple[tuple[str, str], ...], scope: str, variant: str = "") -> str:
+        blob = orjson.dumps([route, model, served, request, list(headers), *([variant] if variant else [])],
+                            option=orjson.OPT_SORT_KEYS)
         h = hashlib.blake2b(struct.pack("<I", len(blob)) + blob, digest_size=32)
         return f"{scoped(scope)}:gen:{model}:{fingerprint}:{h.hexdigest()}"
 
@@ -187,11 +188,12 @@ class GenerationCache:
     async def open(self, model: str, version: str, route: str, body: bytes | dict,
                    headers: tuple[tuple[str, str], ...] = (("Content-Type", "application/json"),),
                    keyed: tuple[tuple[str, str], ...] = (), opt_out: bool = False,
-                   protocol: str = "http", scope: str = "", tenant: str = "") -> Generation:
+                   protocol: str = "http", scope: str = "", tenant: str = "", variant: str = "") -> Generation:
         """Answer a generate request (its body, or the request already read) from the cache or from Triton
         (recording a cacheable miss); `headers` go to Triton, `keyed` (those Triton passes on to the model) are part
         of the key, and so is `scope` (the tenant's cache namespace; the engine's prefix cache is salted with it).
-        A `tenant`'s request to the engine takes its turn among tenants. GatewayError for a request that cannot go
+        A `tenant`'s request to the engine takes its turn among tenants; `variant` (the sha256 of the LoRA adapter the
+        request names, adapters.py) is part of the key too. GatewayError for a request that cannot go
         upstream. Counted in the gateway's metrics under `protocol` (the time to the answer's head)."""
         started = time.perf_counter()
         request = read_request(body) if isinstance(body, bytes) else body
@@ -212,7 +214,7 @@ class GenerationCache:
             inputs = frozenset(i.get("name") for i in d.config.get("input") or [])
             if not opt_out and fingerprint is not None and "sequence_batching" not in d.config and \
                     not is_draw(generation_parameters(request, inputs)):
-                key = self._key(model, served, fingerprint, route, request, keyed, scope)
+                key = self._key(model, served, fingerprint, route, request, keyed, scope, variant)
         if tenant and d is not None and "prefix_cache_tokens" in (d.config.get("parameters") or {}):
             request = with_parameter(request, "tenant", tenant_tag(tenant))  # its turn among tenants in the engine
         if key is not None:

@@ -19,7 +19,9 @@ from collections.abc import AsyncGenerator, Awaitable
 
 import orjson
 
+from dstool.serve.gateway.adapters import NAME
 from dstool.serve.gateway.anthropic.messages import AnthropicFrontend, anthropic_error, anthropic_refused
+from dstool.serve.gateway.cache.digests import generation_parameters
 from dstool.serve.gateway.core import GatewayCore, error_message
 from dstool.serve.gateway.generation import GenerationCache, data, json_object, read_request
 from dstool.serve.gateway.kserve.codec import (
@@ -200,11 +202,20 @@ class HttpFrontend:
         opened = False
         try:
             request = read_request(req.body)
+            adapter = generation_parameters(request, frozenset()).get("adapter")  # NAME_llm's LoRA adapter
+            why = principal.not_given_adapter(model, adapter) if principal is not None else None
+            if why is not None:
+                raise Refused(403, why, "model_not_found")
+            variant, opt_out = "", opts_out(req)
+            if adapter not in (None, "") and model.endswith("_llm"):  # its sha256 in the key; unknown: not cached
+                found = await self.openai.adapters.find(model[:-len("_llm")], adapter) \
+                    if isinstance(adapter, str) and NAME.fullmatch(adapter) else None
+                variant, opt_out = (found.sha256, opt_out) if found is not None else ("", True)
             if meter is not None:
                 await meter.start(1, await self.generation.most_tokens(model, request))
-            g = await self.generation.open(model, version, route, request, headers, keyed, opt_out=opts_out(req),
+            g = await self.generation.open(model, version, route, request, headers, keyed, opt_out=opt_out,
                                            scope=principal.scope(model, self.shared_models) if principal else "",
-                                           tenant=principal.tenant if principal else "")
+                                           tenant=principal.tenant if principal else "", variant=variant)
             opened = True
         except Refused as e:
             return self._refusal(e, req)
@@ -391,6 +402,7 @@ class HttpFrontend:
 MODEL_ACTIONS = frozenset({"ready", "config", "stats", "infer", "generate", "generate_stream"})
 INFERENCE_ACTIONS = frozenset({"infer", "generate", "generate_stream"})
 OPENAI_INFERENCE = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages"})
+ADAPTER_ADMIN = frozenset({"/v1/load_lora_adapter", "/v1/unload_lora_adapter"})  # LoRA adapters: admin keys only
 INFERENCE_KINDS = frozenset({"inference", "openai_inference"})
 
 
@@ -406,6 +418,8 @@ def credential(path: str, headers: dict[str, str]) -> str:
 def tenant_route(method: str, path: str) -> tuple[str, str | None]:
     """(kind, model) of a request under --auth keys: kind is openai_inference, openai, inference, model (metadata
     and the like), server (/v2, the repository index) or admin."""
+    if path in ADAPTER_ADMIN:
+        return "admin", None
     if path.startswith("/v1/"):
         return ("openai_inference" if method == "POST" and path in OPENAI_INFERENCE else "openai"), None
     if path in ("/v2", "/v2/", "/v2/repository/index"):

@@ -15,8 +15,14 @@ The `echo` parameter adds the prompt's text (prompt_text) to the first response,
 the prompt's tokens' texts and log-probabilities with K alternatives each (prompt_token_texts, prompt_logprobs,
 prompt_top_tokens, prompt_top_logprobs; the first token has none), computed from the prompt's logits as it is
 prefilled (such a prompt is computed whole, not from the prefix cache). With the `speculative_config` parameter in the
-model's config (vLLM's n-gram speculative decoding, engine.py), the `num_speculative_tokens` request parameter lowers
+model's config (vLLM's n-gram speculative decoding, or deepseek_mtp with the MTP draft graph a DeepSeek-V3 model's
+export writes under mtp/ in this folder: engine.py), the `num_speculative_tokens` request parameter lowers
 the drafts per step for this request, or turns them off (0); a model without it refuses a value above 0.
+A model exported with LoRA adapters (`lora` in its config: --adapter, --enable-lora) decodes each request with the
+adapter its `adapter` parameter names (none: the base), rows of different adapters in one batch (adapters.py); a
+control request (its `adapter_admin` parameter: JSON {"action": "list" | "load" | "unload", "name", "path"}) lists,
+loads (from a folder inside the model repository) or unloads adapters — running sequences keep theirs until they end
+— and its answer's text_output is the adapters loaded after it, as JSON.
 
 `execute` only reads a request and checks its size: a prompt of more bytes than the model's positions could ever
 hold is refused before anything else. Tokenizing (and the chat template) happens on intake threads, so a long
@@ -35,11 +41,14 @@ import threading
 import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
-from decoding.engine import PrefixCache, Sequence, Speculation, engine_for
+from decoding.adapters import Adapter, graph_layout
+from decoding.engine import MTPDrafter, PrefixCache, Sequence, Speculation, engine_for
+from decoding.errors import AdapterError, UnknownAdapter
 from decoding.grammar import Grammars, thought_over
 from decoding.sampling import FINITE, SamplingError, request_choices
 from ort_options import session_options
@@ -59,7 +68,7 @@ REASONING_PARSERS = ("deepseek_r1",)  # the thinking a grammar waits for: <think
 # read here, besides sampling's
 OWN_PARAMETERS = frozenset({"tools", "cache_salt", "tenant", "stop", "skip_special_tokens",
                             "prompt_logprobs", "echo", "chat_template_kwargs", "reasoning_parser",
-                            "num_speculative_tokens"})
+                            "num_speculative_tokens", "adapter"})
 MAX_PROMPT_LOGPROBS = 20  # alternatives per prompt token, at most (as for generated ones)
 SCORE_ROWS = 64  # prompt positions scored at once (a float64 block of SCORE_ROWS x vocab)
 
@@ -275,7 +284,7 @@ class Metrics:
             ("vllm:spec_decode_num_draft_tokens_total", "Number of draft tokens."),
             ("vllm:spec_decode_num_accepted_tokens_total", "Number of accepted tokens."),
             ("vllm:spec_decode_num_accepted_tokens_per_pos_total", "Accepted tokens per draft position."),
-            ("dstool_llm_spec_decode_drafts_total", "Drafts verified (n-gram speculative decoding)"),
+            ("dstool_llm_spec_decode_drafts_total", "Drafts verified (speculative decoding)"),
             ("dstool_llm_spec_decode_draft_tokens_total", "Tokens drafted"),
             ("dstool_llm_spec_decode_accepted_tokens_total", "Drafted tokens accepted"))}
         self.families += families.values()
@@ -412,7 +421,7 @@ class Request:
             raise RequestError("send text_input (a prompt), input_ids (a prompt's token ids) or messages (a chat), "
                                "one of them")
         self.max_new_tokens, self.stop_ids = _values(request, "max_new_tokens"), _values(request, "stop_token_ids")
-        self.parameters = request.parameters()
+        self.parameters = request.parameters()  # JSON text, as Triton passes it (sampling reads it whole)
         self.text = self.prompt  # the prompt's text as the model reads it (a chat's laid out), once known
         flag = _values(request, "stream")
         self.stream = bool(flag.reshape(-1)[0]) if flag is not None and flag.size else False
@@ -432,8 +441,18 @@ class TritonPythonModel:
         # (a repository exported before the prefix cache: none)
         prefix_tokens, block = int(params.get("prefix_cache_tokens", 0)), int(params.get("prefix_cache_block", 16))
         speculation = Speculation.parse(params["speculative_config"]) if params.get("speculative_config") else None
+        mtp = [os.path.join(folder, g) for g in json.loads(params.get("mtp_graphs", "[]"))]  # DeepSeek's MTP depths
+        drafter = MTPDrafter(ort.InferenceSession(mtp[0], opts, providers=["CPUExecutionProvider"])) \
+            if mtp and speculation is not None and speculation.mtp else None
         self.engine = engine_for(session, shapes, int(params["max_batch"]), budget, int(params["max_prefill_tokens"]),
-                                 PrefixCache(block, prefix_tokens) if prefix_tokens else None, speculation)
+                                 PrefixCache(block, prefix_tokens) if prefix_tokens else None, speculation,
+                                 mtp=drafter)
+        self.lora = json.loads(params["lora"]) if "lora" in params else None  # adapters: max_lora_rank, max_loras
+        self.layout = graph_layout(session.get_inputs())
+        self.root = os.path.realpath(os.path.dirname(args["model_repository"]))  # where adapters may be loaded from
+        self.adapters: dict[str, Adapter] = {}  # by name; replaced whole (intake threads read it)
+        for name in (self.lora or {}).get("adapters", []):
+            self._load_adapter(name, os.path.join(folder, "adapters", name))
         self.tokenizer = AutoTokenizer.from_pretrained(folder)
         self.vocab = len(self.tokenizer)  # token ids a prompt may hold (input_ids): those the tokenizer can read
         self.eos = set(json.loads(params["eos_token_ids"]))
@@ -465,6 +484,10 @@ class TritonPythonModel:
             self.thread = self._start()
         for request in requests:
             sender = request.get_response_sender()
+            admin = _admin_action(request)
+            if admin is not None:
+                self._adapter_admin(admin, sender)
+                continue
             try:
                 read = Request(self, request, sender)
             except RequestError as e:
@@ -555,10 +578,7 @@ class TritonPythonModel:
 
     def _tools(self, read):
         """The request's tools parameter (JSON text of OpenAI tool objects), or None."""
-        try:
-            value = json.loads(read.parameters or "{}").get("tools")
-        except ValueError:
-            return None
+        value = _parameter(read, "tools")
         if value is None:
             return None
         if isinstance(value, str) and len(value.encode()) > self.max_prompt_bytes:
@@ -605,7 +625,60 @@ class TritonPythonModel:
             sampler.constraint = self.grammars.after_thinking(sampler.constraint)  # the model thinks first
         return Sequence(uuid.uuid4().hex, ids, new_tokens, sampler.next, stop_ids,
                         salt=_text_parameter(read, "cache_salt"), tenant=_text_parameter(read, "tenant"),
-                        speculative=_speculative(read, self.engine.speculation)), sampler
+                        speculative=_speculative(read, self.engine.speculation),
+                        adapter=self._adapter(read)), sampler
+
+    def _adapter(self, read):
+        """The request's `adapter` parameter: the loaded adapter it names, None for the base ("" or not given)."""
+        name = _parameter(read, "adapter", "")
+        if not isinstance(name, str):
+            raise RequestError(f"adapter must be a string (an adapter's name), got {json.dumps(name)[:40]}")
+        if not name:
+            return None
+        adapter = self.adapters.get(name)
+        if adapter is None:
+            raise RequestError(str(UnknownAdapter(name[:64], sorted(self.adapters))))
+        return adapter
+
+    def _load_adapter(self, name, path):
+        """Load the PEFT adapter at `path` as `name` (AdapterError naming the reason when it cannot be)."""
+        if self.lora is None:
+            raise AdapterError("this model serves no adapters: export it with --adapter or --enable-lora")
+        if name in self.adapters:
+            raise AdapterError(f"adapter {name!r} is loaded already: unload it first to load other weights under "
+                               "its name")
+        if len(self.adapters) >= self.lora["max_loras"]:
+            raise AdapterError(f"{len(self.adapters)} adapters are loaded, the most this model holds "
+                               f"(export --max-loras): unload one first")
+        real = os.path.realpath(os.path.join(self.root, path))  # relative paths: from the model repository
+        if os.path.commonpath([real, self.root]) != self.root:
+            raise AdapterError(f"adapter {name!r}: {path} is outside the model repository {self.root}: place the "
+                               "adapter's folder in the repository and give its path there")
+        adapter = Adapter.load(name, Path(real), self.layout, self.lora["max_lora_rank"])
+        self.adapters = {**self.adapters, name: adapter}
+
+    def _adapter_admin(self, action, sender):
+        """A control request (`adapter_admin`: list, load or unload an adapter): the adapters loaded after it as
+        JSON text, or the reason it was refused."""
+        try:
+            if not isinstance(action, dict) or action.get("action") not in ("list", "load", "unload") or not all(
+                    isinstance(action.get(k, ""), str) for k in ("name", "path")):
+                raise AdapterError('adapter_admin must be the JSON text of {"action": "list"}, {"action": "load", '
+                                   '"name": NAME, "path": FOLDER} or {"action": "unload", "name": NAME}')
+            name = action.get("name", "")
+            if action["action"] == "load":
+                self._load_adapter(name, action.get("path", ""))
+            elif action["action"] == "unload":  # running sequences keep it until they end
+                if name not in self.adapters:
+                    raise UnknownAdapter(name[:64], sorted(self.adapters))
+                self.adapters = {k: v for k, v in self.adapters.items() if k != name}
+        except (AdapterError, UnknownAdapter) as e:
+            sender.send(pb_utils.InferenceResponse(
+                error=pb_utils.TritonError(str(e), pb_utils.TritonError.INVALID_ARG)), flags=FINAL)
+            return
+        text = json.dumps({"adapters": [a.describe() for a in self.adapters.values()]})
+        sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("text_output", np.array([text.encode()],
+                                                                                    dtype=np.object_))]), flags=FINAL)
 
     def _serve(self):
         """The engine loop, started again whenever it fails (what it held ends with the error)."""
@@ -776,10 +849,7 @@ def _template_kwargs(read):
     """The `chat_template_kwargs` parameter (vLLM's): JSON text of an object of names to strings, numbers, booleans
     or null, passed to the chat template (V3.1's `thinking`, Qwen3's `enable_thinking`); bounded, and never one of
     the names the template call itself takes."""
-    try:
-        value = json.loads(read.parameters or "{}").get("chat_template_kwargs")
-    except ValueError:
-        return {}
+    value = _parameter(read, "chat_template_kwargs")
     if value is None:
         return {}
     if isinstance(value, str):
@@ -806,10 +876,7 @@ def _template_kwargs(read):
 def _reasoning_parser(read):
     """The `reasoning_parser` parameter (the gateway's --reasoning-parser): a grammar applies after the model's
     thinking; None when not given."""
-    try:
-        value = json.loads(read.parameters or "{}").get("reasoning_parser")
-    except ValueError:
-        return None
+    value = _parameter(read, "reasoning_parser")
     if value is not None and value not in REASONING_PARSERS:
         raise RequestError(f"reasoning_parser must be one of {', '.join(REASONING_PARSERS)}, got {value!r:.60}")
     return value
@@ -855,8 +922,7 @@ def _prompt_asks(read):
     """(echo, K): the `echo` parameter (true: the first response carries the prompt's text, prompt_text) and
     `prompt_logprobs` (K, 0-MAX_PROMPT_LOGPROBS: the prompt's tokens' log-probabilities and K alternatives each, or
     None)."""
-    params = json.loads(read.parameters or "{}")
-    echo, k = params.get("echo", False), params.get("prompt_logprobs")
+    echo, k = _parameter(read, "echo", False), _parameter(read, "prompt_logprobs")
     if not isinstance(echo, bool):
         raise RequestError(f"echo must be true or false, got {json.dumps(echo)[:60]}")
     if k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= MAX_PROMPT_LOGPROBS):
@@ -895,7 +961,7 @@ def _prompt_scorer(prompt, k, ranked):
 
 def _skip_special(read):
     """vLLM's skip_special_tokens parameter (default true): false keeps special tokens in the text."""
-    value = json.loads(read.parameters or "{}").get("skip_special_tokens", True)
+    value = _parameter(read, "skip_special_tokens", True)
     if not isinstance(value, bool):
         raise RequestError(f"skip_special_tokens must be true or false, got {value!r:.60}")
     return value
@@ -904,10 +970,7 @@ def _skip_special(read):
 def _stops(read):
     """The request's `stop` parameter: JSON text of up to 4 non-empty strings (or one string): generation ends as
     soon as the text holds one of them (the text sent includes it; the gateway's OpenAI routes cut it there)."""
-    try:
-        value = json.loads(read.parameters or "{}").get("stop")
-    except ValueError:
-        return []
+    value = _parameter(read, "stop")
     if value is None:
         return []
     if isinstance(value, str) and value.startswith("["):
@@ -926,10 +989,7 @@ def _stops(read):
 def _speculative(read, speculation):
     """The `num_speculative_tokens` parameter: the drafts per step this request allows (0: none), at most the
     model's speculative_config's; None when not given (the model's)."""
-    try:
-        value = json.loads(read.parameters or "{}").get("num_speculative_tokens")
-    except ValueError:
-        return None
+    value = _parameter(read, "num_speculative_tokens")
     if value is None:
         return None
     high = speculation.num_speculative_tokens if speculation is not None else 0
@@ -944,13 +1004,32 @@ def _text_parameter(read, name):
     """A string parameter of the request ("" when not given): `cache_salt` (vLLM's: its prompt shares computed
     prefixes only with requests of the same salt) and `tenant` (its turn among tenants' requests); the gateway sets
     both for a tenant's request."""
-    try:
-        value = json.loads(read.parameters or "{}").get(name, "")
-    except ValueError:
-        return ""
+    value = _parameter(read, name, "")
     if not isinstance(value, str) or len(value.encode()) > MAX_SALT_BYTES:
         raise RequestError(f"{name} must be a string of at most {MAX_SALT_BYTES} bytes, got {json.dumps(value)[:40]}")
     return value
+
+
+def _parameter(read, name, default=None):
+    """A parameter of the request `read` (its `parameters`, JSON text as Triton passes them); `default` when not
+    given."""
+    try:
+        named = json.loads(read.parameters or "{}")
+    except ValueError:
+        return default
+    return named.get(name, default) if isinstance(named, dict) else default
+
+
+def _admin_action(request):
+    """The `adapter_admin` parameter of a control request, read (None: an ordinary request)."""
+    text = request.parameters()
+    if "adapter_admin" not in text:
+        return None
+    try:
+        value = json.loads(text).get("adapter_admin")
+        return None if value is None else json.loads(value) if isinstance(value, str) else value
+    except (ValueError, RecursionError):
+        return "unreadable"
 
 
 def _ranking(sampler, ranked):

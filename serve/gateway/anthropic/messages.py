@@ -119,14 +119,19 @@ class AnthropicFrontend:
             return _error(503, str(e))
 
     async def _models(self, req: HttpRequest, model: str | None) -> HttpResponse:
+        def row(m: dict) -> dict:
+            return {"type": "model", "id": m["id"], "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z"}
+
+        if model is not None:  # as the OpenAI route finds it (an adapter also by its BASE:NAME)
+            try:
+                one = await self.openai._model(model, req.principal)
+            except OpenAIError as e:
+                if e.status != 404:
+                    raise
+                raise AnthropicError(404, f"model: {shown(model)} is not served (GET /v1/models lists them)") from None
+            return HttpResponse(200, [orjson.dumps(row(orjson.loads(b"".join(one.chunks))))], list(JSON))
         listed = await self.openai._models(req.principal)  # the served families the key is given
-        rows = [{"type": "model", "id": m["id"], "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z"}
-                for m in orjson.loads(b"".join(listed.chunks))["data"]]
-        if model is not None:
-            row = next((r for r in rows if r["id"] == model), None)
-            if row is None:
-                raise AnthropicError(404, f"model: {shown(model)} is not served (GET /v1/models lists them)")
-            return HttpResponse(200, [orjson.dumps(row)], list(JSON))
+        rows = [row(m) for m in orjson.loads(b"".join(listed.chunks))["data"]]
         return HttpResponse(200, [orjson.dumps({"data": rows, "has_more": False,
                                                 "first_id": rows[0]["id"] if rows else None,
                                                 "last_id": rows[-1]["id"] if rows else None})], list(JSON))
@@ -140,11 +145,15 @@ class AnthropicFrontend:
             raise AnthropicError(400, "the body must be a JSON object")
         chat, stops = translate(body)
         request = parse(orjson.dumps(chat), ChatCompletionRequest)
-        if req.principal is not None and not req.principal.allows(request.model):  # before any work on the request
-            raise AnthropicError(404, f"model: {shown(request.model)} (this key is not given it, or it does not "
-                                      "exist)")
+        try:  # the base and adapter it names, and whether the key is given it: before any work on the request
+            target = await self.openai.target(request.model, req.principal)
+        except OpenAIError as e:
+            if e.status == 404:
+                raise AnthropicError(404, f"model: {shown(request.model)} (this key is not given it, or it does not "
+                                          "exist)") from None
+            raise
         await request.check_grammars()
-        answer = await self.openai._complete(request, opts_out(req), req.principal)
+        answer = await self.openai._complete(request, opts_out(req), req.principal, target)
         writer = Writer(request.model, stops)
         if isinstance(answer, StreamingResponse):
             return StreamingResponse(200, answer.headers, writer.events(answer.body), answer.close)

@@ -426,7 +426,8 @@ class GrpcFrontend(grpc.GenericRpcHandler):
             meter = self.guard.meter(principal)
             try:
                 await self.guard.admit(authorization, inference=True)
-                why = principal.not_given(msg.model_name)
+                why = principal.not_given(msg.model_name) or principal.not_given_adapter(
+                    msg.model_name, _parameters(msg.parameters).get("adapter"))
                 if why is None and not principal.admin and names_shared_memory(msg):
                     why = SHARED_MEMORY_REFUSED
                 if why is not None:

@@ -5,8 +5,10 @@ continuous-batching model) through Triton's generate extension. Structured outpu
 guided_* and structured_outputs) are NAME_llm's grammar; tools (tools.py) are shown to the model, a forced call is
 made under its schema, and the text is read back as tool calls.
 
-`model` is the family's name (`dstool_lm`: its NAME_llm answers). Sampling parameters go to the model as they
-are (temperature — OpenAI's default 1 —, top_p, seed, presence/frequency_penalty, logit_bias, and vLLM's top_k,
+`model` is the family's name (`dstool_lm`: its NAME_llm answers), or a LoRA adapter's (BASE:ADAPTER, or ADAPTER
+held by one family: adapters.py; vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter load them, the
+admin's). Sampling parameters go to the model as they are (temperature — OpenAI's default 1 —, top_p, seed,
+presence/frequency_penalty, logit_bias, and vLLM's top_k,
 min_p, repetition_penalty, min_tokens, stop_token_ids); `max_tokens` (or `max_completion_tokens`) is max_new_tokens:
 without it a chat answer runs to the model's end or the context's (completions: 16 tokens, the legacy default), at
 most --max-tokens-limit; `stop` strings end a choice here, the text cut before them (after them with vLLM's
@@ -33,6 +35,7 @@ import orjson
 
 from dstool.decoding.errors import ContextTooLong
 from dstool.decoding.sampling import shown
+from dstool.serve.gateway.adapters import AdapterRefused, Adapters, ServedAdapter, load_request, not_loaded
 from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.openai import deepseek
@@ -258,6 +261,7 @@ class OpenAIFrontend:
         self.max_tokens_limit = max_tokens_limit  # --max-tokens-limit: the most tokens one choice may have
         self.choices: set[asyncio.Task] = set()  # held until done: the loop keeps only weak references to tasks
         self.responses = ResponsesRoutes(MemoryResponses(), self._chat)  # the gateway gives it its Redis store
+        self.adapters = Adapters(generation.core, generation.core.deployments.interval)  # LoRA adapters (adapters.py)
 
     async def handle(self, req: HttpRequest):
         try:
@@ -272,16 +276,23 @@ class OpenAIFrontend:
                     raise OpenAIError(405, f"use POST for {req.path}")
                 request = parse(req.body, ChatCompletionRequest if req.path == "/v1/chat/completions" else
                                 CompletionRequest)
-                _given(request.model, req.principal)  # before any work on what the request asks
+                target = await self.target(request.model, req.principal)  # before any work on what it asks
                 await request.check_grammars()
-                return await self._complete(request, opts_out(req), req.principal)
+                return await self._complete(request, opts_out(req), req.principal, target)
+            if req.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
+                if req.method != "POST":
+                    raise OpenAIError(405, f"use POST for {req.path}")
+                return await self._adapter_admin(req)
             if req.path == "/v1/embeddings":
                 raise OpenAIError(404, "no route /v1/embeddings: dstool serves causal language models, whose hidden "
                                        "states are no trained embedding (docs/structured-outputs.md)")
             raise OpenAIError(404, f"no route {req.method} {req.path}: the API has /v1/models, /v1/completions, "
-                                   "/v1/chat/completions and /v1/responses")
+                                   "/v1/chat/completions, /v1/responses, /v1/load_lora_adapter and "
+                                   "/v1/unload_lora_adapter")
         except OpenAIError as e:
             return error_response(e)
+        except AdapterRefused as e:
+            return error_response(_adapter_error(e))
         except Refused as e:
             return refused(e)
         except (UpstreamUnavailable, UpstreamTimeout) as e:
@@ -301,45 +312,108 @@ class OpenAIFrontend:
 
     async def _served(self, principal: Principal | None) -> list[str]:
         """The model families whose NAME_llm is ready on Triton (those the key is given, with a key)."""
-        r = await self.upstreams.request("POST", "/v2/repository/index", b"{}", (("Content-Type", "application/json"),))
-        if r.status != 200:
-            raise OpenAIError(502, f"Triton answered {r.status} to its repository index", kind="server_error")
-        return sorted(m["name"][:-len("_llm")] for m in orjson.loads(r.body)
-                      if m.get("name", "").endswith("_llm") and m.get("state") == "READY" and
-                      (principal is None or principal.allows(m["name"])))
+        try:
+            bases = await self.adapters.bases()
+        except GatewayError as e:
+            raise OpenAIError(502, e.message, kind="server_error") from None
+        return [b for b in bases if principal is None or principal.allows(b + "_llm")]
+
+    async def _listed(self, principal: Principal | None) -> list[tuple[dict, str]]:
+        """(model object, full name) of each served family and each of its adapters (those the key is given): an
+        adapter as vLLM lists a LoRA module, its id the name clients send (bare when no other base holds one of
+        that name, else BASE:NAME), `parent` its base, `root` its path."""
+        bases = await self._served(None)
+        rows = [(_model_object(b), b) for b in bases if principal is None or principal.allows(b + "_llm")]
+        lists = await asyncio.gather(*(self.adapters.of(b) for b in bases), return_exceptions=True)
+        adapters = [a for held in lists if isinstance(held, dict) for a in held.values()]
+        names = [a.name for a in adapters]
+        for a in adapters:
+            if principal is None or principal.allows(a.id):
+                rows.append(({**_model_object(a.name if names.count(a.name) == 1 else a.id), "root": a.path,
+                              "parent": a.base}, a.id))
+        return rows
 
     async def _models(self, principal: Principal | None) -> HttpResponse:
-        data = [_model_object(n) for n in await self._served(principal)]
+        data = [row for row, _ in await self._listed(principal)]
         return HttpResponse(200, [orjson.dumps({"object": "list", "data": data})],
                             [("Content-Type", "application/json")])
 
     async def _model(self, raw: str, principal: Principal | None) -> HttpResponse:
-        """GET /v1/models/{id}: the model object GET /v1/models lists, or OpenAI's 404 (model_not_found)."""
+        """GET /v1/models/{id}: the model object GET /v1/models lists (an adapter also by its BASE:NAME), or OpenAI's
+        404 (model_not_found)."""
         try:  # the path's bytes (a latin-1 string of them), percent escapes decoded, as UTF-8
             name = urllib.parse.unquote_to_bytes(raw.encode("latin-1")).decode("utf-8")
         except (UnicodeError, ValueError):
             name = ""
-        if not name or not addressable(name + "_llm"):
+        if not name or not addressable(name.rpartition(":")[0] + "_llm" if ":" in name else name + "_llm"):
             raise OpenAIError(404, f"The model {shown(name)} does not exist: a model's id is a served family's name "
-                                   "(GET /v1/models lists them)", "model", code="model_not_found")
-        if name not in await self._served(principal):
+                                   "or an adapter's (GET /v1/models lists them)", "model", code="model_not_found")
+        row = next((row for row, full in await self._listed(principal) if name in (row["id"], full)), None)
+        if row is None:
             raise OpenAIError(404, f"The model '{name}' does not exist or you do not have access to it.", "model",
                               code="model_not_found")
-        return HttpResponse(200, [orjson.dumps(_model_object(name))], [("Content-Type", "application/json")])
+        return HttpResponse(200, [orjson.dumps(row)], [("Content-Type", "application/json")])
+
+    async def target(self, model: str, principal: Principal | None) -> Target:
+        """The base and adapter a request's `model` names (adapters.py), refused (OpenAI's 404, model_not_found) when
+        the key (when there is one) is not given it: a family's name gives its base model, an adapter's BASE:NAME
+        that adapter only (a key given BASE is not given its adapters)."""
+        try:
+            base, adapter = await self.adapters.resolve(model)
+        except AdapterRefused as e:
+            if e.status == 404:  # whether the key is given it or not, the same answer
+                _given(model, principal)
+            raise OpenAIError(e.status, e.message, "model",
+                              code="model_not_found" if e.status == 404 else None) from None
+        _given(adapter.id if adapter is not None else model, principal)
+        return Target(base, adapter)
+
+    async def _adapter_admin(self, req: HttpRequest) -> HttpResponse:
+        """vLLM's POST /v1/load_lora_adapter {"lora_name", "lora_path"} and /v1/unload_lora_adapter {"lora_name"}
+        (`base_model_name`, or lora_name BASE:NAME, when several families are served): the admin's only; answered
+        as vLLM does, in plain text. A refused load is a 400 with NAME_llm's reason, an unknown name's unload a 404."""
+        if req.principal is not None and not req.principal.admin:
+            raise OpenAIError(403, f"POST {req.path} is for admin keys only (`dstool keys create --admin`)",
+                              code="permission_denied")
+        unload = req.path == "/v1/unload_lora_adapter"
+        base, name, path = load_request(req.body, unload)
+        if base is None:
+            served = await self._served(None)
+            if unload:  # the base that holds it
+                lists = await asyncio.gather(*(self.adapters.of(b, 0.0) for b in served))
+                served = [b for b, held in zip(served, lists) if name in held] or served[:1]
+            if len(served) != 1:
+                raise OpenAIError(400, f"{len(served)} models are served ({', '.join(served) or 'none'})"
+                                       f"{' holding the adapter' if unload else ''}: name the adapter's in "
+                                       "'base_model_name' (or 'lora_name' as BASE:NAME)", "base_model_name")
+            base = served[0]
+        if unload:
+            if name not in await self.adapters.of(base, 0.0):
+                raise OpenAIError(404, f"The lora adapter '{name}' cannot be found (on the model '{base}').",
+                                  "lora_name", code="model_not_found")
+            await self.adapters.unload(base, name)
+            text = f"Success: LoRA adapter '{name}' removed successfully."
+        else:
+            await self.adapters.load(base, name, path)
+            text = f"Success: LoRA adapter '{name}' added successfully."
+        return HttpResponse(200, [text.encode()], [("Content-Type", "text/plain; charset=utf-8")])
 
     async def _chat(self, body: dict, req: HttpRequest):
         """The chat completion a Responses request asks for (stored.py), as req's principal: its answer."""
         request = parse(orjson.dumps(body), ChatCompletionRequest)
-        _given(request.model, req.principal)
+        target = await self.target(request.model, req.principal)
         await request.check_grammars()
-        return await self._complete(request, opts_out(req), req.principal)
+        return await self._complete(request, opts_out(req), req.principal, target)
 
-    async def _complete(self, request, opt_out: bool, principal: Principal | None = None):
-        """A completion or chat completion request, validated: its answer, whole or streamed; with `principal` (a
-        tenant's key), from its tenant's cache scope, its tokens charged as they come."""
+    async def _complete(self, request, opt_out: bool, principal: Principal | None = None,
+                        target: Target | None = None):
+        """A completion or chat completion request, validated, for its `target` (the base and adapter its model
+        names): its answer, whole or streamed; with `principal` (a tenant's key), from its tenant's cache scope, its
+        tokens charged as they come."""
         chat, arrived = isinstance(request, ChatCompletionRequest), time.monotonic()
+        target = target or Target(request.model, None)
         meter = self.guard.meter(principal) if self.guard is not None and principal is not None else None
-        scope = principal.scope(request.model, self.shared_models) if principal is not None else ""
+        scope = principal.scope(target.name, self.shared_models) if principal is not None else ""
         asked = request.max_new_tokens if request.max_new_tokens is not None or chat else COMPLETION_TOKENS
         cap = self.max_tokens_limit
         if asked is not None and cap is not None and asked > cap:
@@ -348,7 +422,7 @@ class OpenAIFrontend:
         limits: dict = {} if asked is None and cap is None else {"max_new_tokens": asked if asked is not None else cap}
         if asked is None:  # chat without a limit: to the model's end or the context's (as OpenAI and vLLM)
             limits["fill_context"] = True
-            positions = await self._positions(request.model)
+            positions = await self._positions(target.base)
             max_tokens = min(cap or positions, positions)
         else:
             max_tokens = asked
@@ -378,8 +452,8 @@ class OpenAIFrontend:
             for c in choices:
                 c.reasoning = deepseek.Reasoning()
         events: asyncio.Queue = asyncio.Queue(EVENTS_AHEAD)
-        tasks = [asyncio.ensure_future(self._run(request.model, {**request.fields(c.index), **limits}, c, events,
-                                                 opt_out, scope, meter, request.structured_param))
+        tasks = [asyncio.ensure_future(self._run(target, {**request.fields(c.index), **limits, **target.fields()}, c,
+                                                 events, opt_out, scope, meter, request.structured_param))
                  for c in choices]
         running = len(tasks)
 
@@ -466,14 +540,16 @@ class OpenAIFrontend:
             yield reply.usage_chunk()
         yield b"data: [DONE]\n\n"
 
-    async def _run(self, model: str, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool,
+    async def _run(self, target: Target, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool,
                    scope: str = "", meter: Meter | None = None, grammar_param: str | None = None) -> None:
         """One choice through Triton's generate_stream: (choice, new text) events, then (choice, None); the engine's
         errors about the grammar name `grammar_param`, the field the client sent it in."""
+        model = target.base
         try:
             g = await self.generation.open(f"{model}_llm", "", "generate_stream", fields, opt_out=opt_out,
                                            protocol="openai", scope=scope,
-                                           tenant=meter.principal.tenant if meter is not None else "")
+                                           tenant=meter.principal.tenant if meter is not None else "",
+                                           variant=target.adapter.sha256 if target.adapter is not None else "")
             if meter is not None and g.hit and choice.index == 0:
                 meter.hit()
             async with contextlib.aclosing(g.events) as stream:
@@ -517,6 +593,10 @@ class OpenAIFrontend:
                         return
             await events.put((choice, None, []))
         except OpenAIError as e:
+            if e.code == "model_not_found" and target.adapter is not None:
+                self.adapters.forget(model)  # NAME_llm says the adapter is not loaded: its list is asked again
+                e = OpenAIError(404, f"the model '{target.adapter.id}' does not exist: {e.message}", "model",
+                                code="model_not_found")
             await events.put(_prompt_named(e, choice))
         except GatewayError as e:
             await events.put(_prompt_named(_upstream_error(e.status, orjson.dumps({"error": e.message}), model,
@@ -527,6 +607,30 @@ class OpenAIFrontend:
             await events.put(OpenAIError(503, str(e), kind="server_error"))
         except Exception as e:  # noqa: BLE001 (a defect here must end the request, not leave it waiting)
             await events.put(OpenAIError(500, f"gateway error: {type(e).__name__}: {e}", kind="server_error"))
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """What a request's `model` names: a family (its NAME_llm answers) and the adapter it runs with, if any."""
+
+    base: str
+    adapter: ServedAdapter | None
+
+    @property
+    def name(self) -> str:
+        """The full model name: BASE, or BASE:ADAPTER."""
+        return self.adapter.id if self.adapter is not None else self.base
+
+    def fields(self) -> dict:
+        """NAME_llm's request parameter that picks the adapter."""
+        return {"adapter": self.adapter.name} if self.adapter is not None else {}
+
+
+def _adapter_error(e: AdapterRefused) -> OpenAIError:
+    """A refused adapter request in OpenAI's shape (a name that is not loaded: 404, model_not_found)."""
+    if e.status == 404:
+        return OpenAIError(404, e.message, "lora_name", code="model_not_found")
+    return OpenAIError(e.status, e.message, kind="server_error" if e.status >= 500 else "invalid_request_error")
 
 
 def _ms(seconds: float) -> str:
@@ -615,6 +719,8 @@ def _upstream_error(status: int, body: bytes, model: str, chat: bool, grammar_pa
     message = str(d.get("error") or text) if isinstance(d, dict) else text
     if backend_fault(message):  # whatever status Triton gave it
         return OpenAIError(503, message, kind="server_error")
+    if not_loaded(message):  # NAME_llm's UnknownAdapter
+        return OpenAIError(404, message, "model", code="model_not_found")
     if status == 404 or "unknown model" in message or "is not found" in message:
         return OpenAIError(404, f"the model '{model}' does not exist (GET /v1/models lists the served ones)", "model",
                            code="model_not_found")

@@ -126,9 +126,12 @@ class Principal:
     concurrency: int = 0  # its tenant's own cap of sequences generating at once (0: the gateway's)
 
     def allows(self, model: str) -> bool:
-        """A key given a model family NAME may use NAME and its NAME_llm, NAME_generate, ... models."""
+        """A key given a model family NAME may use NAME and its NAME_llm, NAME_generate, ... models; a LoRA adapter
+        BASE:ADAPTER only when it is given that name itself (a key given BASE is not given its adapters)."""
         if self.models is None or model in self.models:
             return True
+        if ":" in model:
+            return False
         head, _, tail = model.rpartition("_")
         return head in self.models and tail in FAMILY_SUFFIXES
 
@@ -138,9 +141,21 @@ class Principal:
             return None
         return f"this key (tenant '{self.tenant}') is not given the model '{model}' (`dstool keys create --models`)"
 
+    def not_given_adapter(self, model: str, adapter) -> str | None:
+        """Why this key may not run `model` (a family's NAME_llm, over KServe) with the LoRA adapter its request's
+        `adapter` parameter names, or None when it may (no adapter named, or its BASE:ADAPTER given)."""
+        if adapter in (None, "") or self.models is None or not model.endswith("_llm"):
+            return None
+        name = f"{model[:-len('_llm')]}:{adapter}"
+        if isinstance(adapter, str) and self.allows(name):
+            return None
+        return f"this key (tenant '{self.tenant}') is not given the model '{name}' (`dstool keys create --models`)"
+
     def scope(self, model: str, shared_models: frozenset[str]) -> str:
-        """The cache namespace of this principal's answers from `model`: its tenant's, or the shared one."""
-        family = model.rpartition("_")[0] if model.rpartition("_")[2] in FAMILY_SUFFIXES else model
+        """The cache namespace of this principal's answers from `model`: its tenant's, or the shared one (an
+        adapter's, BASE:ADAPTER, when that name is among the shared models)."""
+        family = model.rpartition("_")[0] if ":" not in model and model.rpartition("_")[2] in FAMILY_SUFFIXES \
+            else model
         return "" if self.shared or model in shared_models or family in shared_models else f"t={self.tenant}"
 
 
