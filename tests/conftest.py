@@ -250,6 +250,28 @@ def real_repo(real_model, tmp_path_factory, worker_id) -> Path:
 
 
 @pytest.fixture(scope="session")
+def lora_adapters(trained, tmp_path_factory, worker_id) -> dict[str, Path]:
+    """Two PEFT LoRA adapters of `trained` (random nonzero weights): `sql` rank 8 on every linear layer, `chat`
+    rank 4 on q and v only."""
+    from lorautil import make_adapter
+
+    def build(out: Path) -> None:
+        make_adapter(trained, out / "sql", rank=8, seed=1)
+        make_adapter(trained, out / "chat", rank=4, seed=2, targets=("q_proj", "v_proj"))
+    folder = _built_once(tmp_path_factory, worker_id, "lora_adapters", build)
+    return {name: folder / name for name in ("sql", "chat")}
+
+
+@pytest.fixture(scope="session")
+def lora_repo(trained, lora_adapters, tmp_path_factory, worker_id) -> Path:
+    """`trained` exported as `lora` with both `lora_adapters` (`--adapter sql=... --adapter chat=...`)."""
+    return _built_once(tmp_path_factory, worker_id, "lora_repository",
+                       lambda path: dstool("export", str(trained), "--repository", str(path), "--name", "lora",
+                                           "--max-batch-size", "4", "--instances", "1",
+                                           *(f"--adapter={n}={d}" for n, d in lora_adapters.items())))
+
+
+@pytest.fixture(scope="session")
 def int8_output(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` quantized to int8 (weight-only, the default) through the Python API (both graphs, one recipe; no
     speed gate: that is opt-in)."""

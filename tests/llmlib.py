@@ -1,5 +1,5 @@
 """What the LLM-surface tests share: raw HTTP against the gateway or Triton, the engine's counters from Triton's
-/metrics and statistics, and the python-backend process that holds a model."""
+/metrics and statistics, the python-backend process that holds a model, and an engine run to its end."""
 
 from __future__ import annotations
 
@@ -172,3 +172,13 @@ def cpu_seconds(process: psutil.Process, wall: float = 2.0) -> float:
     time.sleep(wall)
     after = process.cpu_times()
     return (after.user + after.system) - (before.user + before.system)
+
+
+def run_to_end(engine, sequences: list) -> list[list[int]]:
+    """Each of `sequences`' tokens, all added to `engine` together and run until none is left (none may fail)."""
+    for s in sequences:
+        engine.add(s)
+    while engine.busy:
+        for s, token in engine.step():
+            assert token is not None, s.error
+    return [s.output for s in sequences]
