@@ -23,7 +23,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from dstool import log as dlog
 from dstool.config import CommandConfig
@@ -61,6 +61,9 @@ class PipelineConfig(CommandConfig):
                              "given)")
     lora: int = Field(16, ge=1, description="a real model: the LoRA rank of its fine-tune")
     prune: float = Field(0.3, gt=0, lt=1, description="pruned variant's share of decoder-layer parameters")
+    prune_ppl_tolerance: float = Field(50.0, ge=0, description="pruned variant: of the layouts whose calibration "
+                                       "perplexity is within this % of the best's, the fastest on ONNX Runtime (0: "
+                                       "the lowest-loss layout, untimed; as dstool compress)")
     recover_steps: int = Field(30, ge=0, description="pruned variant's recovery fine-tuning steps")
     # lower than compress's default: docs/pipeline.md has the recovery lr measured on the pipeline's model
     recover_lr: float = Field(2e-4, gt=0, description="recovery peak learning rate")
@@ -75,6 +78,18 @@ class PipelineConfig(CommandConfig):
                                                                                       "metavar": "TEXT"}})
     latency_repeats: int = Field(20, ge=1, description="timed runs per latency figure in the compression reports")
     ready_timeout: float = Field(300.0, gt=0, description="seconds to wait for the served models")
+
+    @model_validator(mode="after")
+    def _for_this_model(self) -> PipelineConfig:
+        """A flag of the other kind of run is refused, not ignored."""
+        pruned = {"prune", "prune_ppl_tolerance", "recover_steps", "recover_lr"} & self.model_fields_set
+        if self.model != "tiny" and pruned:
+            raise ValueError(f"{', '.join(sorted(pruned))}: a real model's pipeline makes no pruned variant (only "
+                             "int8); drop them, or compress it with dstool compress --prune")
+        if self.model == "tiny" and "lora" in self.model_fields_set:
+            raise ValueError("lora: the tiny model is trained from scratch, not fine-tuned; drop it, or give a real "
+                             "model (--model smollm2)")
+        return self
 
 
 def run_pipeline(cfg: PipelineConfig) -> dict:
@@ -161,7 +176,8 @@ class _Run:
                                            latency_repeats=self.latency_repeats, min_recovery=INT8_MIN_RECOVERY)}
         if not self.real:
             variants[f"prune {c.prune:g}"] = CompressConfig(
-                model=model, output=str(self.out / "pruned"), prune=c.prune, recover_steps=c.recover_steps,
+                model=model, output=str(self.out / "pruned"), prune=c.prune, prune_ppl_tolerance=c.prune_ppl_tolerance,
+                recover_steps=c.recover_steps,
                 recover_lr=c.recover_lr, latency_repeats=c.latency_repeats)
         self.compressed = {}
         for name, variant in variants.items():

@@ -39,8 +39,8 @@ def redis_url(tmp_path):
 @pytest.mark.slow
 def test_pipeline_runs_end_to_end(tmp_path, redis_url):
     proc = dstool("pipeline", "--output", str(tmp_path / "run"), "--repository", str(tmp_path / "repo"),
-                  "--train-steps", "20", "--recover-steps", "0", "--cache", redis_url, "--max-new-tokens", "8",
-                  "--latency-repeats", "3",
+                  "--train-steps", "20", "--recover-steps", "0", "--prune-ppl-tolerance", "0", "--cache", redis_url,
+                  "--max-new-tokens", "8", "--latency-repeats", "3",
                   "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
                   timeout=1200)
     out = proc.stdout
@@ -70,3 +70,17 @@ def test_pipeline_refuses_a_busy_port_before_training(tmp_path):
         port = busy.getsockname()[1]
         result = cli("pipeline", "--output", str(tmp_path / "run"), "--http-port", str(port))
     assert result.returncode == 2 and "already in use" in result.stderr and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("flags, named", [
+    (["--model", "smollm2", "--prune-ppl-tolerance", "0"], "prune_ppl_tolerance"),
+    (["--model", "smollm2", "--recover-steps", "3"], "recover_steps"),
+    (["--lora", "8"], "lora"),
+])
+def test_a_flag_of_the_other_kind_of_run_is_refused(tmp_path, flags, named):
+    """The pruned variant's flags mean nothing to a real model's run, --lora nothing to the tiny one's: exit 2
+    naming them, before anything runs."""
+    result = cli("pipeline", "--output", str(tmp_path / "run"), *flags)
+    assert result.returncode == 2 and named in result.stderr and len(result.stderr.strip().splitlines()) == 1, \
+        result.stderr
+    assert not (tmp_path / "run").exists()
