@@ -20,6 +20,10 @@ from filelock import FileLock
 DSTOOL = [sys.executable, "-m", "dstool.cli"]
 # Small but real: 2 DeepSpeed ranks over gloo, the tiny preset, short sequences.
 FAST = ["--seq-len", "64", "--micro-batch-size", "4", "--log-every", "1", "--no-tensorboard"]
+# One global batch (8 sequences) on every layout, no lr scaling: runs on any world size compute the same steps
+# (tensor, pipeline and expert parallelism against `moe_reference`).
+PARALLEL = ["--zero", "1", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "5",
+            "--seq-len", "32", "--log-every", "1", "--eval-batches", "1", "--no-tensorboard"]
 
 
 def dstool(*args: str, timeout: float = 600, check: bool = True,
@@ -226,6 +230,15 @@ def trained(tmp_path_factory, worker_id) -> Path:
         dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every",
                "40", "--lr", "3e-3", *FAST)
     return _built_once(tmp_path_factory, worker_id, "trained_tiny", build) / "model"
+
+
+@pytest.fixture(scope="session")
+def moe_reference(tmp_path_factory, worker_id) -> Path:
+    """tiny-moe trained `PARALLEL` on 1 rank (the model's own MoE blocks; checkpoints at steps 2, 4 and 5): the
+    data-parallel run the tensor-, pipeline- and expert-parallel tests compare with."""
+    return _built_once(tmp_path_factory, worker_id, "moe_reference", lambda out: dstool(
+        "train", "--output", str(out), "--model", "tiny-moe", "--nproc", "1", "--micro-batch-size", "4",
+        "--save-every", "2", *PARALLEL))
 
 
 @pytest.fixture(scope="session")

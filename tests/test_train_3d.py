@@ -11,11 +11,9 @@ import pytest
 
 from dstool.artifacts import Checkpoint
 
-from conftest import cli, crash_after_first_checkpoint, dstool, losses, model_folder_matches, one_line_usage_error
+from conftest import PARALLEL, cli, dstool, losses, model_folder_matches, one_line_usage_error
 
-# One global batch (8 sequences) on every layout and no lr scaling: the runs compute the same steps.
-RUN = ["--zero", "1", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "5",
-       "--seq-len", "32", "--micro-batch-size", "4", "--log-every", "1", "--no-tensorboard"]
+RUN = [*PARALLEL, "--micro-batch-size", "4"]
 THREE_D = ["--nproc", "4", "--pipeline-stages", "2", "--tensor-parallel", "2"]
 
 
@@ -33,16 +31,16 @@ def _same_curve(out: Path, ref: Path, steps=range(1, 6)) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(session_tmp):
-    """For tiny and tiny-moe: the data-parallel reference (1 rank) and PP2 x TP2 x DP1 on 4 ranks; for tiny-moe also
-    AutoTP alone (TP2 x DP1 on 2 ranks)."""
-    made = {}
+def runs(session_tmp, moe_reference):
+    """For tiny and tiny-moe: the data-parallel reference (1 rank; tiny-moe's the session's `moe_reference`) and PP2
+    x TP2 x DP1 on 4 ranks; for tiny-moe also AutoTP alone (TP2 x DP1 on 2 ranks)."""
+    tiny_ref = session_tmp / "3d_tiny_ref"
+    dstool("train", "--output", str(tiny_ref), "--model", "tiny", "--nproc", "1", *RUN)
+    made = {("tiny", "ref"): (tiny_ref, ""), ("tiny-moe", "ref"): (moe_reference, "")}
     for model in ("tiny", "tiny-moe"):
-        ref = session_tmp / f"3d_{model}_ref"
-        dstool("train", "--output", str(ref), "--model", model, "--nproc", "1", *RUN)
         out = session_tmp / f"3d_{model}_pp2tp2"
-        made[model, "3d"] = out, dstool("train", "--output", str(out), "--model", model, *RUN, *THREE_D).stdout
-        made[model, "ref"] = ref, ""
+        made[model, "3d"] = out, dstool("train", "--output", str(out), "--model", model, *RUN, *THREE_D,
+                                        "--save-every", "2").stdout  # steps 2, 4 and 5 kept
     out = session_tmp / "3d_tiny-moe_tp2"
     made["tiny-moe", "tp"] = out, dstool("train", "--output", str(out), "--model", "tiny-moe", "--nproc", "2",
                                          "--tensor-parallel", "2", *RUN).stdout
@@ -85,11 +83,11 @@ def test_tensor_parallel_model_folder_is_the_whole_model(runs, run):
 
 @pytest.mark.slow
 def test_tensor_x_pipeline_resumes_on_the_same_layout(runs, tmp_path):
-    """Killed after its step-2 checkpoint, PP2 x TP2 resumes from it (each rank its own shards and optimizer state)
-    and continues the uninterrupted curve."""
+    """PP2 x TP2 resumes from its step-2 checkpoint (each rank its own shards and optimizer state) and continues the
+    uninterrupted curve. (A run killed mid-way, then resumed: test_train_deepspeed.py's bf16 runs.)"""
     out = tmp_path / "resumed"
-    crash_after_first_checkpoint(out, "--model", "tiny-moe", *RUN, *THREE_D, "--save-every", "2")
-    proc = dstool("train", "--output", str(out), "--model", "tiny-moe", *RUN, *THREE_D, "--save-every", "2")
+    tag = runs["tiny-moe", "3d"][0] / "checkpoints" / "step-00000002"
+    proc = dstool("train", "--output", str(out), "--model", "tiny-moe", *RUN, *THREE_D, "--resume", str(tag))
     assert "resumed at step 2" in proc.stdout
     _same_curve(out, runs["tiny-moe", "ref"][0], steps=range(3, 6))
 

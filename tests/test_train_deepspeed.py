@@ -16,7 +16,7 @@ import torch
 
 from dstool.artifacts import Checkpoint, HFModel
 
-from conftest import DSTOOL, FAST, crash_after_first_checkpoint, dstool, losses
+from conftest import DSTOOL, FAST, cli, crash_after_first_checkpoint, dstool, losses
 
 BF16 = ["--nproc", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "16", "--save-every", "4",
         "--trace-samples", *FAST]
@@ -165,8 +165,7 @@ def test_damaged_checkpoint_is_refused(bf16_runs, tmp_path):
     data = bytearray(victim.read_bytes())
     data[len(data) // 2] ^= 0xFF
     victim.write_bytes(bytes(data))
-    proc = dstool("train", "--output", str(run), "--resume", str(run / "checkpoints" / "step-00000016"), *BF16,
-                  check=False)
+    proc = cli("train", "--output", str(run), "--resume", str(run / "checkpoints" / "step-00000016"), *BF16)
     assert proc.returncode == 2 and "damaged checkpoint" in proc.stderr and "sha256" in proc.stderr
 
 

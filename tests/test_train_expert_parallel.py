@@ -12,23 +12,22 @@ import torch
 
 from dstool.artifacts import Checkpoint, HFModel
 
-from conftest import cli, dstool, losses, model_folder_matches, one_line_usage_error
+from conftest import PARALLEL, cli, dstool, losses, model_folder_matches, one_line_usage_error
 
 # fp32, the same global batch of 8 sequences and the same peak lr on every world size
-RUN = ["--model", "tiny-moe", "--zero", "1", "--seq-len", "64", "--global-batch-size", "8", "--lr-scaling", "none",
-       "--log-every", "1", "--eval-batches", "1", "--no-tensorboard", "--max-steps", "5", "--save-every", "2"]
+RUN = ["--model", "tiny-moe", *PARALLEL, "--save-every", "2"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> dict[str, Path]:
-    """The same 5 steps on 1 rank (the model's own MoE blocks) and expert-parallel on 2 and 4 ranks."""
+def runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
+    """The same 5 steps on 1 rank (the session's `moe_reference`: the model's own MoE blocks) and expert-parallel on
+    2 and 4 ranks."""
     root = tmp_path_factory.mktemp("ep")
-    layouts = {"single": ["--nproc", "1", "--micro-batch-size", "8"],
-               "ep2": ["--nproc", "2", "--micro-batch-size", "4", "--expert-parallel", "2"],
+    layouts = {"ep2": ["--nproc", "2", "--micro-batch-size", "4", "--expert-parallel", "2"],
                "ep4": ["--nproc", "4", "--micro-batch-size", "2", "--expert-parallel", "4"]}
     for name, args in layouts.items():
         dstool("train", "--output", str(root / name), *RUN, *args, timeout=900)
-    return {name: root / name for name in layouts}
+    return {"single": moe_reference, **{name: root / name for name in layouts}}
 
 
 @pytest.mark.parametrize("layout", ["ep2", "ep4"])

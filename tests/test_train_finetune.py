@@ -14,7 +14,7 @@ from dstool.artifacts import Checkpoint, HFModel
 from dstool.errors import UsageError
 from dstool.train import TrainConfig, chat, data, sources
 
-from conftest import crash_after_first_checkpoint, dstool, losses, one_line_usage_error
+from conftest import cli, dstool, losses, one_line_usage_error
 
 
 def _chats(n: int, seed: int = 0) -> list[dict]:
@@ -183,17 +183,18 @@ LORA = ["--data-format", "chat", "--chat-template", "default", "--lora", "8", "-
 
 @pytest.fixture(scope="module")
 def lora_runs(trained, session_tmp):
-    """A chat LoRA fine-tune of the session's model on two weighted jsonl sources, uninterrupted; the same killed
-    after its first checkpoint and resumed."""
+    """A chat LoRA fine-tune of the session's model on two weighted jsonl sources, uninterrupted; the same resumed
+    in another folder from the first one's step-3 checkpoint (a run killed, then resumed: test_train_deepspeed.py's
+    bf16 runs)."""
     d = session_tmp / "chat_data"
     d.mkdir(exist_ok=True)
     spec = f"{_write_jsonl(d / 'a.jsonl', _chats(240))}:0.8,{_write_jsonl(d / 'b.jsonl', _chats(60, seed=1))}:0.2"
     args = ["--model", str(trained), "--data", spec, *LORA]
-    ref, crashed = session_tmp / "lora_ref", session_tmp / "lora_crash"
+    ref, again = session_tmp / "lora_ref", session_tmp / "lora_resumed"
     first = dstool("train", "--output", str(ref), *args, timeout=900)
-    crash_after_first_checkpoint(crashed, *args)
-    resumed = dstool("train", "--output", str(crashed), *args, timeout=900)
-    return ref, crashed, first, resumed, args
+    resumed = dstool("train", "--output", str(again), *args, "--resume", str(ref / "checkpoints" / "step-00000003"),
+                     timeout=900)
+    return ref, again, first, resumed, args
 
 
 def test_lora_checkpoints_hold_the_adapter_only(lora_runs, trained):
@@ -208,9 +209,9 @@ def test_lora_checkpoints_hold_the_adapter_only(lora_runs, trained):
 
 
 def test_lora_resume_continues_exactly(lora_runs):
-    ref, crashed, _, resumed, _ = lora_runs
+    ref, again, _, resumed, _ = lora_runs
     assert "resumed at step 3" in resumed.stdout
-    a, b = losses(ref), losses(crashed)
+    a, b = losses(ref), losses(again)
     for step in (4, 5, 6):
         assert b[step] == pytest.approx(a[step], abs=1e-5), (a, b)
     assert a[6] < a[1]
@@ -254,25 +255,23 @@ def test_changed_lora_options_and_precision_are_refused(lora_runs, tmp_path):
     ref, _, _, _, args = lora_runs
     swap = list(args)
     swap[swap.index("--lora") + 1] = "4"
-    one_line_usage_error(dstool("train", "--output", str(ref), *swap, "--max-steps", "9", check=False),
-                         "trained LoRA adapters")
-    one_line_usage_error(dstool("train", "--output", str(ref), *args, "--max-steps", "9", "--precision", "bf16",
-                                check=False), "--precision fp32")
+    one_line_usage_error(cli("train", "--output", str(ref), *swap, "--max-steps", "9"), "trained LoRA adapters")
+    one_line_usage_error(cli("train", "--output", str(ref), *args, "--max-steps", "9", "--precision", "bf16"),
+                         "--precision fp32")
 
 
 def test_chat_data_errors_exit_2(trained, tmp_path):
     bad = _write_jsonl(tmp_path / "bad.jsonl", [*_chats(3), {"messages": [{"role": "user", "content": "hi"}]}])
     out = tmp_path / "o"
-    one_line_usage_error(dstool("train", "--output", str(out), "--model", str(trained), "--data", str(bad),
-                                "--data-format", "chat", "--max-steps", "1", check=False),
-                         "needs a chat template")
-    one_line_usage_error(dstool("train", "--output", str(tmp_path / "o2"), "--model", str(trained),
-                                "--data", str(bad), "--data-format", "chat", "--chat-template", "default",
-                                "--max-steps", "1", check=False), "row 4: the chat has no assistant turn")
+    one_line_usage_error(cli("train", "--output", str(out), "--model", str(trained), "--data", str(bad),
+                             "--data-format", "chat", "--max-steps", "1"), "needs a chat template")
+    one_line_usage_error(cli("train", "--output", str(tmp_path / "o2"), "--model", str(trained), "--data", str(bad),
+                             "--data-format", "chat", "--chat-template", "default", "--max-steps", "1"),
+                         "row 4: the chat has no assistant turn")
     good = _write_jsonl(tmp_path / "good.jsonl", _chats(30))
-    one_line_usage_error(dstool("train", "--output", str(tmp_path / "o3"), "--model", str(trained),
-                                "--data", str(good), "--data-format", "chat", "--chat-template", "default", "--lora",
-                                "4", "--lora-target", "nope", "--max-steps", "1", check=False), "Target modules")
+    one_line_usage_error(cli("train", "--output", str(tmp_path / "o3"), "--model", str(trained), "--data", str(good),
+                             "--data-format", "chat", "--chat-template", "default", "--lora", "4", "--lora-target",
+                             "nope", "--max-steps", "1"), "Target modules")
 
 
 def test_config_refuses_what_lora_and_chat_cannot_do():

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import cli, crash_after_first_checkpoint, dstool, one_line_usage_error
+from conftest import cli, dstool, one_line_usage_error
 
 # 2 ranks, ZeRO-2, 6 steps, λ 0.3 for the first half then 0.1
 RUN = ["--model", "tiny-moe", "--nproc", "2", "--zero", "2", "--max-steps", "6", "--save-every", "3", "--seq-len", "64",
@@ -24,12 +24,12 @@ def _rows(out: Path) -> dict[int, dict]:
 
 @pytest.fixture(scope="module")
 def mtp_runs(session_tmp):
-    """An uninterrupted run, and the same run SIGKILLed after its first checkpoint (step 3), then resumed."""
-    ref, crashed = session_tmp / "mtp_ref", session_tmp / "mtp_crash"
+    """An uninterrupted run, and the same resumed in another folder from the first one's step-3 checkpoint (a run
+    killed, then resumed: test_train_deepspeed.py's bf16 runs)."""
+    ref, again = session_tmp / "mtp_ref", session_tmp / "mtp_resumed"
     dstool("train", "--output", str(ref), *MTP)
-    crash_after_first_checkpoint(crashed, *MTP)
-    resumed = dstool("train", "--output", str(crashed), *MTP)
-    return ref, crashed, resumed
+    resumed = dstool("train", "--output", str(again), *MTP, "--resume", str(ref / "checkpoints" / "step-00000003"))
+    return ref, again, resumed
 
 
 def test_mtp_trains_and_logs_each_depth(mtp_runs):
@@ -125,10 +125,10 @@ def test_saved_mtp_equals_the_engines_and_transformers_mtp_layer(mtp_runs):
 
 
 def test_resume_continues_the_main_and_mtp_losses_exactly(mtp_runs):
-    ref, crashed, resumed = mtp_runs
+    ref, again, resumed = mtp_runs
     assert "resumed at step 3" in resumed.stdout
-    a, b = _rows(ref), _rows(crashed)
-    assert sorted(b) == list(range(1, 7))
+    a, b = _rows(ref), _rows(again)
+    assert sorted(b) == list(range(4, 7))
     for step in range(4, 7):
         for key in ("loss", "mtp_loss_1"):
             assert b[step][key] == pytest.approx(a[step][key], abs=1e-6), (step, key, a[step], b[step])
@@ -137,8 +137,8 @@ def test_resume_continues_the_main_and_mtp_losses_exactly(mtp_runs):
 
 def test_resume_refuses_another_mtp_depth(mtp_runs):
     """A checkpoint with MTP layers is refused, in one line before any rank starts, by a run without them."""
-    crashed = mtp_runs[1]
-    one_line_usage_error(cli("train", "--output", str(crashed), *RUN), "trained 1 MTP layers (--mtp-layers 1)")
+    again = mtp_runs[1]
+    one_line_usage_error(cli("train", "--output", str(again), *RUN), "trained 1 MTP layers (--mtp-layers 1)")
 
 
 def test_expert_parallel_shards_the_mtp_experts_with_the_same_losses(mtp_runs, tmp_path):
