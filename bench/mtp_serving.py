@@ -122,13 +122,14 @@ def main() -> int:
             for i, ids in enumerate(prompts):
                 for mode in order:
                     engine = engines[mode]
-                    before = dict(engine.spec_counts)
+                    before = engine.spec_counts.copy()
                     rate, out = alone(engine, sequence(str(i), ids, a.new_tokens, set()))
                     single[mode][i].append(rate)
                     assert made.setdefault(i, out) == out, f"prompt {i}: MTP drafting changed the tokens"
                     if mode != "off":
-                        for key in ("drafts", "accepted"):
-                            counts[mode][key] += engine.spec_counts[key] - before[key]
+                        added = engine.spec_counts.since(before)
+                        counts[mode]["drafts"] += added.drafts
+                        counts[mode]["accepted"] += added.accepted
             for mode in [*order, "again"]:
                 seqs = [sequence(str(i), ids, a.new_tokens, set()) for i, ids in enumerate(prompts * 2)]
                 rate, outs = crowd(again if mode == "again" else engines[mode], seqs)

@@ -153,14 +153,15 @@ def main() -> int:
             for key, x in prompts.items() if not a.streams_only else ():
                 for mode in (("off", "on") if r % 2 == 0 else ("on", "off")):
                     engine = plain if mode == "off" else fast
-                    before = dict(fast.spec_counts)
+                    before = fast.spec_counts.copy()
                     rate, out = alone(engine, sequence("-".join(key), x, a.new_tokens, eos))
                     single[key][mode].append(rate)
                     assert made.setdefault(key, out) == out, f"{key}: speculation changed the tokens"
                     if mode == "on":
                         c = counts.setdefault(key[0], {"drafts": 0, "accepted": 0})
-                        c["drafts"] += fast.spec_counts["drafts"] - before["drafts"]
-                        c["accepted"] += fast.spec_counts["accepted"] - before["accepted"]
+                        added = fast.spec_counts.since(before)
+                        c["drafts"] += added.drafts
+                        c["accepted"] += added.accepted
             for mode in (["off", "on", "again"] * 2)[r % 3:r % 3 + 3]:
                 seqs = [sequence(f"{i}", x, a.new_tokens, eos) for i, x in enumerate(list(prompts.values()) * 2)]
                 rate, outs = crowd({"off": plain, "on": fast, "again": again}[mode], seqs)

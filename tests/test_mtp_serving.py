@@ -122,9 +122,9 @@ def test_greedy_output_is_identical_and_mtp_drafts_are_accepted(graphs):
             engine = engine_for(decoder, shapes, speculation=Speculation(k, method="deepseek_mtp"), mtp=drafter)
             assert _run(engine, [prompt], tokenizer) == plain
             counts = engine.spec_counts
-            assert counts["drafts"] > 0 and counts["accepted"] <= counts["draft_tokens"] <= k * counts["drafts"]
-            assert sum(counts["accepted_at"]) == counts["accepted"] and len(counts["accepted_at"]) == k
-            accepted += counts["accepted"]
+            assert counts.drafts > 0 and counts.accepted <= counts.draft_tokens <= k * counts.drafts
+            assert sum(counts.accepted_at) == counts.accepted and len(counts.accepted_at) == k
+            accepted += counts.accepted
     assert accepted > 0  # mean accept length above 0: bench/mtp_serving.py measures it on a longer-trained model
     engine = engine_for(decoder, shapes, speculation=MTP, mtp=drafter)
     assert _run(engine, PROMPTS, tokenizer) == _run(engine_for(decoder, shapes), PROMPTS, tokenizer)
@@ -151,7 +151,7 @@ def test_a_batched_rows_unread_hidden_states_are_bounded(graphs, monkeypatch):
         most = max([most, *(s.mtp.pending for s in sequences if s.mtp is not None)])
     assert 0 < most <= 4
     assert [s.output[:40] for s in sequences] == plain
-    assert engine.spec_counts["drafts"] > 0 and engine.spec_counts["accepted"] > 0
+    assert engine.spec_counts.drafts > 0 and engine.spec_counts.accepted > 0
 
 
 def test_seeded_sampling_and_prefix_cache_hits_give_the_same_tokens(graphs):
@@ -163,7 +163,7 @@ def test_seeded_sampling_and_prefix_cache_hits_give_the_same_tokens(graphs):
     engine = engine_for(decoder, shapes, speculation=MTP, mtp=drafter)
     assert _run(engine, PROMPTS[:1], tokenizer, params=sampled) == \
         _run(engine_for(decoder, shapes), PROMPTS[:1], tokenizer, params=sampled)
-    assert engine.spec_counts["drafts"] > 0
+    assert engine.spec_counts.drafts > 0
     long = [PROMPTS[0] + " " + PROMPTS[1]]  # more than a 16-token block
     cached = engine_for(decoder, shapes, prefix_cache=PrefixCache(16, 256), speculation=MTP, mtp=drafter)
     plain = _run(engine_for(decoder, shapes), long, tokenizer)

@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 
-from dstool.decoding.engine import Engine, Sequence, Speculation, engine_for
+from dstool.decoding.engine import Engine, Sequence, SpecCounts, Speculation, engine_for
 from dstool.decoding.grammar import Grammars
 from dstool.decoding.sampling import Sampler, SamplingParams
 from dstool.serve.export.repository import cache_shapes
@@ -65,10 +65,10 @@ def _sequences(tokenizer, params: dict | None = None, new_tokens: int = 40, gram
     return out
 
 
-def _sane(counts: dict) -> None:
-    assert counts["drafts"] > 0 and 0 < counts["accepted"] <= counts["draft_tokens"] <= 4 * counts["drafts"]
-    at = counts["accepted_at"]
-    assert sum(at) == counts["accepted"] and at == sorted(at, reverse=True) and at[0] <= counts["drafts"]
+def _sane(counts: SpecCounts) -> None:
+    assert counts.drafts > 0 and 0 < counts.accepted <= counts.draft_tokens <= 4 * counts.drafts
+    at = counts.accepted_at
+    assert sum(at) == counts.accepted and at == sorted(at, reverse=True) and at[0] <= counts.drafts
 
 
 def test_greedy_output_is_identical_and_drafts_are_accepted(setup):
@@ -87,7 +87,7 @@ def test_seeded_sampling_gives_the_same_tokens(setup):
                                                      "repetition_penalty": 1.1, "frequency_penalty": 0.2}):
         plain, fast, engine = _both(setup, lambda params=params: _sequences(tokenizer, params, eos=False)[:1])
         assert fast == plain
-        assert engine.spec_counts["drafts"] > 0
+        assert engine.spec_counts.drafts > 0
 
 
 def test_a_grammar_constrained_answer_is_identical(setup):
@@ -105,23 +105,23 @@ def test_it_drafts_only_for_a_lone_sequence_and_as_each_asks(setup):
     for s in _sequences(tokenizer, new_tokens=12):
         engine.add(s)
     while engine.busy:
-        before, alone = engine.spec_counts["drafts"], len(engine.running) == 1 and not engine.waiting
+        before, alone = engine.spec_counts.drafts, len(engine.running) == 1 and not engine.waiting
         engine.step()
-        assert engine.spec_counts["drafts"] == before or alone
+        assert engine.spec_counts.drafts == before or alone
     engine = engine_for(session, shapes, speculation=NGRAM)
     engine.add(_sequences(tokenizer, {"temperature": 1.0, "seed": 1}, new_tokens=60, eos=False)[0])
     failed = False
     while engine.busy:  # a draft none of which was accepted: the next step does not draft (the backoff)
-        before = dict(engine.spec_counts)
+        before = engine.spec_counts.copy()
         engine.step()
-        drafted = engine.spec_counts["drafts"] > before["drafts"]
+        drafted = engine.spec_counts.drafts > before.drafts
         assert not (failed and drafted)
-        failed = drafted and engine.spec_counts["accepted"] == before["accepted"]
+        failed = drafted and engine.spec_counts.accepted == before.accepted
     for speculative, drafted in ((0, 0), (1, 1)):  # off; one draft token per step
         engine = engine_for(session, shapes, speculation=NGRAM)
         _run(engine, _sequences(tokenizer, speculative=speculative)[:1])
-        assert engine.spec_counts["draft_tokens"] == drafted * engine.spec_counts["drafts"]
-        assert bool(engine.spec_counts["drafts"]) == bool(drafted)
+        assert engine.spec_counts.draft_tokens == drafted * engine.spec_counts.drafts
+        assert bool(engine.spec_counts.drafts) == bool(drafted)
 
 
 def test_max_new_tokens_and_stop_ids_end_it_exactly_where_plain_decoding_does(setup):
@@ -158,7 +158,7 @@ def test_a_choice_failing_at_a_draft_ends_its_sequence_after_the_tokens_before_i
     made: list[int | None] = []
     while engine.busy:
         made += [token for _, token in engine.step()]
-    assert made == [*plain[:11], None] and s.error == "RuntimeError: no choice" and engine.spec_counts["drafts"]
+    assert made == [*plain[:11], None] and s.error == "RuntimeError: no choice" and engine.spec_counts.drafts
 
 
 def test_prompt_lookup_proposes_what_followed_the_latest_longest_match():

@@ -75,7 +75,7 @@ import json
 from collections import OrderedDict, deque
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import numpy as np
 
@@ -167,6 +167,26 @@ class Speculation:
                 if np.array_equal(ids[start:start + n], tail):
                     return ids[start + n:start + n + k].tolist()
         return []
+
+
+@dataclass
+class SpecCounts:
+    """vLLM's spec_decode counters: drafts verified, tokens drafted, drafted tokens accepted, and accepted at each
+    draft position."""
+
+    drafts: int = 0
+    draft_tokens: int = 0
+    accepted: int = 0
+    accepted_at: list[int] = field(default_factory=list)
+
+    def since(self, before: SpecCounts) -> SpecCounts:
+        """What was counted after `before` (an earlier copy of these counts)."""
+        at = [n - (before.accepted_at[i] if i < len(before.accepted_at) else 0) for i, n in enumerate(self.accepted_at)]
+        return SpecCounts(self.drafts - before.drafts, self.draft_tokens - before.draft_tokens,
+                          self.accepted - before.accepted, at)
+
+    def copy(self) -> SpecCounts:
+        return SpecCounts(self.drafts, self.draft_tokens, self.accepted, list(self.accepted_at))
 
 
 @dataclass
@@ -335,9 +355,7 @@ class Engine:
                                  "decoder graph gives none: export the model with dstool export again")
         self.mtp = mtp if speculation is not None and speculation.mtp else None
         self.lora: RowWeights | None = None  # each row's adapter weights, for a graph with LoRA inputs (FusedEngine)
-        # vLLM's spec_decode counters: drafts verified, tokens drafted, drafts accepted, accepted at each position
-        self.spec_counts: dict[str, Any] = {"drafts": 0, "draft_tokens": 0, "accepted": 0,
-                            "accepted_at": [0] * (speculation.num_speculative_tokens if speculation else 0)}
+        self.spec_counts = SpecCounts(accepted_at=[0] * (speculation.num_speculative_tokens if speculation else 0))
 
     @property
     def busy(self) -> bool:
@@ -612,11 +630,11 @@ class Engine:
                 break
         accepted = sum(1 for (_, t), d in zip(produced, drafted) if t == d)
         counts = self.spec_counts
-        counts["drafts"] += 1
-        counts["draft_tokens"] += len(drafted)
-        counts["accepted"] += accepted
+        counts.drafts += 1
+        counts.draft_tokens += len(drafted)
+        counts.accepted += accepted
         for i in range(accepted):
-            counts["accepted_at"][i] += 1
+            counts.accepted_at[i] += 1
         s.backoff = 0 if accepted else min(2 * s.backoff or 1, MAX_BACKOFF)
         s.idle = s.backoff
         self._commit(len(produced), len(drafted) + 1)

@@ -47,7 +47,7 @@ import numpy as np
 import onnxruntime as ort
 import triton_python_backend_utils as pb_utils
 from decoding.adapters import Adapter, graph_layout
-from decoding.engine import MTPDrafter, PrefixCache, Sequence, Speculation, engine_for
+from decoding.engine import MTPDrafter, PrefixCache, Sequence, SpecCounts, Speculation, engine_for
 from decoding.errors import AdapterError, UnknownAdapter
 from decoding.grammar import Grammars, thought_over
 from decoding.sampling import FINITE, SamplingError, request_choices
@@ -221,11 +221,11 @@ class Metrics:
         self.restarts = restarts.Metric(labels=labels)
         self.cancelled = cancelled.Metric(labels=labels)
         self._vllm(model[:-len("_llm")] if model.endswith("_llm") else model, max_positions)
-        self.speculative_names: list[str] = []  # the speculative counters' attributes, by engine.spec_counts key
+        self.speculative_names: list[str] = []  # the speculative counters' attributes
         if speculation is not None:
             self._speculative(labels, model[:-len("_llm")] if model.endswith("_llm") else model,
                               speculation.num_speculative_tokens)
-        self.speculative_counted: dict = {}  # engine.spec_counts as last published
+        self.speculative_counted = SpecCounts()  # engine.spec_counts as last published
         self.post = lambda call, *args: call(*args)  # the outbox's, once there is one
         self.published: dict[str, float] = {}  # the gauges' values as last set
         self.generated = 0  # tokens made since the last step's figures went out
@@ -385,14 +385,12 @@ class Metrics:
             gauges.update(prefix_ratio=cache.hit / cache.looked_up if cache.looked_up else 0.0,
                           prefix_held=cache.tokens)
         if self.speculative_names:  # the engine's speculative counters, what they added since the last step
-            spec = engine.spec_counts
+            added = engine.spec_counts.since(self.speculative_counted)
             for key in ("drafts", "draft_tokens", "accepted"):
-                added = spec[key] - self.speculative_counted.get(key, 0)
-                counters[f"vllm_spec_{key}"] = counters[f"spec_{key}"] = added
-            for i, n in enumerate(spec["accepted_at"]):
-                counters[f"vllm_spec_at_{i}"] = n - self.speculative_counted.get(i, 0)
-            self.speculative_counted = {**{k: spec[k] for k in ("drafts", "draft_tokens", "accepted")},
-                                 **dict(enumerate(spec["accepted_at"]))}
+                counters[f"vllm_spec_{key}"] = counters[f"spec_{key}"] = getattr(added, key)
+            for i, n in enumerate(added.accepted_at):
+                counters[f"vllm_spec_at_{i}"] = n
+            self.speculative_counted = engine.spec_counts.copy()
         self.post(self._publish, counters, gauges, self.gaps)
         self.generated, self.gaps = 0, []
 
