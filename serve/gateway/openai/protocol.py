@@ -105,13 +105,13 @@ class _Request(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True, validate_default=True)
 
     model: str
-    max_tokens: Any = None
-    n: Any = 1
+    max_tokens: int | None = None
+    n: int = 1
     stop: Any = None
-    stream: Any = False
-    stream_options: Any = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
     logprobs: Any = None
-    ignore_eos: Any = False  # vLLM's
+    ignore_eos: bool = False  # vLLM's
     temperature: Any = 1.0  # OpenAI's default
     top_p: Any = None
     top_k: Any = None  # vLLM's, as are min_p and repetition_penalty
@@ -120,18 +120,18 @@ class _Request(BaseModel):
     presence_penalty: Any = None
     frequency_penalty: Any = None
     seed: Any = None
-    logit_bias: Any = None
+    logit_bias: dict[str, float] | None = None
     response_format: Any = None  # structured outputs: OpenAI's way, vLLM's guided_* fields, or structured_outputs
     structured_outputs: Any = None
     guided_json: Any = None
     guided_regex: Any = None
     guided_choice: Any = None
     guided_grammar: Any = None
-    cache_salt: Any = None  # vLLM's: prefixes computed for requests of another salt are not reused
-    min_tokens: Any = None  # vLLM's, as are the three below
-    stop_token_ids: Any = None
-    include_stop_str_in_output: Any = False
-    skip_special_tokens: Any = True
+    cache_salt: str | None = None  # vLLM's: prefixes computed for requests of another salt are not reused
+    min_tokens: int | None = None  # vLLM's, as are the three below
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
     _structured: dict | None = PrivateAttr(default=None)  # the grammar asked for, as NAME_llm takes it
     _structured_param: str = PrivateAttr(default="")  # the field it came from
     # taken, not used: they do not change the answer
@@ -387,7 +387,7 @@ class CompletionRequest(_Request):
     alone (as vLLM: lm-evaluation-harness scores prompts so)."""
 
     prompt: Any
-    echo: Any = False
+    echo: bool = False
     suffix: Any = None
     best_of: Any = None
     _echo_only: bool = PrivateAttr(default=False)  # echo with max_tokens 0: no answer, the prompt alone
@@ -631,13 +631,13 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
-    max_completion_tokens: Any = None
-    top_logprobs: Any = None
+    max_completion_tokens: int | None = None
+    top_logprobs: int | None = None
     tools: Any = None
     functions: Any = None
     tool_choice: Any = None
     function_call: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None  # predicted output: speeds OpenAI's answer up, never changes it
