@@ -12,6 +12,8 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from dstool.serve.export.repository import ENGINE_MAX_BATCH
+
 from conftest import dstool
 from gatewaylib import GatewayProcess, RedisServer, eventually
 from llmlib import cancelled, metric
@@ -186,33 +188,45 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
                                         temperature=0, store=False)
     assert done.status == plain.status and done.output_text == plain.output_text and done.usage == plain.usage
 
-    # two long answers on A while the engine's batch (8 rows) is full with eight others, so both wait in the engine
-    # and neither can end before its cancel: one cancelled on A, the other on B — A learns of it at its next
-    # heartbeat. The engine is told to stop both (its cancelled counter), and no outcome overwrites the status.
-    def load(i: int):
-        return _client(b).responses.create(model="dstool_lm", input=f"Load {i}.", max_output_tokens=900,
-                                           temperature=1.0, text=LONG, store=False)
+    # two long answers on A while the engine's batch (ENGINE_MAX_BATCH rows) is full with as many others, so both
+    # wait in the engine and neither can end before its cancel: one cancelled on A, the other on B — A learns of it
+    # at its next heartbeat. The engine is told to stop both (its cancelled counter), and no outcome overwrites the
+    # status. (With fewer loads than the batch holds, the two generated beside them and could end first.)
+    def load(i: int) -> int:  # straight to Triton: 600 tokens whatever is sampled, no client timeout to end it
+        conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=600)
+        conn.request("POST", "/v2/models/dstool_lm_llm/generate_stream", json.dumps(
+            {"text_input": f"Load {i}.", "max_new_tokens": 600, "ignore_eos": True, "stream": True}))
+        r = conn.getresponse()
+        r.read()
+        conn.close()
+        return r.status
 
+    # LONG compiled on A first (B compiles it for the loads), so A's two reach the engine at once
+    _client(a).responses.create(model="dstool_lm", input="Warm.", max_output_tokens=2, text=LONG, store=False)
     before = cancelled(server)
-    with ThreadPoolExecutor(8) as pool:
-        busy = [pool.submit(load, i) for i in range(8)]
-        in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= 8, 180)
-        assert in_engine >= 8, "the eight loads never reached the engine"
+    with ThreadPoolExecutor(ENGINE_MAX_BATCH) as pool:
+        busy = [pool.submit(load, i) for i in range(ENGINE_MAX_BATCH)]
+        in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= ENGINE_MAX_BATCH, 180)
+        assert in_engine >= ENGINE_MAX_BATCH, "the loads never reached the engine"
         longs = [_client(a).responses.create(model="dstool_lm", input=f"Count to {i}.", max_output_tokens=900,
                                              temperature=1.0, text=LONG, background=True) for i in range(2)]
         # both in the engine, waiting, before their cancel (one cancelled while still queued in the gateway never
         # reaches it: nothing to stop); the nets are against a hang, on a machine that may be loaded
-        in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= 10, 180)
-        assert in_engine >= 10, "the two background responses never reached the engine"
+        in_engine = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n >= ENGINE_MAX_BATCH + 2,
+                               180)
+        assert in_engine >= ENGINE_MAX_BATCH + 2, ("the two background responses never reached the engine", in_engine,
+                                                   [(r.status, r.error) for r in
+                                                    (_client(a).responses.retrieve(x.id) for x in longs)])
         stopped = [_client(gw).responses.cancel(r.id) for gw, r in zip((a, b), longs)]
         assert [r.status for r in stopped] == ["cancelled"] * 2, [(r.status, r.usage) for r in stopped]
         # (a net against a hang: B's cancel reaches A at its next heartbeat, on a machine that may be loaded; one
         # that kept generating never adds to the counter, its 900 tokens end as `completed`)
         deadline = time.monotonic() + 180
         while cancelled(server) < before + 2:
-            assert time.monotonic() < deadline, "a cancelled response kept generating"
+            assert time.monotonic() < deadline, ("a cancelled response kept generating", cancelled(server) - before,
+                                                 metric(server, "dstool_llm_sequences"))
             time.sleep(0.1)
-        assert all(f.result().status in ("completed", "incomplete") for f in busy)  # the others ran to their end
+        assert [f.result() for f in busy] == [200] * ENGINE_MAX_BATCH  # the others ran to their end
     for r in longs:
         after = _client(a).responses.retrieve(r.id)
         assert after.status == "cancelled" and after.output == []  # never overwritten by the work it stopped
