@@ -177,8 +177,7 @@ class _Run:
         if not self.real:
             variants[f"prune {c.prune:g}"] = CompressConfig(
                 model=model, output=str(self.out / "pruned"), prune=c.prune, prune_ppl_tolerance=c.prune_ppl_tolerance,
-                recover_steps=c.recover_steps,
-                recover_lr=c.recover_lr, latency_repeats=c.latency_repeats)
+                recover_steps=c.recover_steps, recover_lr=c.recover_lr, latency_repeats=c.latency_repeats)
         self.compressed = {}
         for name, variant in variants.items():
             with dlog.details_to_file():

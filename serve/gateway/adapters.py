@@ -25,7 +25,7 @@ import orjson
 
 from dstool.decoding.adapters import NAME
 from dstool.decoding.errors import UnknownAdapter
-from dstool.serve.gateway.core import GatewayCore, addressable, error_message, model_path
+from dstool.serve.gateway.core import GatewayCore, addressable, error_message, joined, model_path
 from dstool.serve.gateway.tensors import GatewayError
 from dstool.serve.gateway.upstream import UpstreamTimeout, UpstreamUnavailable
 
@@ -108,12 +108,8 @@ class Adapters:
         listed = self._lists.get(base)
         if listed is not None and time.monotonic() - listed.at < (self.interval if age is None else age):
             return listed.adapters
-        pending = self._pending.get(base)
-        if pending is None:
-            pending = self._pending[base] = asyncio.ensure_future(self._ask(base))
-            pending.add_done_callback(lambda t: (self._pending.pop(base, None), t.cancelled() or t.exception()))
         try:
-            return await asyncio.shield(pending)
+            return await joined(self._pending, base, lambda: self._ask(base))
         except (UpstreamUnavailable, UpstreamTimeout):
             if listed is None:
                 raise

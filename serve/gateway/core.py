@@ -8,9 +8,10 @@ import itertools
 import os
 import re
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import orjson
 
@@ -80,6 +81,19 @@ def error_message(status: int, body: bytes) -> str:
         return body.decode(errors="replace")[:500] or f"HTTP {status}"
 
 
+T = TypeVar("T")
+
+
+async def joined(pending: dict[str, asyncio.Future], key: str, make: Callable[[], Awaitable[T]]) -> T:
+    """`make()` run once for `key` however many ask while it runs (`pending` holds the run): each waits for it, and
+    one that gives up does not cancel it for the others."""
+    task = pending.get(key)
+    if task is None:
+        task = pending[key] = asyncio.ensure_future(make())
+        task.add_done_callback(lambda t: (pending.pop(key, None), t.cancelled() or t.exception()))
+    return await asyncio.shield(task)
+
+
 class UpstreamModels:
     """Model versions as Triton reports them, re-checked at most every `interval` seconds (and at once after a
     repository load/unload through the gateway, or when Triton answers with another version)."""
@@ -107,12 +121,8 @@ class UpstreamModels:
         d = self.now(model)
         if d is not None:
             return d
-        pending = self._pending.get(model)
-        if pending is None:
-            pending = self._pending[model] = asyncio.ensure_future(self._fetch(model))
-            pending.add_done_callback(lambda t: (self._pending.pop(model, None), t.cancelled() or t.exception()))
         try:
-            return await asyncio.shield(pending)
+            return await joined(self._pending, model, lambda: self._fetch(model))
         except (UpstreamUnavailable, UpstreamTimeout):
             last = self._known.get(model)
             if last is None:
