@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import xdist
 from filelock import FileLock
 
 DSTOOL = [sys.executable, "-m", "dstool.cli"]
@@ -150,6 +151,7 @@ def pytest_runtest_makereport(item, call):
             report.longrepr = f"{item.nodeid} skipped without saying why: give pytest.skip or skipif a reason"
 
 
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own, which reads the xdist_group markers set here
 def pytest_collection_modifyitems(config, items):
     """The quick tier's marker, then for `-n auto` (pytest-xdist; its --dist loadgroup): tests that share a started
     server or a module-scoped fixture form one group, run by one worker, so each is made once; the other tests spread
@@ -197,6 +199,34 @@ def pytest_collection_modifyitems(config, items):
             return 0 if group_of[item.nodeid] in slow_groups else 1
         return 0 if item.get_closest_marker("slow") else 2
     items.sort(key=queued)  # stable: each file's order stays as written
+
+
+class _GroupsCheck:
+    """After pytest-xdist's own collection hook (which puts each test's xdist_group into its node id, the only
+    place its loadgroup scheduler reads it): refuse to run when the groups did not land there, as on pytest 9.2
+    (pytest-xdist#1386), where a server or module fixture would be made again on every worker."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, config, items):
+        if not getattr(config.option, "loadgroup", False):
+            return
+        lost = [item.nodeid for item in items if item.get_closest_marker("xdist_group") and "@" not in item.nodeid]
+        if lost:
+            raise pytest.UsageError(f"pytest-xdist's --dist loadgroup lost the groups ({lost[0]} has none in its "
+                                    "node id): install the pytest that pyproject's dev extra names, or run without -n")
+
+
+def pytest_configure(config):
+    if getattr(config.option, "numprocesses", None) and config.option.dist == "loadgroup" and _release(pytest) >= (
+            9, 2) and _release(xdist) <= (3, 8):
+        raise pytest.UsageError(f"pytest {pytest.__version__} with pytest-xdist {xdist.__version__} does not keep "
+                                "--dist loadgroup's groups (pytest-xdist#1386): install pyproject's dev extra "
+                                "(pytest<9.2), or run without -n")
+    config.pluginmanager.register(_GroupsCheck(), "dstool-groups-check")
+
+
+def _release(module) -> tuple[int, ...]:
+    return tuple(int(part) for part in module.__version__.split(".")[:2])
 
 
 def pytest_xdist_auto_num_workers(config) -> int:
