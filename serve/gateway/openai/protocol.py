@@ -110,16 +110,17 @@ class _Request(BaseModel):
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: Any = None
+    logprobs: bool | int | None = None  # chat: true or false; completions: how many alternatives
     ignore_eos: bool = False  # vLLM's
-    temperature: Any = 1.0  # OpenAI's default
-    top_p: Any = None
-    top_k: Any = None  # vLLM's, as are min_p and repetition_penalty
-    min_p: Any = None
-    repetition_penalty: Any = None
-    presence_penalty: Any = None
-    frequency_penalty: Any = None
-    seed: Any = None
+    # types here, ranges by the engine's own rule (SamplingParams.from_parameters, in _together)
+    temperature: float | None = 1.0  # OpenAI's default
+    top_p: float | None = None
+    top_k: int | None = None  # vLLM's, as are min_p and repetition_penalty
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    seed: int | None = None
     logit_bias: dict[str, float] | None = None
     response_format: Any = None  # structured outputs: OpenAI's way, vLLM's guided_* fields, or structured_outputs
     structured_outputs: Any = None
@@ -386,10 +387,11 @@ class CompletionRequest(_Request):
     log-probabilities before the answer's, the first one null); with `echo`, `max_tokens` 0 asks for the prompt's
     alone (as vLLM: lm-evaluation-harness scores prompts so)."""
 
-    prompt: Any
+    prompt: list[str | list[int]]
+    logprobs: int | None = None
     echo: bool = False
-    suffix: Any = None
-    best_of: Any = None
+    suffix: None = None  # taken with a value that asks for nothing ("", 1, false), else refused
+    best_of: None = None
     _echo_only: bool = PrivateAttr(default=False)  # echo with max_tokens 0: no answer, the prompt alone
 
     @model_validator(mode="wrap")
@@ -508,17 +510,17 @@ class ChatMessage(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
     ROLES: ClassVar[tuple[str, ...]] = ("system", "developer", "user", "assistant", "tool")
 
-    role: Any
-    content: Any = None
-    name: Any = None
-    tool_calls: Any = None  # an assistant's calls
-    tool_call_id: Any = None  # a tool message's answer to a call
-    reasoning_content: Any = None  # an assistant's thinking, as a reasoning parser returned it (vLLM's, DeepSeek's)
-    reasoning: Any = None  # vLLM's newer name for it
-    refusal: Any = None  # an assistant's refusal, fed back: its text
-    annotations: Any = None  # an assistant's citations: bookkeeping
-    audio: Any = None
-    function_call: Any = None
+    role: str
+    content: str | None = None
+    name: str | None = None
+    tool_calls: list[dict] | None = None  # an assistant's calls
+    tool_call_id: str | None = None  # a tool message's answer to a call
+    reasoning_content: str | None = None  # an assistant's thinking, as a reasoning parser returned it (vLLM's)
+    reasoning: str | None = None  # vLLM's newer name for it
+    refusal: str | None = None  # an assistant's refusal, fed back: its text
+    annotations: None = None  # an assistant's citations: bookkeeping, checked and dropped
+    audio: None = None  # refused
+    function_call: None = None  # refused
 
     @model_validator(mode="before")
     @classmethod
@@ -631,20 +633,21 @@ class ChatCompletionRequest(_Request):
     """POST /v1/chat/completions."""
 
     messages: list[ChatMessage]
+    logprobs: bool | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
     tools: Any = None
-    functions: Any = None
+    functions: None = None  # refused: OpenAI's deprecated form
     tool_choice: Any = None
-    function_call: Any = None
+    function_call: None = None  # refused
     parallel_tool_calls: bool | None = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None  # predicted output: speeds OpenAI's answer up, never changes it
-    reasoning_effort: Any = None
-    verbosity: Any = None
-    web_search_options: Any = None
-    chat_template_kwargs: Any = None  # vLLM's: given to the chat template (enable_thinking, thinking, ...)
+    modalities: None = None  # ["text"] only, checked and dropped
+    audio: None = None  # refused, as is web_search_options
+    prediction: None = None  # predicted output: speeds OpenAI's answer up, never changes it (checked, dropped)
+    reasoning_effort: str | None = None
+    verbosity: str | None = None
+    web_search_options: None = None
+    chat_template_kwargs: dict | None = None  # vLLM's: given to the chat template (enable_thinking, thinking, ...)
 
     @field_validator("messages", mode="before")
     @classmethod

@@ -31,7 +31,7 @@ class ResponsesRequest(BaseModel):
 
     model: Any = None
     input: Any = None
-    instructions: Any = None
+    instructions: str | None = None
     max_output_tokens: Any = None
     temperature: Any = None
     top_p: Any = None
@@ -39,10 +39,10 @@ class ResponsesRequest(BaseModel):
     tool_choice: Any = None
     parallel_tool_calls: Any = None
     text: Any = None
-    stream: Any = False
-    store: Any = None
-    previous_response_id: Any = None
-    background: Any = None
+    stream: bool | None = None  # null: not sent
+    store: bool | None = None  # OpenAI's default: true
+    previous_response_id: str | None = None
+    background: bool | None = None
     reasoning: Any = None
     include: Any = None
     truncation: Any = None
@@ -56,15 +56,8 @@ class ResponsesRequest(BaseModel):
     safety_identifier: str | None = None
 
     def state(self) -> tuple[bool, bool, str | None]:
-        """(store — OpenAI's default: true —, background, previous_response_id), checked."""
-        for name in ("store", "background"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise OpenAIError(400, f"'{name}' must be true or false, got {shown(getattr(self, name))}", name)
-        previous = self.previous_response_id
-        if previous is not None and not isinstance(previous, str):
-            raise OpenAIError(400, f"'previous_response_id' must be a string, got {shown(previous)}",
-                              "previous_response_id")
-        return self.store is not False, self.background is True, previous
+        """(store — OpenAI's default: true —, background, previous_response_id)."""
+        return self.store is not False, self.background is True, self.previous_response_id
 
     def items(self) -> list[dict]:
         """The request's input as the input items a stored conversation keeps (text is one user message), each with
@@ -119,8 +112,6 @@ class ResponsesRequest(BaseModel):
     def _instructions(self) -> list[dict]:
         if self.instructions is None:
             return []
-        if not isinstance(self.instructions, str):
-            raise OpenAIError(400, f"'instructions' must be a string, got {shown(self.instructions)}", "instructions")
         return [{"role": "system", "content": self.instructions}]
 
 
