@@ -110,7 +110,6 @@ class _Request(BaseModel):
     stop: Any = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    logprobs: bool | int | None = None  # chat: true or false; completions: how many alternatives
     ignore_eos: bool = False  # vLLM's
     # types here, ranges by the engine's own rule (SamplingParams.from_parameters, in _together)
     temperature: float | None = 1.0  # OpenAI's default
