@@ -1,7 +1,5 @@
 """`python -m dstool.cli ARGS`: the `dstool` command."""
 
-import sys
+from dstool.cli.commands import run
 
-from dstool.cli.commands import main
-
-sys.exit(main())
+run()

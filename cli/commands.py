@@ -4,13 +4,17 @@
 from __future__ import annotations
 
 import argparse
+import atexit
+import contextlib
 import json
 import logging
+import os
 import sys
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import yaml
 from pydantic import BaseModel
@@ -395,10 +399,25 @@ def main(argv: list[str] | None = None) -> int:
         dlog.shutdown()
 
 
+def run() -> NoReturn:
+    """The `dstool` command: `main`, then what the interpreter does at exit (non-daemon threads joined, exit handlers
+    run, output flushed), then the process ends without the interpreter's teardown of its modules, which takes
+    1.2 s after a command that loaded torch and transformers (docs/setup.md)."""
+    code = main()
+    for thread in threading.enumerate():
+        if thread is not threading.current_thread() and not thread.daemon:
+            thread.join()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a reader that went away: nothing left to say
+            stream.flush()
+    os._exit(code)
+
+
 def _log_hint(log: Path | None) -> str:
     where = log or dlog.log_file()
     return f" (log: {where})" if where else ""
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run()
