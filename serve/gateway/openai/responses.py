@@ -12,7 +12,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 from pydantic import BaseModel, ConfigDict
@@ -29,25 +29,26 @@ PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "tex
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: Any = None
-    input: Any = None
+    model: Any = None  # chat's rule names a missing or unknown model
+    input: Any = None  # items of several shapes, read by _messages
     instructions: str | None = None
-    max_output_tokens: Any = None
-    temperature: Any = None
-    top_p: Any = None
+    # types here, ranges by chat's rules (the chat request they become)
+    max_output_tokens: int | None = None
+    temperature: float | None = None
+    top_p: float | None = None
     tools: Any = None
     tool_choice: Any = None
-    parallel_tool_calls: Any = None
+    parallel_tool_calls: bool | None = None
     text: Any = None
     stream: bool | None = None  # null: not sent
     store: bool | None = None  # OpenAI's default: true
     previous_response_id: str | None = None
     background: bool | None = None
     reasoning: Any = None
-    include: Any = None
-    truncation: Any = None
-    max_tool_calls: Any = None
-    top_logprobs: Any = None
+    include: list[str] | None = None  # refused unless empty
+    truncation: Literal["auto", "disabled"] | None = None  # refused unless disabled
+    max_tool_calls: int | None = None  # refused
+    top_logprobs: int | None = None  # refused unless 0
     # taken, not used: they do not change the answer
     metadata: dict[str, str] | None = None
     user: str | None = None
