@@ -384,3 +384,23 @@ def test_a_background_response_whose_gateway_died_reads_as_failed(pair, server, 
         assert "stopped before it finished" in failed.error.message and time.monotonic() - started < 30
     finally:
         doomed.stop()
+
+
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("temperature", "hot", "Input should be a valid number, got 'hot'"),
+    ("max_output_tokens", True, "Input should be a valid integer, got True"),
+    ("parallel_tool_calls", "yes", "Input should be a valid boolean, got 'yes'"),
+    ("truncation", "bogus", "Input should be 'auto' or 'disabled', got 'bogus'"),
+    ("include", "reasoning", "Input should be a valid list"),
+    ("store", 1, "Input should be a valid boolean, got 1"),
+    ("top_logprobs", 2, "2: it is not supported by this server"),  # the right type, a value not served
+    ("truncation", "auto", "'auto': it is not supported by this server"),
+])
+def test_a_wrong_responses_field_is_a_400_naming_it(field, value, says):
+    """Each typed field of a Responses request refused in OpenAI's error shape, naming the field the client sent."""
+    from dstool.serve.gateway.openai.protocol import OpenAIError, parse
+    from dstool.serve.gateway.openai.responses import ResponsesRequest
+
+    with pytest.raises(OpenAIError) as e:
+        parse(json.dumps({"model": "m", "input": "hi", field: value}).encode(), ResponsesRequest).chat()
+    assert e.value.status == 400 and e.value.param == field and says in e.value.message, e.value.message
