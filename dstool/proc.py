@@ -2,21 +2,88 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
+import fcntl
+import random
 import signal
 import socket
 import subprocess
+import tempfile
+import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from dstool.errors import UsageError
 
+PORTS_FROM = 10000  # free_port draws from here up to the start of the OS's own range
+LEDGER_S = 600.0  # seconds a port free_port handed out is not handed out again on this machine
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nothing listens on now (the OS picks it)."""
+    """A TCP port nothing listens on now, for a process about to listen on it. Drawn below the range the OS hands
+    out by itself (ip_local_port_range: source ports of outgoing connections, bind to port 0), so no connection
+    made between the draw and the bind takes it, and not one another process on this machine was handed in the
+    last LEDGER_S seconds (a ledger under a file lock in the temporary folder)."""
+    low = _os_range_start()
+    if low - PORTS_FROM < 1000:  # an unusual OS range leaves no room below it: the OS picks
+        return _os_port(host)
+    draw = random.SystemRandom()
+    with _ledger() as handed:
+        for _ in range(200):
+            port = draw.randrange(PORTS_FROM, low)
+            if port not in handed and _bindable(host, port):
+                handed[port] = time.time()
+                return port
+    return _os_port(host)
+
+
+def _os_range_start() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
+
+
+def _os_port(host: str) -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _bindable(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+        return True
+
+
+@contextlib.contextmanager
+def _ledger() -> Iterator[dict[int, float]]:
+    """The ports handed out in the last LEDGER_S seconds (port -> when), read and written back under an exclusive
+    lock; an empty one, kept nowhere, when the file cannot be used (another user's, a read-only folder)."""
+    path = Path(tempfile.gettempdir()) / "dstool-ports"
+    try:
+        f = open(path, "a+")
+    except OSError:
+        yield {}
+        return
+    with f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        f.seek(0)
+        now, handed = time.time(), {}
+        for line in f.read().splitlines():
+            port, _, when = line.partition(" ")
+            with contextlib.suppress(ValueError):
+                if now - float(when) < LEDGER_S:
+                    handed[int(port)] = float(when)
+        yield handed
+        f.seek(0)
+        f.truncate()
+        f.write("".join(f"{port} {when}\n" for port, when in handed.items()))
 
 
 def check_port_free(host: str, port: int) -> None:

@@ -192,10 +192,10 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
     # wait in the engine and neither can end before its cancel: one cancelled on A, the other on B — A learns of it
     # at its next heartbeat. The engine is told to stop both (its cancelled counter), and no outcome overwrites the
     # status. (With fewer loads than the batch holds, the two generated beside them and could end first.)
-    def load(i: int) -> int:  # straight to Triton: 600 tokens whatever is sampled, no client timeout to end it
+    def load(i: int) -> int:  # straight to Triton: 1000 tokens whatever is sampled, no client timeout to end it
         conn = http.client.HTTPConnection("127.0.0.1", server.http_port, timeout=600)
         conn.request("POST", "/v2/models/dstool_lm_llm/generate_stream", json.dumps(
-            {"text_input": f"Load {i}.", "max_new_tokens": 600, "ignore_eos": True, "stream": True}))
+            {"text_input": f"Load {i}.", "max_new_tokens": 1000, "ignore_eos": True, "stream": True}))
         r = conn.getresponse()
         r.read()
         conn.close()
@@ -203,6 +203,9 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
 
     # LONG compiled on A first (B compiles it for the loads), so A's two reach the engine at once
     _client(a).responses.create(model="dstool_lm", input="Warm.", max_output_tokens=2, text=LONG, store=False)
+    # the engine idle first: a sequence left running by an earlier test would pass for one of these in its count
+    idle = eventually(lambda: metric(server, "dstool_llm_sequences"), lambda n: n == 0, 180)
+    assert idle == 0, ("the engine never went idle", idle)
     before = cancelled(server)
     with ThreadPoolExecutor(ENGINE_MAX_BATCH) as pool:
         busy = [pool.submit(load, i) for i in range(ENGINE_MAX_BATCH)]
@@ -224,7 +227,8 @@ def test_background_responses_are_polled_and_cancelled_from_another_gateway(pair
         deadline = time.monotonic() + 180
         while cancelled(server) < before + 2:
             assert time.monotonic() < deadline, ("a cancelled response kept generating", cancelled(server) - before,
-                                                 metric(server, "dstool_llm_sequences"))
+                                                 metric(server, "dstool_llm_sequences"), longs,
+                                                 a.log.read_text()[-3000:], b.log.read_text()[-3000:])
             time.sleep(0.1)
         assert [f.result() for f in busy] == [200] * ENGINE_MAX_BATCH  # the others ran to their end
     for r in longs:

@@ -19,7 +19,7 @@ import torch
 
 from dstool import decoding as decoding_room
 from dstool.artifacts import CompressedModel, Repository
-from dstool.errors import UsageError
+from dstool.errors import EngineFailed, UsageError
 from dstool.files import sha256_file
 from dstool.proc import free_port
 from dstool.serve.config.export_config import RepositorySettings, model_names
@@ -301,6 +301,44 @@ def test_triton_stops_cleanly_right_after_it_is_ready(repo, tmp_path):
     log = srv.log_path.read_text()
     assert code == 0 and "Exit timeout expired" not in log, srv.log_tail(30)
     assert "Timeout 9: Found 1 HTTP service connections" not in log
+
+
+def _aborting(real: triton.TritonBinary, folder: Path, message: str, times: int) -> triton.TritonBinary:
+    """The real tritonserver behind a script that, its first `times` runs, writes `message` and aborts (SIGABRT)."""
+    runs, script = folder / "runs", folder / "tritonserver"
+    script.write_text(f"""#!/bin/bash
+echo run >> {runs}
+if [ "$(wc -l < {runs})" -le {times} ]; then echo "{message}"; kill -ABRT $$; fi
+exec {real.executable} "$@"
+""")
+    script.chmod(0o755)
+    return triton.TritonBinary(script, real.backend_dir, real.cache_dir, real.env)
+
+
+def test_a_start_aborted_as_a_stub_starts_is_made_again_and_no_other_failure_is(repo, tmp_path):
+    """Triton 2.51 aborts when it killed a python-backend stub that was not up within 10 s (a loaded machine): that
+    start is made once more; any other death before ready is the error it was, at once."""
+    small = tmp_path / "repo"
+    shutil.copytree(repo / "dstool_lm", small / "dstool_lm")
+    real = triton.find_tritonserver()
+    lock = "terminate called after throwing an instance of 'boost::interprocess::lock_exception'"
+    (tmp_path / "a").mkdir()
+    srv = triton.start(small, _aborting(real, tmp_path / "a", lock, 1), free_port(), free_port(), free_port(),
+                       tmp_path / "a" / "triton.log")
+    try:
+        assert srv.proc.poll() is None and (tmp_path / "a" / "runs").read_text().count("run") == 2
+    finally:
+        assert srv.stop() == 0
+    (tmp_path / "b").mkdir()
+    with pytest.raises(EngineFailed, match="code -6"):
+        triton.start(small, _aborting(real, tmp_path / "b", "Segmentation fault", 1), free_port(), free_port(),
+                     free_port(), tmp_path / "b" / "triton.log")
+    assert (tmp_path / "b" / "runs").read_text().count("run") == 1
+    (tmp_path / "c").mkdir()
+    with pytest.raises(EngineFailed, match="lock_exception"):  # twice: the second is the error
+        triton.start(small, _aborting(real, tmp_path / "c", lock, 2), free_port(), free_port(), free_port(),
+                     tmp_path / "c" / "triton.log")
+    assert (tmp_path / "c" / "runs").read_text().count("run") == 2
 
 
 def _torch_greedy(trained: Path, prompt: str, new_tokens: int) -> tuple[str, list[int]]:

@@ -347,10 +347,11 @@ def test_a_request_refused_on_a_grpc_stream_drops_no_admitted_answer(llm_tenants
     client.start_stream(callback=lambda result, error: answers.append((result, error)),
                         headers={"authorization": f"Bearer {key}", "cache-control": "no-cache"})
     try:
-        client.async_stream_infer("dstool_lm_llm", request(200), request_id="long", parameters={"ignore_eos": True})
+        # 1000 tokens: time for the refusal to come back while it is made, on a loaded machine too (200 were not)
+        client.async_stream_infer("dstool_lm_llm", request(1000), request_id="long", parameters={"ignore_eos": True})
         client.async_stream_infer("other_llm", request(3), request_id="refused")
         client.async_stream_infer("dstool_lm_llm", request(3), request_id="short", parameters={"ignore_eos": True})
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 180
         while len(answers) < 3:
             assert time.monotonic() < deadline, answers
             time.sleep(0.01)

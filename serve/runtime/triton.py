@@ -20,9 +20,12 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from dstool import log as dlog
 from dstool.errors import EngineFailed, UsageError
 from dstool.files import cache_dir, replace_folder
 from dstool.proc import die_with_parent, process_stat, stop_process
+
+log = dlog.log
 
 
 @dataclass
@@ -84,6 +87,7 @@ def find_tritonserver(explicit: str | None = None) -> TritonBinary:
 
 SHM = Path("/dev/shm")
 EXIT_TIMEOUT = 10  # Triton's --exit-timeout-secs
+STUB_ABORT = "boost::interprocess::lock_exception"
 
 
 @dataclass
@@ -159,7 +163,26 @@ def janitor(parent: int, triton: int, shm_prefix: str) -> None:
 def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
           log_path: Path, address: str = "127.0.0.1", cache_config: str | None = None,
           timeout: float = 120.0, extra_args: list[str] | None = None) -> TritonProcess:
-    """Start tritonserver on `repository`, wait until the server and every model are ready."""
+    """Start tritonserver on `repository`, wait until the server and every model are ready. A start that aborts
+    as a python-backend stub starts is made once more: Triton 2.51 kills a stub that is not up within 10 s (a
+    loaded machine), then aborts on the lock the stub held (boost::interprocess::lock_exception)."""
+    for attempt in (1, 2):
+        server = _launch(repository, binary, http_port, grpc_port, metrics_port, log_path, address, cache_config,
+                         extra_args)
+        try:
+            _wait_ready(server, timeout)
+            return server
+        except EngineFailed:
+            aborted = server.proc.poll() == -signal.SIGABRT and STUB_ABORT in server.log_tail(40)
+            server.stop()
+            if attempt == 2 or not aborted:
+                raise
+            log.warning(f"tritonserver aborted as a python-backend stub started ({STUB_ABORT}); starting it again")
+    raise AssertionError("unreachable")
+
+
+def _launch(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int, metrics_port: int,
+            log_path: Path, address: str, cache_config: str | None, extra_args: list[str] | None) -> TritonProcess:
     cmd = [str(binary.executable), "--model-repository", str(Path(repository).resolve()),
            "--http-address", address, "--http-port", str(http_port), "--grpc-address", address,
            "--grpc-port", str(grpc_port), "--metrics-address", address, "--metrics-port", str(metrics_port),
@@ -183,9 +206,7 @@ def start(repository: Path, binary: TritonBinary, http_port: int, grpc_port: int
     watch = f"from dstool.serve.runtime.triton import janitor; janitor({os.getpid()}, {proc.pid}, {shm_prefix!r})"
     janitor_proc = subprocess.Popen([sys.executable, "-c", watch], stdin=subprocess.DEVNULL,
                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
-    server = TritonProcess(proc, http_port, grpc_port, metrics_port, log_path, shm_prefix, janitor_proc)
-    _wait_ready(server, timeout)
-    return server
+    return TritonProcess(proc, http_port, grpc_port, metrics_port, log_path, shm_prefix, janitor_proc)
 
 
 def _wait_ready(server: TritonProcess, timeout: float) -> None:
