@@ -185,6 +185,25 @@ def test_a_conversation_with_tool_results_and_auto(api, server):
                                                                           call.function.arguments)]
 
 
+@pytest.mark.parametrize(("field", "value", "says"), [
+    ("guided_regex", 5, "Input should be a valid string, got 5"),
+    ("guided_grammar", ["x"], "Input should be a valid string, got ['x']"),
+    ("guided_choice", "yes", "Input should be a valid list"),
+    ("guided_json", 4, "Input should be a valid dictionary, got 4"),
+    ("response_format", "json", "Input should be a valid dictionary, got 'json'"),
+    ("structured_outputs", ["x"], "Input should be a valid dictionary"),
+    ("stop", 3, "'stop' must be a string or a list of up to 4 strings"),
+])
+def test_a_structured_output_field_of_the_wrong_type_is_a_400_naming_it(field, value, says):
+    """The typed structured-output fields (and stop) of a chat request, refused in OpenAI's shape before anything
+    is compiled or sent."""
+    from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, parse
+
+    with pytest.raises(OpenAIError) as e:
+        parse(json.dumps({"model": "m", "messages": ASK, field: value}).encode(), ChatCompletionRequest)
+    assert e.value.status == 400 and e.value.param == field and says in e.value.message, e.value.message
+
+
 def test_refused_structured_requests_name_the_field(api):
     chat = {"model": "dstool_lm", "messages": ASK, "max_tokens": 4}
     cases = [

@@ -15,7 +15,16 @@ import re
 from typing import Any, ClassVar, TypeVar
 
 import orjson
-from pydantic import BaseModel, ConfigDict, PrivateAttr, ValidationError, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    InstanceOf,
+    PrivateAttr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from dstool.decoding import grammar
 from dstool.decoding.grammar import GrammarError
@@ -107,7 +116,7 @@ class _Request(BaseModel):
     model: str
     max_tokens: int | None = None
     n: int = 1
-    stop: Any = None
+    stop: InstanceOf[Stops] = Field(default_factory=Stops)
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = False  # vLLM's
@@ -121,12 +130,13 @@ class _Request(BaseModel):
     frequency_penalty: float | None = None
     seed: int | None = None
     logit_bias: dict[str, float] | None = None
-    response_format: Any = None  # structured outputs: OpenAI's way, vLLM's guided_* fields, or structured_outputs
-    structured_outputs: Any = None
-    guided_json: Any = None
-    guided_regex: Any = None
-    guided_choice: Any = None
-    guided_grammar: Any = None
+    # structured outputs: OpenAI's way, vLLM's guided_* fields, or structured_outputs (their contents: _grammar)
+    response_format: dict[str, Any] | None = None
+    structured_outputs: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None  # a schema, or the schema as JSON text
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
     cache_salt: str | None = None  # vLLM's: prefixes computed for requests of another salt are not reused
     min_tokens: int | None = None  # vLLM's, as are the three below
     stop_token_ids: list[int] | None = None
