@@ -397,8 +397,9 @@ def test_a_background_response_whose_gateway_died_reads_as_failed(pair, server, 
     ("truncation", "bogus", "Input should be 'auto' or 'disabled', got 'bogus'"),
     ("include", "reasoning", "Input should be a valid list"),
     ("store", 1, "Input should be a valid boolean, got 1"),
-    ("top_logprobs", 2, "2: it is not supported by this server"),  # the right type, a value not served
-    ("truncation", "auto", "'auto': it is not supported by this server"),
+    ("top_logprobs", 2, "'top_logprobs' is not supported by this server (got 2)"),  # right type, a value not served
+    ("truncation", "auto", "'truncation' is not supported by this server (got 'auto')"),
+    ("max_tool_calls", 3, "'max_tool_calls' is not supported by this server (got 3): leave it out"),
 ])
 def test_a_wrong_responses_field_is_a_400_naming_it(field, value, says):
     """Each typed field of a Responses request refused in OpenAI's error shape, naming the field the client sent."""

@@ -90,10 +90,10 @@ def _unset_nulls(data: Any) -> Any:
     return {k: v for k, v in data.items() if v is not None} if isinstance(data, dict) else data
 
 
-def _unserved(name: str, value: Any, *asks_nothing: Any) -> None:
+def unserved(name: str, value: Any, *asks_nothing: Any) -> None:
     """A field this server does not serve yet: taken only with a value that asks for nothing."""
     if value is not None and not any(value == a and type(value) is type(a) for a in asks_nothing):
-        raise ValueError(f"'{name}' is not supported by this server: leave it out")
+        raise ValueError(f"'{name}' is not supported by this server (got {shown(value)}): leave it out")
 
 
 class Stops(list):
@@ -456,7 +456,7 @@ class CompletionRequest(_Request):
     @field_validator("suffix", "best_of", mode="before")
     @classmethod
     def _unserved(cls, v: Any, info) -> None:
-        _unserved(info.field_name, v, False, "", 1)
+        unserved(info.field_name, v, False, "", 1)
 
     @model_validator(mode="after")
     def _batch(self):
@@ -728,12 +728,12 @@ class ChatCompletionRequest(_Request):
     @field_validator("modalities", mode="before")
     @classmethod
     def _modalities(cls, v: Any) -> None:
-        _unserved("modalities", v, ["text"])
+        unserved("modalities", v, ["text"])
 
     @field_validator("audio", "web_search_options", mode="before")
     @classmethod
     def _others(cls, v: Any, info) -> None:
-        _unserved(info.field_name, v)
+        unserved(info.field_name, v)
 
     @field_validator("prediction", mode="before")
     @classmethod

@@ -15,11 +15,14 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, Literal
 
 import orjson
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, field_validator
 
 from dstool.decoding.sampling import shown
-from dstool.serve.gateway.openai.protocol import OpenAIError
+from dstool.serve.gateway.openai.protocol import OpenAIError, unserved
 
+# fields not served -> the values that ask for nothing (taken)
+UNSERVED: dict[str, tuple[Any, ...]] = {"include": ([],), "truncation": ("disabled",), "max_tool_calls": (),
+                                        "top_logprobs": (0,)}
 # chat fields -> the Responses field a client sent
 PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "text.format",
           "response_format": "text.format", "messages": "input", "verbosity": "text.verbosity",
@@ -56,6 +59,12 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    @field_validator(*UNSERVED, mode="after")
+    @classmethod
+    def _unserved(cls, v: Any, info) -> Any:
+        unserved(info.field_name, v, *UNSERVED[info.field_name])
+        return v
+
     def state(self) -> tuple[bool, bool, str | None]:
         """(store — OpenAI's default: true —, background, previous_response_id)."""
         return self.store is not False, self.background is True, self.previous_response_id
@@ -75,13 +84,6 @@ class ResponsesRequest(BaseModel):
     def chat(self, prior: list[dict] | None = None) -> dict:
         """The chat completion request this asks for, after the conversation `prior` (input items: a previous
         response's); OpenAIError (400) naming a field not served or wrong."""
-        unserved: tuple[tuple[str, tuple[Any, ...]], ...] = (
-            ("include", (None, [])), ("truncation", (None, "disabled")),
-            ("max_tool_calls", (None,)), ("top_logprobs", (None, 0)))
-        for name, asks_nothing in unserved:
-            value = getattr(self, name)
-            if not any(value == a and type(value) is type(a) for a in asks_nothing):
-                raise OpenAIError(400, f"'{name}' {shown(value)}: it is not supported by this server", name)
         messages = _messages(self.input)  # its own input checked, its errors named as sent
         if prior:
             messages = _messages([*prior, *self.items()])
