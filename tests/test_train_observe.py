@@ -30,10 +30,10 @@ from dstool.train import hardware
 from dstool.train.observe import CUDA_GAUGES, ENDPOINT_FILE, PROFILE_FOLDER
 
 from conftest import DSTOOL, cli, one_line_usage_error
+from promlib import PROMETHEUS, Prometheus, scrape
 
 ROOT = Path(__file__).resolve().parent.parent
 DASHBOARDS = ROOT / "deploy" / "grafana" / "dashboards"
-PROMETHEUS = shutil.which("prometheus")
 STEPS, PROFILED = 12, (3, 5)
 # micro-batch 4 x 2 ranks x 64 tokens per optimizer step
 TRAIN = ["--nproc", "2", "--zero", "2", "--max-steps", str(STEPS), "--save-every", "6", "--seq-len", "64",
@@ -49,11 +49,6 @@ GAUGE_ROW = {"dstool_train_loss": "loss", "dstool_train_learning_rate": "lr", "d
 
 
 # ---- helpers ----------------------------------------------------------------------------------------------------
-
-def _scrape(url: str) -> str:
-    with urllib.request.urlopen(url, timeout=10) as r:
-        return r.read().decode()
-
 
 def _samples(text: str) -> dict[str, float]:
     """name -> value of each sample (the training endpoint has one series per name, or one per device)."""
@@ -103,49 +98,6 @@ def _variable_metrics(dashboard: dict) -> set[str]:
     return {re.match(r"label_values\((\w+),", v["definition"]).group(1) for v in dashboard["templating"]["list"]}
 
 
-class _Prometheus:
-    """A real Prometheus on deploy/prometheus/prometheus.yml (intervals cut to 1 s) with our targets files."""
-
-    def __init__(self, folder: Path, targets: dict[str, list[str]]):
-        config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
-        config["global"]["scrape_interval"] = "1s"
-        for job in config["scrape_configs"]:
-            job["scrape_interval"] = "1s"
-        (folder / "targets").mkdir(parents=True)
-        (folder / "prometheus.yml").write_text(yaml.safe_dump(config))
-        for name in ("training", "gateway", "triton"):
-            (folder / "targets" / f"{name}.yml").write_text(yaml.safe_dump([{"targets": targets.get(name, [])}]))
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.log = open(folder / "prometheus.log", "w")
-        self.proc = subprocess.Popen([PROMETHEUS, f"--config.file={folder / 'prometheus.yml'}",
-                                      f"--storage.tsdb.path={folder / 'data'}",
-                                      f"--web.listen-address={self.url.removeprefix('http://')}"],
-                                     stdout=self.log, stderr=subprocess.STDOUT)
-        deadline = time.time() + 60
-        while True:
-            try:
-                _scrape(self.url + "/-/ready")
-                break
-            except OSError:
-                assert self.proc.poll() is None and time.time() < deadline, (folder / "prometheus.log").read_text()
-                time.sleep(0.2)
-
-    def query(self, expr: str, at: float | None = None) -> list[dict]:
-        params = {"query": expr, **({"time": str(at)} if at is not None else {})}
-        answer = json.loads(_scrape(f"{self.url}/api/v1/query?{urllib.parse.urlencode(params)}"))
-        assert answer["status"] == "success", (expr, answer)
-        return answer["data"]["result"]
-
-    def targets_up(self, job: str) -> int:
-        answer = json.loads(_scrape(f"{self.url}/api/v1/targets"))["data"]["activeTargets"]
-        return sum(t["health"] == "up" for t in answer if t["labels"]["job"] == job)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(30)
-        self.log.close()
-
-
 # ---- one real run, scraped while it lives -----------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
@@ -154,7 +106,7 @@ def observed(tmp_path_factory):
     the endpoint file appears until the process ends, and (with a prometheus binary) Prometheus scraping it too."""
     tmp = tmp_path_factory.mktemp("observe")
     out, port = tmp / "run", free_port()
-    prom = _Prometheus(tmp / "prometheus", {"training": [f"127.0.0.1:{port}"]}) if PROMETHEUS else None
+    prom = Prometheus(tmp / "prometheus", {"training": [f"127.0.0.1:{port}"]}) if PROMETHEUS else None
     log = open(tmp / "train.log", "w")
     proc = subprocess.Popen([*DSTOOL, "train", "--output", str(out), "--metrics-port", str(port), *TRAIN],
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
@@ -165,7 +117,7 @@ def observed(tmp_path_factory):
             assert time.time() < deadline, "training did not end in 600 s"
             if (out / ENDPOINT_FILE).is_file():
                 try:
-                    scrapes.append(_scrape(f"http://127.0.0.1:{port}/metrics"))
+                    scrapes.append(scrape(f"http://127.0.0.1:{port}/metrics"))
                 except (OSError, http.client.HTTPException):
                     pass  # the process is ending
             time.sleep(0.1)
@@ -287,9 +239,9 @@ def test_serving_dashboard_names_only_exported_metrics(server, gateway, gateway_
     with a prometheus binary every serving panel's query answered by Prometheus scraping them."""
     _serving_traffic(server, gateway)
     triton = [f"127.0.0.1:{srv.metrics_port}" for srv in (server, gateway_server)]
-    exported = _exported_names(_scrape(f"http://{gateway.http_url}/metrics"))
+    exported = _exported_names(scrape(f"http://{gateway.http_url}/metrics"))
     for target in triton:
-        exported |= _exported_names(_scrape(f"http://{target}/metrics"))
+        exported |= _exported_names(scrape(f"http://{target}/metrics"))
     dashboard = _dashboard("serving")
     for expr in _queries(dashboard):
         assert metric_names(expr) and metric_names(expr) <= exported, (expr, metric_names(expr) - exported)
@@ -297,7 +249,7 @@ def test_serving_dashboard_names_only_exported_metrics(server, gateway, gateway_
     if PROMETHEUS is None:
         pytest.skip("the dashboard's metric names were checked against real scrapes; Prometheus answering its "
                     "queries needs a prometheus binary (Debian: apt-get install prometheus)")
-    prom = _Prometheus(tmp_path / "prometheus", {"gateway": [gateway.http_url], "triton": triton})
+    prom = Prometheus(tmp_path / "prometheus", {"gateway": [gateway.http_url], "triton": triton})
     try:
         deadline = time.time() + 120
         while prom.targets_up("dstool-gateway") + prom.targets_up("triton") < 3:

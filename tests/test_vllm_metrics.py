@@ -6,17 +6,20 @@ Triton 2.51 serving an exported model unchanged. Every metric and label the boar
 from __future__ import annotations
 
 import json
+import math
 import queue
 import re
 import types
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 
 import numpy as np
 import pytest
 import tritonclient.grpc as tgrpc
 
 from gatewaylib import eventually
+from promlib import PROMETHEUS, Prometheus
 
 LLM, SERVED = "dstool_lm_llm", "dstool_lm"  # the Triton model and the name clients give it (model_name)
 
@@ -205,6 +208,37 @@ def test_vllm_board_reads_a_dstool_server(server):
     for name, buckets in expected.items():
         le = [ls["le"] for n, ls, _ in gone if n == f"vllm:{name}_bucket" and ls.get("model_name") == SERVED]
         assert le[-1] == "+Inf" and [float(x) for x in le[:-1]] == buckets, (name, le)
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (Debian: apt-get install prometheus): the "
+                                                  "board's metric names are checked above without it")
+def test_every_panel_of_vllms_board_answers_from_prometheus_scraping_a_dstool_server(server, tmp_path):
+    """What Grafana does with the board: its template variable listed by label_values(model_name), then each
+    panel's PromQL, $model_name and $__rate_interval put in, asked of a real Prometheus scraping a real Triton
+    (the shipped prometheus.yml's triton job) while requests run — every panel answers for the served model, a
+    finite figure in each series (a quantile over no traffic would be NaN, an unknown name no series)."""
+    prom = Prometheus(tmp_path / "prometheus", {"triton": [f"127.0.0.1:{server.metrics_port}"]})
+    try:
+        assert eventually(lambda: prom.targets_up("triton"), lambda n: n == 1, 60) == 1, "Prometheus never scraped"
+        assert eventually(lambda: prom.query("vllm:generation_tokens_total"), bool, 60), "no sample of Triton's yet"
+        with ThreadPoolExecutor(4) as pool:  # counted between two scrapes: every rate() has an increase to show
+            list(pool.map(lambda i: generate(server, {"text_input": f"Speak {i}.", "max_new_tokens": 6,
+                                                      "ignore_eos": True}), range(8)))
+        assert SERVED in prom.label_values("model_name")
+        for panel, expressions in BOARD.items():
+            gauge = panel in ("Scheduler State", "Cache Utilization")  # 0 once the requests ended
+            for expr in expressions:
+                asked = expr.replace("$model_name", SERVED).replace("$__rate_interval", "5m")
+                result = eventually(partial(prom.query, asked), partial(_answered, gauge), 60)  # rate(): 2 scrapes
+                assert _answered(gauge, result), (panel, asked, result)
+    finally:
+        prom.stop()
+
+
+def _answered(gauge: bool, result: list[dict]) -> bool:
+    """A series at least, each a finite figure, and (but for a gauge) one above zero."""
+    figures = [float(r["value"][1]) for r in result]
+    return bool(figures) and all(math.isfinite(f) for f in figures) and (gauge or any(f > 0 for f in figures))
 
 
 class _Family:
