@@ -409,3 +409,37 @@ def test_a_wrong_responses_field_is_a_400_naming_it(field, value, says):
     with pytest.raises(OpenAIError) as e:
         parse(json.dumps({"model": "m", "input": "hi", field: value}).encode(), ResponsesRequest).chat()
     assert e.value.status == 400 and e.value.param == field and says in e.value.message, e.value.message
+
+
+@pytest.mark.parametrize(("field", "value", "param", "says"), [
+    ("reasoning", "high", "reasoning", "Input should be a valid dictionary"),
+    ("reasoning", {"effort": "low", "mode": 1}, "reasoning.mode", "Unrecognized request argument"),
+    ("reasoning", {"summary": "auto"}, "reasoning.summary", "'reasoning.summary' 'auto': reasoning summaries are not"),
+    ("reasoning", {"generate_summary": "concise"}, "reasoning.generate_summary", "'reasoning.generate_summary' 'co"),
+    ("text", {"format": "json"}, "text.format", "Input should be a valid dictionary, got 'json'"),
+    ("text", {"verbosity": 3}, "text.verbosity", "Input should be a valid string, got 3"),
+    ("model", 5, "model", "Input should be a valid string, got 5"),
+])
+def test_a_wrong_responses_object_field_is_a_400_naming_where(field, value, param, says):
+    """reasoning and text are objects of their own types: a mistake inside one is named by its path."""
+    from dstool.serve.gateway.openai.protocol import OpenAIError, parse
+    from dstool.serve.gateway.openai.responses import ResponsesRequest
+
+    with pytest.raises(OpenAIError) as e:
+        parse(json.dumps({"model": "m", "input": "hi", field: value}).encode(), ResponsesRequest).chat()
+    assert e.value.status == 400 and e.value.param == param and says in e.value.message, e.value.message
+
+
+def test_responses_reasoning_and_text_become_the_chat_fields():
+    from dstool.serve.gateway.openai.protocol import parse
+    from dstool.serve.gateway.openai.responses import ResponsesRequest
+
+    schema = {"type": "json_schema", "name": "x", "schema": {"type": "object"}, "strict": True}
+    chat = parse(json.dumps({"model": "m", "input": "hi", "reasoning": {"effort": "low", "summary": None},
+                             "text": {"format": schema, "verbosity": "low"}}).encode(), ResponsesRequest).chat()
+    assert chat["reasoning_effort"] == "low" and chat["verbosity"] == "low"
+    assert chat["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object"}, "strict": True}}
+    plain = parse(json.dumps({"model": "m", "input": "hi", "text": {"format": {"type": "text"}}}).encode(),
+                  ResponsesRequest).chat()
+    assert plain["response_format"] == {"type": "text"} and "reasoning_effort" not in plain

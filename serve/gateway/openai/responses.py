@@ -29,10 +29,34 @@ PARAMS = {"max_tokens": "max_output_tokens", "response_format.json_schema": "tex
           "reasoning_effort": "reasoning.effort"}
 
 
+class Reasoning(BaseModel):
+    """`reasoning`: its effort is chat's reasoning_effort (chat checks the level); a summary is not served."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # summary's older name
+
+    @field_validator("summary", "generate_summary", mode="after")
+    @classmethod
+    def _summary(cls, v: str | None, info) -> None:
+        if v is not None:
+            raise ValueError(f"'reasoning.{info.field_name}' {shown(v)}: reasoning summaries are not supported by "
+                             "this server (the thinking itself comes as a reasoning item with --reasoning-parser)")
+
+
+class TextConfig(BaseModel):
+    """`text`: its format is chat's response_format, its verbosity chat's (chat checks the level)."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    format: dict[str, Any] | None = None
+    verbosity: str | None = None
+
+
 class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
-    model: Any = None  # chat's rule names a missing or unknown model
+    model: str | None = None  # chat's rule names a missing or unknown model
     input: Any = None  # items of several shapes, read by _messages
     instructions: str | None = None
     # types here, ranges by chat's rules (the chat request they become)
@@ -42,12 +66,12 @@ class ResponsesRequest(BaseModel):
     tools: Any = None
     tool_choice: Any = None
     parallel_tool_calls: bool | None = None
-    text: Any = None
+    text: TextConfig | None = None
     stream: bool | None = None  # null: not sent
     store: bool | None = None  # OpenAI's default: true
     previous_response_id: str | None = None
     background: bool | None = None
-    reasoning: Any = None
+    reasoning: Reasoning | None = None
     include: list[str] | None = None  # refused unless empty
     truncation: Literal["auto", "disabled"] | None = None  # refused unless disabled
     max_tool_calls: int | None = None  # refused
@@ -88,8 +112,8 @@ class ResponsesRequest(BaseModel):
         if prior:
             messages = _messages([*prior, *self.items()])
         body: dict = {"model": self.model, "messages": [*self._instructions(), *messages], "stream": self.stream}
-        if self.reasoning is not None:  # its effort is chat's reasoning_effort (taken, valid levels only)
-            body.update(_reasoning(self.reasoning))
+        if self.reasoning is not None and self.reasoning.effort is not None:
+            body["reasoning_effort"] = self.reasoning.effort
         for name, chat in (("max_output_tokens", "max_tokens"), ("temperature", "temperature"), ("top_p", "top_p"),
                            ("parallel_tool_calls", "parallel_tool_calls")):
             if getattr(self, name) is not None:
@@ -102,12 +126,12 @@ class ResponsesRequest(BaseModel):
             if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
                 choice = {"type": "function", "function": {"name": choice["name"]}}
             body["tool_choice"] = choice
-        if self.text is not None:
-            fmt = _format(self.text)
-            if fmt is not None:
-                body["response_format"] = fmt
-            if self.text.get("verbosity") is not None:
-                body["verbosity"] = self.text["verbosity"]  # taken as on chat (valid levels only)
+        if self.text is not None and self.text.format is not None:
+            fmt = self.text.format
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                k: v for k, v in fmt.items() if k != "type"}} if fmt.get("type") == "json_schema" else fmt
+        if self.text is not None and self.text.verbosity is not None:
+            body["verbosity"] = self.text.verbosity
         if self.stream:
             body["stream_options"] = {"include_usage": True}
         return body
@@ -197,31 +221,6 @@ def _tool(tool: Any, i: int) -> Any:
         return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
     raise OpenAIError(400, f"'tools[{i}]' must be a function tool: this server serves no hosted tools",
                       f"tools[{i}]")
-
-
-def _reasoning(value: Any) -> dict:
-    """`reasoning: {"effort": ...}` as chat's reasoning_effort; a summary of the thinking is not served."""
-    if not isinstance(value, dict) or set(value) - {"effort", "summary", "generate_summary"}:
-        raise OpenAIError(400, f"'reasoning' {shown(value)}: give an object with 'effort'", "reasoning")
-    for key in ("summary", "generate_summary"):
-        if value.get(key) is not None:
-            raise OpenAIError(400, f"'reasoning.{key}' {shown(value[key])}: reasoning summaries are not supported by "
-                              "this server (the thinking itself comes as a reasoning item with --reasoning-parser)",
-                              f"reasoning.{key}")
-    return {} if value.get("effort") is None else {"reasoning_effort": value["effort"]}  # chat checks its level
-
-
-def _format(text: Any) -> Any:
-    """`text.format` as chat's response_format; None when only `text.verbosity` is given."""
-    if isinstance(text, dict) and set(text) <= {"format", "verbosity"} and text.get("format") is None:
-        return None
-    fmt = text.get("format") if isinstance(text, dict) and set(text) <= {"format", "verbosity"} else None
-    if not isinstance(fmt, dict):
-        raise OpenAIError(400, "'text' must be {\"format\": {\"type\": \"text\" | \"json_object\" | \"json_schema\", "
-                               "...}}", "text")
-    if fmt.get("type") == "json_schema":
-        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
-    return fmt
 
 
 def renamed(e: OpenAIError) -> OpenAIError:
