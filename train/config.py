@@ -105,7 +105,7 @@ class TrainConfig(CommandConfig):
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in the "
                                            "backward pass instead of keeping them: less memory, ~1/3 more compute")
     lora: int | None = Field(None, ge=1, description="fine-tune LoRA adapters of this rank (PEFT) instead of every "
-                             "weight; checkpoints hold the adapters only, model/ is merged, model/adapter/ the adapter")
+                             "weight; checkpoints hold the adapters only, model/ is merged, adapter/ the adapter")
     lora_alpha: float | None = Field(None, gt=0, description="LoRA scaling numerator (default: 2 x rank)")
     lora_dropout: float = Field(0.0, ge=0, lt=1, description="dropout on the LoRA path")
     lora_targets: list[str] = Field(default_factory=lambda: ["all-linear"], description="a module name LoRA adapts "

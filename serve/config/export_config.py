@@ -93,7 +93,7 @@ class ExportConfig(RepositorySettings):
     output: str = Field("edge_package", description="--target edge: the package folder")
     layers_per_block: int = Field(1, ge=1, description="--target edge: decoder layers per block file")
     adapters: list[str] = Field(default_factory=list, description="a PEFT LoRA adapter served beside the base, "
-                                "as NAME=FOLDER (repeat; e.g. a dstool train --lora run's model/adapter): clients "
+                                "as NAME=FOLDER (repeat; e.g. a dstool train --lora run's adapter folder): clients "
                                 "pick it by name", json_schema_extra={"cli": {"flag": "--adapter",
                                                                               "metavar": "NAME=FOLDER"}})
 
