@@ -811,6 +811,12 @@ def parse(body: bytes, kind: type[Body]) -> Body:
         raise OpenAIError(400, f"the body is not JSON: {e}") from None
     if not isinstance(value, dict):
         raise OpenAIError(400, "the body must be a JSON object")
+    return validated(value, kind)
+
+
+def validated(value: dict, kind: type[Body]) -> Body:
+    """A request already read (a JSON object's value: the chat completion a Responses request becomes) as `kind`,
+    validated as parse() validates a body."""
     try:
         return kind.model_validate(value)
     except ValidationError as e:

@@ -47,6 +47,7 @@ from dstool.serve.gateway.openai.protocol import (
     OpenAIError,
     Stops,
     parse,
+    validated,
 )
 from dstool.serve.gateway.openai.stored import MemoryResponses, ResponsesRoutes
 from dstool.serve.gateway.openai.tools import Calls
@@ -400,7 +401,7 @@ class OpenAIFrontend:
 
     async def _chat(self, body: dict, req: HttpRequest):
         """The chat completion a Responses request asks for (stored.py), as req's principal: its answer."""
-        request = parse(orjson.dumps(body), ChatCompletionRequest)
+        request = validated(body, ChatCompletionRequest)
         target = await self.target(request.model, req.principal)
         await request.check_grammars()
         return await self._complete(request, opts_out(req), req.principal, target)
