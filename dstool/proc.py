@@ -21,22 +21,29 @@ PORTS_FROM = 10000  # free_port draws from here up to the start of the OS's own 
 LEDGER_S = 600.0  # seconds a port free_port handed out is not handed out again on this machine
 
 
-def free_port(host: str = "127.0.0.1") -> int:
+def free_port(host: str = "127.0.0.1", also: tuple[int, ...] = ()) -> int:
     """A TCP port nothing listens on now, for a process about to listen on it. Drawn below the range the OS hands
     out by itself (ip_local_port_range: source ports of outgoing connections, bind to port 0), so no connection
     made between the draw and the bind takes it, and not one another process on this machine was handed in the
-    last LEDGER_S seconds (a ledger under a file lock in the temporary folder)."""
-    low = _os_range_start()
-    if low - PORTS_FROM < 1000:  # an unusual OS range leaves no room below it: the OS picks
-        return _os_port(host)
+    last LEDGER_S seconds (a ledger under a file lock in the temporary folder). `also`: offsets from it that must be
+    free too and are handed out with it (a Redis Cluster node's bus port is its port + 10000)."""
+    offsets = (0, *also)
+    top = _os_range_start() - max(offsets)
+    if top - PORTS_FROM < 1000:  # an unusual OS range leaves no room below it
+        if not also:
+            return _os_port(host)
+        top = 65536 - max(offsets)
     draw = random.SystemRandom()
     with _ledger() as handed:
         for _ in range(200):
-            port = draw.randrange(PORTS_FROM, low)
-            if port not in handed and _bindable(host, port):
-                handed[port] = time.time()
+            port = draw.randrange(PORTS_FROM, top)
+            taken = [port + o for o in offsets]
+            if not any(t in handed for t in taken) and all(_bindable(host, t) for t in taken):
+                handed.update((t, time.time()) for t in taken)
                 return port
-    return _os_port(host)
+    if not also:
+        return _os_port(host)
+    raise OSError(f"no free port on {host} with its offsets {also} free too, after 200 draws")
 
 
 def _os_range_start() -> int:

@@ -127,22 +127,6 @@ class RedisServer:
             self.proc.wait(10)
 
 
-def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free and valid too."""
-    import random
-    import socket
-
-    while True:
-        port = random.randrange(20000, 30000)
-        try:
-            for p in (port, port + 10000):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", p))
-            return port
-        except OSError:
-            continue
-
-
 class RedisClusterServers:
     """A real Redis Cluster on loopback: `masters` masters, each with one replica (redis-server
     --cluster-enabled yes, joined by redis-cli --cluster create), failing over within about a second."""
@@ -152,7 +136,7 @@ class RedisClusterServers:
             pytest.fail("redis-server/redis-cli are not installed: run `bash scripts/setup.sh` (or apt-get install "
                         "redis-server)")
         self.workdir = workdir
-        self.ports = [_cluster_port() for _ in range(2 * masters)]
+        self.ports = [free_port(also=(10000,)) for _ in range(2 * masters)]  # and each one's bus port
         self.procs: dict[int, subprocess.Popen] = {}
         for port in self.ports:
             folder = workdir / str(port)

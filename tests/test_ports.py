@@ -37,3 +37,14 @@ def test_a_ledger_that_cannot_be_used_still_gives_a_port(tmp_path, monkeypatch):
     monkeypatch.setattr(proc.tempfile, "gettempdir", lambda: str(tmp_path / "missing"))
     port = proc.free_port()
     assert proc.PORTS_FROM <= port < _os_range()[0]
+
+
+def test_a_port_with_offsets_has_them_free_below_the_range_and_handed_out_with_it():
+    """A Redis Cluster node's bus port is its port + 10000: both drawn, both bindable, both in the ledger."""
+    port = proc.free_port(also=(10000,))
+    assert proc.PORTS_FROM <= port and port + 10000 < _os_range()[0]
+    for taken in (port, port + 10000):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", taken))
+    with proc._ledger() as handed:
+        assert port in handed and port + 10000 in handed
