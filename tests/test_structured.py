@@ -193,10 +193,12 @@ def test_a_conversation_with_tool_results_and_auto(api, server):
     ("response_format", "json", "Input should be a valid dictionary, got 'json'"),
     ("structured_outputs", ["x"], "Input should be a valid dictionary"),
     ("stop", 3, "'stop' must be a string or a list of up to 4 strings"),
+    ("tools", "x", "Input should be a valid list, got 'x'"),
+    ("tool_choice", 5, "Input should be 'none', 'auto' or 'required', got 5"),
 ])
-def test_a_structured_output_field_of_the_wrong_type_is_a_400_naming_it(field, value, says):
-    """The typed structured-output fields (and stop) of a chat request, refused in OpenAI's shape before anything
-    is compiled or sent."""
+def test_a_typed_chat_field_of_the_wrong_type_is_a_400_naming_it(field, value, says):
+    """The typed structured-output and tool fields (and stop) of a chat request, refused in OpenAI's shape before
+    anything is compiled or sent."""
     from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, parse
 
     with pytest.raises(OpenAIError) as e:

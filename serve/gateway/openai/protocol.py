@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, Literal, TypeVar
 
 import orjson
 from pydantic import (
@@ -101,6 +101,9 @@ class Stops(list):
     one of them coming in it cuts it short: openai.Choice makes its finish reason `length`, as max_tokens would."""
 
     grammar = False
+
+
+ToolChoice = Literal["none", "auto", "required"] | dict[str, Any]  # a dict names a function: tools.read_choice
 
 
 class StreamOptions(BaseModel):
@@ -645,9 +648,9 @@ class ChatCompletionRequest(_Request):
     logprobs: bool | None = None
     max_completion_tokens: int | None = None
     top_logprobs: int | None = None
-    tools: Any = None
+    tools: list[dict[str, Any]] | None = None  # each checked by tools.read_tools, its mistakes named by index
     functions: None = None  # refused: OpenAI's deprecated form
-    tool_choice: Any = None
+    tool_choice: ToolChoice | None = None
     function_call: None = None  # refused
     parallel_tool_calls: bool | None = None
     modalities: None = None  # ["text"] only, checked and dropped

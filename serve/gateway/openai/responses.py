@@ -18,7 +18,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from dstool.decoding.sampling import shown
-from dstool.serve.gateway.openai.protocol import OpenAIError, unserved
+from dstool.serve.gateway.openai.protocol import OpenAIError, ToolChoice, unserved
 
 # fields not served -> the values that ask for nothing (taken)
 UNSERVED: dict[str, tuple[Any, ...]] = {"include": ([],), "truncation": ("disabled",), "max_tool_calls": (),
@@ -63,8 +63,8 @@ class ResponsesRequest(BaseModel):
     max_output_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    tools: Any = None
-    tool_choice: Any = None
+    tools: list[dict[str, Any]] | None = None  # function tools, flat (_tool)
+    tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool | None = None
     text: TextConfig | None = None
     stream: bool | None = None  # null: not sent
@@ -119,8 +119,7 @@ class ResponsesRequest(BaseModel):
             if getattr(self, name) is not None:
                 body[chat] = getattr(self, name)
         if self.tools is not None:
-            body["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)] if isinstance(self.tools, list) \
-                else self.tools
+            body["tools"] = [_tool(t, i) for i, t in enumerate(self.tools)]
         if self.tool_choice is not None:
             choice = self.tool_choice
             if isinstance(choice, dict) and choice.get("type") == "function" and set(choice) == {"type", "name"}:
@@ -215,9 +214,9 @@ def _content(value: Any, at: str) -> Any:
                       f"{at}.content")
 
 
-def _tool(tool: Any, i: int) -> Any:
+def _tool(tool: dict[str, Any], i: int) -> dict[str, Any]:
     """A Responses function tool (flat) as a chat tool."""
-    if isinstance(tool, dict) and tool.get("type") == "function":
+    if tool.get("type") == "function":
         return {"type": "function", "function": {k: v for k, v in tool.items() if k != "type"}}
     raise OpenAIError(400, f"'tools[{i}]' must be a function tool: this server serves no hosted tools",
                       f"tools[{i}]")
