@@ -419,9 +419,12 @@ def test_a_wrong_responses_field_is_a_400_naming_it(field, value, says):
     ("text", {"format": "json"}, "text.format", "Input should be a valid dictionary, got 'json'"),
     ("text", {"verbosity": 3}, "text.verbosity", "Input should be a valid string, got 3"),
     ("model", 5, "model", "Input should be a valid string, got 5"),
+    ("input", 5, "input", "'input' must be text or a non-empty list of input items, got 5"),
+    ("input", ["x"], "input[0]", "Input should be a valid dictionary, got 'x'"),
 ])
 def test_a_wrong_responses_object_field_is_a_400_naming_where(field, value, param, says):
-    """reasoning and text are objects of their own types: a mistake inside one is named by its path."""
+    """reasoning and text are objects of their own types, input text or a list of objects: a mistake is named by
+    its path."""
     from dstool.serve.gateway.openai.protocol import OpenAIError, parse
     from dstool.serve.gateway.openai.responses import ResponsesRequest
 

@@ -57,7 +57,7 @@ class ResponsesRequest(BaseModel):
     model_config = ConfigDict(extra="forbid", strict=True)
 
     model: str | None = None  # chat's rule names a missing or unknown model
-    input: Any = None  # items of several shapes, read by _messages
+    input: list[dict[str, Any]] | str | None = None  # text, or input items of several shapes (_messages)
     instructions: str | None = None
     # types here, ranges by chat's rules (the chat request they become)
     max_output_tokens: int | None = None
@@ -83,6 +83,13 @@ class ResponsesRequest(BaseModel):
     prompt_cache_key: str | None = None
     safety_identifier: str | None = None
 
+    @field_validator("input", mode="before")
+    @classmethod
+    def _input(cls, v: Any) -> Any:
+        if v is not None and not isinstance(v, (str, list)):
+            raise ValueError(f"'input' must be text or a non-empty list of input items, got {shown(v)}")
+        return v
+
     @field_validator(*UNSERVED, mode="after")
     @classmethod
     def _unserved(cls, v: Any, info) -> Any:
@@ -97,7 +104,7 @@ class ResponsesRequest(BaseModel):
         """The request's input as the input items a stored conversation keeps (text is one user message), each with
         an id."""
         value = [{"type": "message", "role": "user", "content": self.input}] if isinstance(self.input, str) else \
-            self.input
+            self.input or []
         items = []
         for item in value:
             kind = item.get("type", "message")
