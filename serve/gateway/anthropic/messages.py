@@ -27,7 +27,7 @@ from typing import Any
 import orjson
 
 from dstool.decoding.sampling import shown
-from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, parse
+from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, validated
 from dstool.serve.gateway.openai.tools import NAME
 from dstool.serve.gateway.tenancy.guard import Refused
 from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
@@ -144,7 +144,7 @@ class AnthropicFrontend:
         if not isinstance(body, dict):
             raise AnthropicError(400, "the body must be a JSON object")
         chat, stops = translate(body)
-        request = parse(orjson.dumps(chat), ChatCompletionRequest)
+        request = validated(chat, ChatCompletionRequest)
         try:  # the base and adapter it names, and whether the key is given it: before any work on the request
             target = await self.openai.target(request.model, req.principal)
         except OpenAIError as e:
