@@ -123,12 +123,13 @@ def _decoder_params(model) -> int:
 @pytest.mark.slow
 def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     """The structural steps in one recipe: 40 % pruned, 2:4 masks on what is left, recovery (distilled from the
-    original's logits) that keeps the masks."""
+    original's logits) that keeps the masks. The lowest-loss layout, untimed (--prune-ppl-tolerance 0): timing the
+    layouts within a tolerance is the next test's (at 0.4 here, five layouts exported and timed: a minute)."""
     from transformers import AutoModelForCausalLM
 
     out = tmp_path / "pruned"
-    dstool("compress", str(trained), "--prune", "0.4", "--sparsity", "2:4", "--recover-steps", "8", "--distill",
-           "--latency-repeats", "3", "--output", str(out))
+    dstool("compress", str(trained), "--prune", "0.4", "--prune-ppl-tolerance", "0", "--sparsity", "2:4",
+           "--recover-steps", "8", "--distill", "--latency-repeats", "3", "--output", str(out))
     original = AutoModelForCausalLM.from_pretrained(trained)
     m = _manifest(out)
     pruned = AutoModelForCausalLM.from_pretrained(out / m.model)
@@ -138,18 +139,16 @@ def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
     assert m.figures.after.parameters == pruned.num_parameters() < m.figures.before.parameters
     assert m.figures.after.onnx_bytes < m.figures.before.onnx_bytes
     p = m.recipe.pruning
-    assert p.rule == "fastest-within-tolerance" and p.ppl_tolerance_pct == 50  # the default layout choice
+    assert p.rule == "lowest-loss" and p.ppl_tolerance_pct == 0
     assert p.mlp_channels == (512, cfg.intermediate_size)
     for removed in p.removed:  # what was removed, as indices of the original model
         assert len(removed.kv_groups) == 2 - cfg.num_key_value_heads
         assert len(removed.query_heads) == 6 - cfg.num_attention_heads
         assert len(removed.mlp_channels) == 512 - cfg.intermediate_size
-    best_loss = min(c.calibration_loss for c in p.candidates)
-    admitted = [c for c in p.candidates if math.exp(c.calibration_loss - best_loss) <= 1.5 + 1e-9]
-    chosen = min(admitted, key=lambda c: c.latency_ms or 0.0)  # the fastest within 50 %
+    assert len(p.candidates) > 1 and all(c.latency_ms is None for c in p.candidates)  # each measured, none timed
+    chosen = min(p.candidates, key=lambda c: c.calibration_loss)
     assert (chosen.kv_groups, chosen.kv_groups * chosen.heads_per_group, chosen.channels) == (
         cfg.num_key_value_heads, cfg.num_attention_heads, cfg.intermediate_size)
-    assert all((c.latency_ms is not None) == (len(admitted) > 1 and c in admitted) for c in p.candidates)
     masks = {n: w != 0 for n, w in pruned.named_parameters() if ".layers." in n and w.dim() == 2}
     check_n_m(pruned, masks, 2, 4)  # every group of 4 still has 2 zeros after fine-tuning
     assert sum(int((~mask).sum()) for mask in masks.values()) == sum(mask.numel() for mask in masks.values()) // 2
