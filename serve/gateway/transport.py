@@ -78,6 +78,9 @@ class HttpResponse:
         return ["".join(head).encode("latin-1"), *self.chunks]
 
 
+EVENT_STREAM = [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache")]  # server-sent events
+
+
 @dataclass(slots=True)
 class StreamingResponse:
     """A response whose body arrives in parts (server-sent events), sent with chunked transfer encoding."""

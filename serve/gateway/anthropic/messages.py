@@ -5,10 +5,10 @@ A request is read here in Anthropic's names, turned into the chat completion it 
 message first; text blocks -> content; an assistant's tool_use blocks -> its tool_calls; tool_result blocks -> tool
 messages; tools' input_schema -> function parameters; tool_choice auto/any/tool/none -> auto/required/the named
 function/none, disable_parallel_tool_use -> parallel_tool_calls false; stop_sequences -> stop) and run by the OpenAI
-frontend's chat machinery (openai.py), so tenants' keys, limits, reservations, usage, fair share and the result
+frontend's chat machinery (openai/routes.py), so tenants' keys, limits, reservations, usage, fair share and the result
 cache scope are exactly the chat route's. The answer is written back as a Message (text and tool_use blocks,
 stop_reason end_turn / max_tokens / stop_sequence / tool_use), or, streamed, as Anthropic's events made from the
-chat chunks as they come.
+chat answer's typed events (openai/answer.py) as they come.
 
 What cannot change this model's answer is taken and not used (metadata, cache_control on any block or tool,
 service_tier, thinking {"type": "disabled"}, thinking blocks of earlier turns, which Anthropic drops from the
@@ -27,10 +27,11 @@ from typing import Any
 import orjson
 
 from dstool.decoding.sampling import shown
+from dstool.serve.gateway.openai.answer import CallDelta, Event, Failed, Streamed, Usage
 from dstool.serve.gateway.openai.protocol import ChatCompletionRequest, OpenAIError, validated
 from dstool.serve.gateway.openai.tools import NAME
 from dstool.serve.gateway.tenancy.guard import Refused
-from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
+from dstool.serve.gateway.transport import EVENT_STREAM, HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
 TOP_LEVEL = frozenset({"model", "max_tokens", "messages", "system", "stop_sequences", "temperature", "top_p", "top_k",
@@ -87,6 +88,12 @@ def anthropic_refused(e: Refused) -> HttpResponse:
     return response
 
 
+def model_info(name: str) -> dict:
+    """A served model as Anthropic's models API describes one (its release date unknown: the epoch)."""
+    return {"type": "model", "id": name, "display_name": name, "created_at": "1970-01-01T00:00:00Z",
+            "lifecycle": "active", "deprecated_at": None, "retires_at": None}
+
+
 class AnthropicFrontend:
     def __init__(self, openai):
         self.openai = openai  # openai.OpenAIFrontend: its chat machinery runs every message
@@ -120,7 +127,7 @@ class AnthropicFrontend:
 
     async def _models(self, req: HttpRequest, model: str | None) -> HttpResponse:
         def row(m: dict) -> dict:
-            return {"type": "model", "id": m["id"], "display_name": m["id"], "created_at": "1970-01-01T00:00:00Z"}
+            return model_info(m["id"])
 
         if model is not None:  # as the OpenAI route finds it (an adapter also by its BASE:NAME)
             try:
@@ -155,9 +162,9 @@ class AnthropicFrontend:
         await request.check_grammars()
         answer = await self.openai._complete(request, opts_out(req), req.principal, target)
         writer = Writer(request.model, stops)
-        if isinstance(answer, StreamingResponse):
-            return StreamingResponse(200, answer.headers, writer.events(answer.body), answer.close)
-        return HttpResponse(200, [orjson.dumps(writer.whole(orjson.loads(b"".join(answer.chunks))))], list(JSON))
+        if isinstance(answer, Streamed):
+            return StreamingResponse(200, [*EVENT_STREAM, *answer.headers], writer.events(answer.events), answer.close)
+        return HttpResponse(200, [orjson.dumps(writer.whole(answer.completion))], list(JSON))
 
 
 # ---- the request ---------------------------------------------------------------------------------------------------
@@ -611,8 +618,8 @@ class Writer:
     def _event(kind: str, **fields) -> bytes:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps({"type": kind, **fields}) + b"\n\n"
 
-    async def events(self, chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-        """Anthropic's events of a chat stream (its `data:` chunks, the last with usage, then [DONE]): message_start,
+    async def events(self, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+        """Anthropic's events of a chat answer's stream (answer.py, usage last): message_start,
         each block's content_block_start, deltas (text_delta, input_json_delta) and content_block_stop, a ping after
         the first block starts, message_delta (stop_reason, stop_sequence, usage), message_stop. The last characters
         of the text are held until the answer ends when it has stop sequences (the one that stopped it is not
@@ -622,34 +629,31 @@ class Writer:
         state = _Blocks()
         pending = ""  # text held back: it may be (the start of) the stop sequence that ends the answer
         finish, usage = None, None
-        async for chunk in chunks:
-            if not chunk.startswith(b"data: {"):
-                continue
-            d = orjson.loads(chunk[len(b"data: "):])
-            if "error" in d:
-                error = d["error"] if isinstance(d["error"], dict) else {"message": str(d["error"])}
-                kind = "api_error" if error.get("type") == "server_error" else "invalid_request_error"
-                yield self._event("error", error={"type": kind, "message": error.get("message")})
+        async for event in events:
+            if isinstance(event, Failed):
+                kind = "api_error" if event.error.kind == "server_error" else "invalid_request_error"
+                yield self._event("error", error={"type": kind, "message": event.error.message})
                 return
-            usage = d.get("usage") or usage
-            for c in d.get("choices") or []:
-                delta, finish = c.get("delta") or {}, c.get("finish_reason") or finish
-                if delta.get("content"):
-                    pending += delta["content"]
-                    if len(pending) > hold:
-                        cut = len(pending) - hold
-                        for event in state.text(pending[:cut]):
-                            yield event
-                        pending = pending[cut:]
-                for tc in delta.get("tool_calls") or []:
-                    for event in state.text(pending):  # no stop sequence comes before a call
-                        yield event
-                    pending = ""
-                    for event in state.tool(tc):
-                        yield event
+            if isinstance(event, Usage):
+                usage = event.usage
+                continue
+            finish = event.finish_reason or finish
+            if event.content:
+                pending += event.content
+                if len(pending) > hold:
+                    cut = len(pending) - hold
+                    for part in state.text(pending[:cut]):
+                        yield part
+                    pending = pending[cut:]
+            for call in event.calls:
+                for part in state.text(pending):  # no stop sequence comes before a call
+                    yield part
+                pending = ""
+                for part in state.tool(call):
+                    yield part
         reason, stop, pending = self._reason(finish, pending)
-        for event in [*state.text(pending), *state.close()]:
-            yield event
+        for part in [*state.text(pending), *state.close()]:
+            yield part
         if not state.pinged:
             yield self._event("ping")
         yield self._event("message_delta", delta={"stop_reason": reason, "stop_sequence": stop},
@@ -690,20 +694,17 @@ class _Blocks:
                                     delta={"type": "text_delta", "text": text}))
         return events
 
-    def tool(self, tc: dict) -> list[bytes]:
-        """A chat tool-call delta: its first (id and name) opens a tool_use block; its arguments' text follows as
+    def tool(self, call: CallDelta) -> list[bytes]:
+        """A tool call's part: its first (id and name) opens a tool_use block; its arguments' text follows as
         input_json_delta."""
         events: list[bytes] = []
-        function, at = tc.get("function") or {}, int(tc.get("index") or 0)
-        if at not in self.calls:
-            events += self._start({"type": "tool_use", "id": tool_use_id(tc.get("id")), "name": function.get("name"),
-                                   "input": {}})
+        if call.index not in self.calls:
+            events += self._start({"type": "tool_use", "id": tool_use_id(call.id), "name": call.name, "input": {}})
             self.open = "tool"
-            self.calls[at] = self.index
-        arguments = function.get("arguments") or ""
-        if arguments:
-            events.append(Writer._event("content_block_delta", index=self.calls[at],
-                                        delta={"type": "input_json_delta", "partial_json": arguments}))
+            self.calls[call.index] = self.index
+        if call.arguments:
+            events.append(Writer._event("content_block_delta", index=self.calls[call.index],
+                                        delta={"type": "input_json_delta", "partial_json": call.arguments}))
         return events
 
 

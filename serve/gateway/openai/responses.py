@@ -2,7 +2,7 @@
 asks for (input items -> messages, after the previous response's conversation when it names one; `instructions` -> a
 system message first, function tools, `text.format` -> response_format), runs as one, and its answer is written back
 as a Response object — or, streamed, as the Responses events (response.created ... response.completed) made from the
-chat chunks as they come.
+chat answer's typed events (answer.py) as they come.
 
 `store`, `previous_response_id` and `background` are stored.py's (the store on Redis); fields that change the answer
 and are not served are refused (`reasoning.summary`, `include`, hosted tools)."""
@@ -18,6 +18,7 @@ import orjson
 from pydantic import BaseModel, ConfigDict, field_validator
 
 from dstool.decoding.sampling import shown
+from dstool.serve.gateway.openai.answer import Event, Failed, Usage
 from dstool.serve.gateway.openai.protocol import OpenAIError, ToolChoice, unserved
 
 # fields not served -> the values that ask for nothing (taken)
@@ -289,11 +290,10 @@ class Writer:
         return b"event: " + kind.encode() + b"\ndata: " + orjson.dumps(
             {"type": kind, "sequence_number": self.sequence - 1, **fields}) + b"\n\n"
 
-    async def events(self, chunks: AsyncIterator[bytes],
+    async def events(self, events: AsyncIterator[Event],
                      keep: Callable[[dict], Awaitable[dict | None]] | None = None) -> AsyncIterator[bytes]:
-        """The Responses events of a chat stream (its `data:` chunks, the last with usage, then [DONE]); `keep`
-        (the store) is given the final response before its event is sent, and may end the stream with an error
-        event instead (its fields)."""
+        """The Responses events of a chat answer's stream (answer.py); `keep` (the store) is given the final response
+        before its event is sent, and may end the stream with an error event instead (its fields)."""
         yield self._event("response.created", response=self.response("in_progress", []))
         yield self._event("response.in_progress", response=self.response("in_progress", []))
         output: list[dict] = []
@@ -301,66 +301,60 @@ class Writer:
         thought: dict | None = None  # the reasoning item (--reasoning-parser)
         calls: dict[int, dict] = {}  # tool-call index -> its function_call item
         finish, usage = None, None
-        async for chunk in chunks:
-            if not chunk.startswith(b"data: {"):
-                continue
-            d = orjson.loads(chunk[len(b"data: "):])
-            if "error" in d:
-                yield self._event("error", code=d["error"].get("code"), message=d["error"].get("message"),
-                                  param=d["error"].get("param"))
+        async for event in events:
+            if isinstance(event, Failed):
+                e = event.error
+                yield self._event("error", code=e.code, message=e.message, param=e.param)
                 return
-            usage = d.get("usage") or usage
-            for c in d.get("choices") or []:
-                delta, finish = c.get("delta") or {}, c.get("finish_reason") or finish
-                if delta.get("reasoning_content"):
-                    if thought is None:
-                        thought = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
-                        output.append(thought)
-                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=thought)
-                    thought["content"][0]["text"] += delta["reasoning_content"]
-                    yield self._event("response.reasoning_text.delta", item_id=thought["id"],
-                                      output_index=output.index(thought), content_index=0,
-                                      delta=delta["reasoning_content"])
-                elif thought is not None and thought["status"] == "in_progress" and (delta.get("content") or
-                                                                                     delta.get("tool_calls")):
-                    for event in self._close_thought(thought, output):
-                        yield event
-                if delta.get("content"):
-                    if text is None:
-                        text = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
-                        output.append(text)
-                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=text)
-                        yield self._event("response.content_part.added", item_id=text["id"],
-                                          output_index=len(output) - 1, content_index=0, part=_part(""))
-                    text["content"][0]["text"] += delta["content"]
-                    yield self._event("response.output_text.delta", item_id=text["id"],
-                                      output_index=output.index(text), content_index=0, delta=delta["content"],
-                                      logprobs=[])
-                for tc in delta.get("tool_calls") or []:
-                    if tc["index"] not in calls:
-                        if text is not None:
-                            for event in self._close_text(text, output):
-                                yield event
-                            text = None
-                        f = tc.get("function") or {}
-                        item = _call_item("fc_" + uuid.uuid4().hex, tc.get("id"), f.get("name"), "", "in_progress")
-                        calls[tc["index"]] = item
-                        output.append(item)
-                        yield self._event("response.output_item.added", output_index=len(output) - 1, item=item)
-                    item = calls[tc["index"]]
-                    piece = (tc.get("function") or {}).get("arguments") or ""
-                    if piece:
-                        item["arguments"] += piece
-                        yield self._event("response.function_call_arguments.delta", item_id=item["id"],
-                                          output_index=output.index(item), delta=piece)
+            if isinstance(event, Usage):
+                usage = event.usage
+                continue
+            finish = event.finish_reason or finish
+            if event.reasoning:
+                if thought is None:
+                    thought = _reasoning_item("rs_" + uuid.uuid4().hex, "", "in_progress")
+                    output.append(thought)
+                    yield self._event("response.output_item.added", output_index=len(output) - 1, item=thought)
+                thought["content"][0]["text"] += event.reasoning
+                yield self._event("response.reasoning_text.delta", item_id=thought["id"],
+                                  output_index=output.index(thought), content_index=0, delta=event.reasoning)
+            elif thought is not None and thought["status"] == "in_progress" and (event.content or event.calls):
+                for part in self._close_thought(thought, output):
+                    yield part
+            if event.content:
+                if text is None:
+                    text = _message_item("msg_" + uuid.uuid4().hex, "", "in_progress")
+                    output.append(text)
+                    yield self._event("response.output_item.added", output_index=len(output) - 1, item=text)
+                    yield self._event("response.content_part.added", item_id=text["id"],
+                                      output_index=len(output) - 1, content_index=0, part=_part(""))
+                text["content"][0]["text"] += event.content
+                yield self._event("response.output_text.delta", item_id=text["id"],
+                                  output_index=output.index(text), content_index=0, delta=event.content,
+                                  logprobs=[])
+            for call in event.calls:
+                if call.index not in calls:
+                    if text is not None:
+                        for part in self._close_text(text, output):
+                            yield part
+                        text = None
+                    item = _call_item("fc_" + uuid.uuid4().hex, call.id, call.name, "", "in_progress")
+                    calls[call.index] = item
+                    output.append(item)
+                    yield self._event("response.output_item.added", output_index=len(output) - 1, item=item)
+                item = calls[call.index]
+                if call.arguments:
+                    item["arguments"] += call.arguments
+                    yield self._event("response.function_call_arguments.delta", item_id=item["id"],
+                                      output_index=output.index(item), delta=call.arguments)
         cut = finish == "length"
         last = output[-1] if cut and output else None  # what the limit cut: marked incomplete
         if thought is not None and thought["status"] == "in_progress":
-            for event in self._close_thought(thought, output, "incomplete" if thought is last else "completed"):
-                yield event
+            for part in self._close_thought(thought, output, "incomplete" if thought is last else "completed"):
+                yield part
         if text is not None:
-            for event in self._close_text(text, output, "incomplete" if text is last else "completed"):
-                yield event
+            for part in self._close_text(text, output, "incomplete" if text is last else "completed"):
+                yield part
         for item in calls.values():
             item["status"] = "incomplete" if item is last else "completed"
             yield self._event("response.function_call_arguments.done", item_id=item["id"],
@@ -411,6 +405,7 @@ def _call_item(ident: str, call_id: str | None, name: str | None, arguments: str
 
 def _usage(usage: dict) -> dict:
     return {"input_tokens": usage["prompt_tokens"],
-            "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0)},
+            "input_tokens_details": {"cached_tokens": usage.get("prompt_tokens_details", {}).get("cached_tokens", 0),
+                                     "cache_write_tokens": 0},  # as Anthropic's cache_creation_input_tokens here
             "output_tokens": usage["completion_tokens"], "output_tokens_details": {"reasoning_tokens": 0},
             "total_tokens": usage["total_tokens"]}

@@ -39,6 +39,7 @@ from dstool.serve.gateway.adapters import AdapterRefused, Adapters, ServedAdapte
 from dstool.serve.gateway.core import addressable
 from dstool.serve.gateway.generation import GenerationCache, data
 from dstool.serve.gateway.openai import deepseek
+from dstool.serve.gateway.openai.answer import Answer, CallDelta, Delta, Event, Failed, Streamed, Usage, Whole
 from dstool.serve.gateway.openai.protocol import (
     GRAMMAR_SUBJECT,
     SAMPLING,
@@ -54,10 +55,9 @@ from dstool.serve.gateway.openai.tools import Calls
 from dstool.serve.gateway.tenancy.auth import Principal
 from dstool.serve.gateway.tenancy.guard import Guard, Meter, Refused, estimated_tokens
 from dstool.serve.gateway.tensors import GatewayError, backend_fault
-from dstool.serve.gateway.transport import HttpRequest, HttpResponse, StreamingResponse, opts_out
+from dstool.serve.gateway.transport import EVENT_STREAM, HttpRequest, HttpResponse, StreamingResponse, opts_out
 from dstool.serve.gateway.upstream import UnsafeRequest, UpstreamTimeout, UpstreamUnavailable
 
-# how the engine words a request longer than the model's positions (sampling.request_choices)
 # Events the choices of one request may get ahead of the client by: past it they stop reading from Triton (and
 # Triton's sending waits), so a slow reader holds a bounded amount here.
 EVENTS_AHEAD = 64
@@ -222,31 +222,59 @@ class Reply:
         return {"id": self.ident, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.model, "choices": rows, "usage": self.usage()}
 
-    def chunk(self, index: int, text: str | None, finish: str | None, role: bool = False,
-              rows: list[Ranked] | None = None, calls: list[dict] | None = None, thought: str | None = None) -> bytes:
+    def delta(self, index: int, text: str | None, finish: str | None = None, role: bool = False,
+              rows: list[Ranked] | None = None, calls: tuple[CallDelta, ...] = (), thought: str | None = None) -> Delta:
         lp = None
         if self.logprobs and rows:
             lp = logprobs_field(self.chat, rows, self.offsets[index])
             self.offsets[index] += sum(len(r.token) for r in rows)
-        if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if role else {} if text is None else \
-                {"content": text}
-            if calls:
-                delta["tool_calls"] = calls
-            if thought:  # thinking, under both names vLLM has used (reasoning_content, reasoning)
-                delta = {"reasoning_content": thought, "reasoning": thought}
-            row = {"index": index, "delta": delta, "logprobs": lp, "finish_reason": finish}
-        else:
-            row = {"index": index, "text": text or "", "logprobs": lp, "finish_reason": finish}
-        return self._event({"choices": [row]})
+        return Delta(index, text, thought, calls, lp, finish, role)
 
-    def usage_chunk(self) -> bytes:
-        return self._event({"choices": [], "usage": self.usage()})
+    def head(self) -> dict:
+        """What every chunk of its stream repeats."""
+        return {"id": self.ident, "object": "chat.completion.chunk" if self.chat else "text_completion",
+                "created": self.created, "model": self.model}
 
-    def _event(self, fields: dict) -> bytes:
-        kind = "chat.completion.chunk" if self.chat else "text_completion"
-        return b"data: " + orjson.dumps({"id": self.ident, "object": kind, "created": self.created,
-                                         "model": self.model, **fields}) + b"\n\n"
+
+def sse(head: dict, event: Event) -> bytes:
+    """An event of a stream as OpenAI's server-sent event: a chunk (`head` its identity), the usage chunk, or the
+    error."""
+    if isinstance(event, Failed):
+        e = event.error
+        return b"data: " + orjson.dumps({"error": {"message": e.message, "type": e.kind, "param": e.param,
+                                                   "code": e.code}}) + b"\n\n"
+    if isinstance(event, Usage):
+        return b"data: " + orjson.dumps({**head, "choices": [], "usage": event.usage}) + b"\n\n"
+    if head["object"] == "text_completion":
+        row = {"index": event.index, "text": event.content or "", "logprobs": event.logprobs,
+               "finish_reason": event.finish_reason}
+    else:
+        delta: dict[str, Any] = {"role": "assistant", "content": ""} if event.role else {} \
+            if event.content is None else {"content": event.content}
+        if event.calls:
+            delta["tool_calls"] = [c.chat() for c in event.calls]
+        if event.reasoning:  # thinking, under both names vLLM has used (reasoning_content, reasoning)
+            delta = {"reasoning_content": event.reasoning, "reasoning": event.reasoning}
+        row = {"index": event.index, "delta": delta, "logprobs": event.logprobs, "finish_reason": event.finish_reason}
+    return b"data: " + orjson.dumps({**head, "choices": [row]}) + b"\n\n"
+
+
+async def sse_stream(head: dict, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
+    """A stream's events as OpenAI's server-sent events, ending in [DONE] (an error ends it without)."""
+    async for event in events:
+        yield sse(head, event)
+        if isinstance(event, Failed):
+            return
+    yield b"data: [DONE]\n\n"
+
+
+def respond(answer: Answer) -> HttpResponse | StreamingResponse:
+    """An answer in OpenAI's wire format."""
+    if isinstance(answer, Whole):
+        return HttpResponse(200, [orjson.dumps(answer.completion)], [("Content-Type", "application/json"),
+                                                                     *answer.headers])
+    return StreamingResponse(200, [*EVENT_STREAM, *answer.headers], sse_stream(answer.head, answer.events),
+                             answer.close)
 
 
 class OpenAIFrontend:
@@ -279,7 +307,7 @@ class OpenAIFrontend:
                                 CompletionRequest)
                 target = await self.target(request.model, req.principal)  # before any work on what it asks
                 await request.check_grammars()
-                return await self._complete(request, opts_out(req), req.principal, target)
+                return respond(await self._complete(request, opts_out(req), req.principal, target))
             if req.path in ("/v1/load_lora_adapter", "/v1/unload_lora_adapter"):
                 if req.method != "POST":
                     raise OpenAIError(405, f"use POST for {req.path}")
@@ -399,7 +427,7 @@ class OpenAIFrontend:
             text = f"Success: LoRA adapter '{name}' added successfully."
         return HttpResponse(200, [text.encode()], [("Content-Type", "text/plain; charset=utf-8")])
 
-    async def _chat(self, body: dict, req: HttpRequest):
+    async def _chat(self, body: dict, req: HttpRequest) -> Answer:
         """The chat completion a Responses request asks for (stored.py), as req's principal: its answer."""
         request = validated(body, ChatCompletionRequest)
         target = await self.target(request.model, req.principal)
@@ -407,7 +435,7 @@ class OpenAIFrontend:
         return await self._complete(request, opts_out(req), req.principal, target)
 
     async def _complete(self, request, opt_out: bool, principal: Principal | None = None,
-                        target: Target | None = None):
+                        target: Target | None = None) -> Answer:
         """A completion or chat completion request, validated, for its `target` (the base and adapter its model
         names): its answer, whole or streamed; with `principal` (a tenant's key), from its tenant's cache scope, its
         tokens charged as they come."""
@@ -483,8 +511,7 @@ class OpenAIFrontend:
             timings = [("x-dstool-time-to-first-token-ms", _ms(time.monotonic() - arrived))]
             if request.stream:
                 handed_over = True  # the stream's end (or the client's) stops the choices
-                return StreamingResponse(200, [("Content-Type", "text/event-stream"), ("Cache-Control", "no-cache"),
-                                               *timings], self._sse(first, events, reply), stop)
+                return Streamed(self._events(first, events, reply), timings, stop, reply.head())
             done, event = 0, first
             while True:
                 if isinstance(event, OpenAIError):
@@ -497,23 +524,20 @@ class OpenAIFrontend:
         finally:
             if not handed_over:
                 stop()  # also when the client hung up (this task cancelled): the choices end on Triton too
-        return HttpResponse(200, [orjson.dumps(reply.whole())], [("Content-Type", "application/json"), *timings,
-                                                                 ("x-dstool-e2e-ms", _ms(time.monotonic() - arrived))])
+        return Whole(reply.whole(), [*timings, ("x-dstool-e2e-ms", _ms(time.monotonic() - arrived))])
 
     @staticmethod
-    async def _sse(event, events: asyncio.Queue, reply: Reply) -> AsyncIterator[bytes]:
-        """The stream of `reply` from its first event on: a role chunk per choice (chat), the text as it comes, each
-        choice's finish, the usage chunk when asked, [DONE]; an error after the first event ends it as an error
-        event."""
+    async def _events(event, events: asyncio.Queue, reply: Reply) -> AsyncIterator[Event]:
+        """The stream of `reply` from its first event on: a role delta per choice (chat), the text as it comes, each
+        choice's finish, the usage when asked; an error after the first event ends it."""
         if reply.chat:
             for c in reply.choices:
-                yield reply.chunk(c.index, None, None, role=True)
+                yield reply.delta(c.index, None, role=True)
         done = 0
         while True:
             if isinstance(event, OpenAIError):
-                yield b"data: " + orjson.dumps({"error": {"message": event.message, "type": event.kind,
-                                                          "param": event.param, "code": event.code}}) + b"\n\n"
-                break
+                yield Failed(event)
+                return
             choice, text, rows = event
             if text is None:
                 rest = choice.end(reply.max_tokens)
@@ -522,14 +546,14 @@ class OpenAIFrontend:
                 if choice.calls is not None:
                     rest = choice.calls.end()
                     if rest:
-                        yield reply.chunk(choice.index, rest, None)
+                        yield reply.delta(choice.index, rest)
                     cut = choice.calls.cut() if choice.finish_reason == "length" else None
                     if cut is not None:
-                        yield reply.chunk(choice.index, None, None, calls=[
-                            {"index": len(choice.calls.calls) - 1, **cut.whole()}])
+                        yield reply.delta(choice.index, None, calls=(
+                            CallDelta(len(choice.calls.calls) - 1, cut.arguments, cut.id, cut.name),))
                     if choice.calls.calls and choice.finish_reason == "stop":
                         choice.finish_reason = "tool_calls"
-                yield reply.chunk(choice.index, None if reply.chat else "", choice.finish_reason)
+                yield reply.delta(choice.index, None if reply.chat else "", choice.finish_reason)
                 done += 1
                 if done == len(reply.choices):
                     break
@@ -538,8 +562,7 @@ class OpenAIFrontend:
                     yield part
             event = await events.get()
         if reply.include_usage:
-            yield reply.usage_chunk()
-        yield b"data: [DONE]\n\n"
+            yield Usage(reply.usage())
 
     async def _run(self, target: Target, fields: dict, choice: Choice, events: asyncio.Queue, opt_out: bool,
                    scope: str = "", meter: Meter | None = None, grammar_param: str | None = None) -> None:
@@ -665,8 +688,8 @@ def refused(e: Refused) -> HttpResponse:
     return response
 
 
-def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked], final: bool = False) -> list[bytes]:
-    """The chunks that new text of a choice makes: its thinking as reasoning deltas (with a reasoning parser), its
+def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked], final: bool = False) -> list[Delta]:
+    """The deltas that new text of a choice makes: its thinking as reasoning deltas (with a reasoning parser), its
     text as content, or (with tools) the content and tool-call deltas read from it — a named function's arguments as
     they come (its id and name first), each call of `required` or `auto` once it is complete. `final`: the choice's
     last text."""
@@ -677,31 +700,28 @@ def _stream_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked], f
             last, rest = choice.reasoning.end()
             more, text = more + last, text + rest
         if more:
-            thought.append(reply.chunk(choice.index, None, None, thought=more))
+            thought.append(reply.delta(choice.index, None, thought=more))
     return thought + _answer_parts(reply, choice, text, rows)
 
 
-def _answer_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[bytes]:
+def _answer_parts(reply: Reply, choice: Choice, text: str, rows: list[Ranked]) -> list[Delta]:
     if choice.calls is None:
-        return [reply.chunk(choice.index, text, None, rows=rows)] if text or (reply.logprobs and rows) else []
+        return [reply.delta(choice.index, text, rows=rows)] if text or (reply.logprobs and rows) else []
     before = len(choice.calls.calls)
     named = choice.calls.mode not in ("auto", "required")
     content, found, arguments = choice.calls.feed(text)
     parts = []
     if content or (reply.logprobs and rows and not (found or arguments)):
-        parts.append(reply.chunk(choice.index, content or None, None, rows=rows))
+        parts.append(reply.delta(choice.index, content or None, rows=rows))
         rows = []
     if named and (arguments or not choice.calls.announced):
         call = choice.calls.calls[0]
-        delta: dict = {"index": 0, "function": {"arguments": arguments}}
-        if not choice.calls.announced:
-            delta = {"index": 0, "id": call.id, "type": "function", "function": {"name": call.name,
-                                                                                 "arguments": arguments}}
-            choice.calls.announced = True
-        parts.append(reply.chunk(choice.index, None, None, rows=rows, calls=[delta]))
+        delta = CallDelta(0, arguments, call.id, call.name) if not choice.calls.announced else CallDelta(0, arguments)
+        choice.calls.announced = True
+        parts.append(reply.delta(choice.index, None, rows=rows, calls=(delta,)))
     elif found:
-        parts.append(reply.chunk(choice.index, None, None, rows=rows, calls=[
-            {"index": before + i, **call.whole()} for i, call in enumerate(found)]))
+        parts.append(reply.delta(choice.index, None, rows=rows, calls=tuple(
+            CallDelta(before + i, call.arguments, call.id, call.name) for i, call in enumerate(found))))
     return parts
 
 

@@ -33,17 +33,18 @@ import urllib.parse
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import orjson
 
 from dstool.serve.cache_url import CacheURL
 from dstool.serve.gateway.cache.store import _client
+from dstool.serve.gateway.openai.answer import Answer, Streamed, Whole
 from dstool.serve.gateway.openai.protocol import OpenAIError, parse
 from dstool.serve.gateway.openai.responses import ResponsesRequest, Writer, renamed
 from dstool.serve.gateway.tenancy.auth import Principal
 from dstool.serve.gateway.tenancy.guard import Refused
-from dstool.serve.gateway.transport import HttpRequest, HttpResponse, Response, StreamingResponse
+from dstool.serve.gateway.transport import EVENT_STREAM, HttpRequest, HttpResponse, Response, StreamingResponse
 from dstool.serve.gateway.upstream import within
 
 log = logging.getLogger("dstool.gateway")
@@ -283,7 +284,8 @@ class MemoryResponses:
 
 Store = RedisResponses | MemoryResponses
 # run(chat completion request body, the HTTP request): its answer, whole or streamed (openai.py)
-Run = Callable[[dict, HttpRequest], Awaitable[Response]]
+Run = Callable[[dict, HttpRequest], Awaitable[Answer]]
+FailedCode = Literal["server_error", "rate_limit_exceeded", "invalid_prompt"]  # of the Responses API's error codes
 
 
 def _not_found(ident: str, previous: bool = False) -> OpenAIError:
@@ -427,7 +429,7 @@ class ResponsesRoutes:
             answer = await self.run(body, req)
         except OpenAIError as e:
             raise renamed(e) from None
-        if isinstance(answer, StreamingResponse):
+        if isinstance(answer, Streamed):
             async def keep(final: dict) -> dict | None:
                 """Before the stream's last event: the response stored, or the error event's fields."""
                 try:
@@ -437,10 +439,9 @@ class ResponsesRoutes:
                     return {"code": error.code, "message": error.message, "param": None}
                 return None
 
-            return StreamingResponse(200, answer.headers, writer.events(answer.body, keep if store else None),
-                                     answer.close)
-        assert isinstance(answer, HttpResponse)
-        response = writer.whole(orjson.loads(b"".join(answer.chunks)))
+            return StreamingResponse(200, [*EVENT_STREAM, *answer.headers],
+                                     writer.events(answer.events, keep if store else None), answer.close)
+        response = writer.whole(answer.completion)
         if store:
             await self._keep(scope, response, context)
         return _json(response)
@@ -476,7 +477,7 @@ class ResponsesRoutes:
             final = await self._outcome(req, writer, body)
             blob = orjson.dumps(final)
             if len(blob) + context_bytes > self.store.max_bytes:
-                final = _failed(writer, "response_too_large", f"the response is {len(blob) + context_bytes} bytes "
+                final = _failed(writer, "server_error", f"the response is {len(blob) + context_bytes} bytes "
                                 f"with its conversation, more than --max-response-bytes {self.store.max_bytes}")
                 blob = orjson.dumps(final)
             beating.cancel()
@@ -496,13 +497,13 @@ class ResponsesRoutes:
     async def _outcome(self, req: HttpRequest, writer: Writer, body: dict) -> dict:
         try:
             answer = await self.run(body, req)
-            assert isinstance(answer, HttpResponse)
-            return writer.whole(orjson.loads(b"".join(answer.chunks)))
+            assert isinstance(answer, Whole)
+            return writer.whole(answer.completion)
         except OpenAIError as e:
             e = renamed(e)
-            return _failed(writer, e.code or ("server_error" if e.status >= 500 else "invalid_request"), e.message)
+            return _failed(writer, "server_error" if e.status >= 500 else "invalid_prompt", e.message)
         except Refused as e:
-            return _failed(writer, e.code or "rate_limit_exceeded", e.message)
+            return _failed(writer, "rate_limit_exceeded", e.message)
         except Exception as e:  # noqa: BLE001 (Triton unavailable, a defect: the response failed, the gateway goes on)
             return _failed(writer, "server_error", f"{type(e).__name__}: {e}")
 
@@ -531,7 +532,8 @@ class ResponsesRoutes:
         await self.store.close()
 
 
-def _failed(writer: Writer, code: str, message: str) -> dict:
+def _failed(writer: Writer, code: FailedCode, message: str) -> dict:
+    """A failed response; its error's code one of the Responses API's (its message says which limit or field)."""
     r = writer.response("failed", [])
     r["error"] = {"code": code, "message": message}
     return r
