@@ -338,7 +338,7 @@ def test_a_stream_interval_groups_tokens_and_changes_nothing_else(repo, tmp_path
     from dstool.serve.runtime import triton
 
     copy = tmp_path / "repo"
-    shutil.copytree(repo, copy)
+    shutil.copytree(repo / "dstool_lm_llm", copy / "dstool_lm_llm")  # the model it checks, which needs no other
     config = copy / "dstool_lm_llm" / "config.pbtxt"
     cfg = read_config(config)
     assert cfg.parameters["stream_interval"].string_value == "1"  # the default
