@@ -278,7 +278,8 @@ def r1_served(tokenizers, tmp_path_factory):
     repo = tmp_path_factory.mktemp("r1-repo")
     dstool("export", str(folder), "--repository", str(repo), "--name", "r1", "--max-batch-size", "4")
     log = tmp_path_factory.mktemp("r1-logs")
-    server = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), log / "triton.log")
+    server = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), log / "triton.log",
+                          extra_args=["--model-control-mode=explicit", "--load-model=r1_llm"])  # what the gateway asks
     gateway = GatewayProcess(log / "gateway.log", config={
         "upstreams": [server.http_url], "upstreams_grpc": [server.grpc_url], "cache": "memory",
         "reasoning_parser": "deepseek_r1", "tool_call_parser": "deepseek_v31"})

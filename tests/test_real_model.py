@@ -100,7 +100,8 @@ def test_the_served_greedy_answer_is_transformers(real_model, real_repo, tmp_pat
         out = model.generate(ids, max_new_tokens=20, do_sample=False)
     expected = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
     assert "Paris" in expected  # a model that knows something
-    srv = triton.start(real_repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log")
+    srv = triton.start(real_repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), tmp_path / "t.log",
+                       extra_args=["--model-control-mode=explicit", "--load-model=smol_llm"])  # what the gateway asks
     gw = GatewayProcess(tmp_path / "gw.log", config={"upstreams": [srv.http_url], "upstreams_grpc": [srv.grpc_url],
                                                      "cache": "memory"})
     try:
