@@ -259,7 +259,7 @@ HOSTILE = [
     (b"{not json", 400, "not JSON"),
     (b"[1]", 400, "JSON object"),
     ({"model": "dstool_lm", "messages": ASK}, 400, "max_tokens: Field required"),
-    ({"model": "dstool_lm", "max_tokens": "5", "messages": ASK}, 400, "max_tokens: Input should be an integer"),
+    ({"model": "dstool_lm", "max_tokens": "5", "messages": ASK}, 400, "max_tokens: Input should be a valid integer"),
     ({"model": "dstool_lm", "max_tokens": True, "messages": ASK}, 400, "max_tokens"),
     ({"model": "dstool_lm", "max_tokens": 4, "messages": []}, 400, "messages: Input should be a non-empty list"),
     ({"model": "dstool_lm", "max_tokens": 4, "messages": "hi"}, 400, "messages: Input should be"),
@@ -331,7 +331,7 @@ HOSTILE = [
     ({"model": "dstool_lm", "max_tokens": 4, "messages": ASK, "output_config": {"format": {
         "type": "json_schema", "schema": {"type": "integr"}}}}, 400, "'output_config.format.schema'"),
     ({"model": "dstool_lm", "max_tokens": 4, "messages": ASK, "cache_control": {"type": "forever"}}, 400,
-     "cache_control: Input should be"),
+     "cache_control.type: Input should be 'ephemeral'"),
     ({"model": "dstool_lm", "max_tokens": 4, "messages": ASK, "tools": [
         {"name": "f", "input_schema": {"type": "object"}, "defer_loading": True}]}, 400, "tools.0.defer_loading"),
     ({"model": "dstool_lm", "max_tokens": 4, "messages": ASK, "frobnicate": 1}, 400,
@@ -365,3 +365,33 @@ def test_routes_and_methods(api):
         answer = json.loads(r.read())
         assert r.status == status and answer["type"] == "error", (path, answer)
     conn.close()
+
+
+def test_a_tool_loop_becomes_the_chat_request_it_asks_for():
+    """In-process: Anthropic's turns as the chat's messages (text before a tool result stays before it, an error
+    result says so, earlier thinking is dropped), the tool's schema as a function's parameters, disable_parallel
+    tool use as parallel_tool_calls false; the fields that change nothing are taken and leave no trace."""
+    from dstool.serve.gateway.anthropic.protocol import MessagesRequest
+
+    body = {"model": "dstool_lm", "max_tokens": 5, "system": [{"type": "text", "text": "Be brief."}], "tools": [
+        {**WEATHER, "cache_control": {"type": "ephemeral"}}], "tool_choice": {"type": "auto",
+                                                                             "disable_parallel_tool_use": True},
+        "metadata": {"user_id": "u1"}, "thinking": {"type": "disabled"}, "service_tier": "auto", "top_k": 0,
+        "messages": [*ASK, {"role": "assistant", "content": [
+            {"type": "thinking", "thinking": "hm", "signature": "s"}, {"type": "text", "text": "Let me look."},
+            {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {"city": "Verona"}}]},
+            {"role": "user", "content": [{"type": "text", "text": "Here:"}, {"type": "tool_result",
+                                                                             "tool_use_id": "toolu_1",
+                                                                             "content": "no data", "is_error": True}]}]}
+    assert MessagesRequest.parse(body).chat() == {
+        "model": "dstool_lm", "max_tokens": 5, "stream": False, "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": [{"type": "text", "text": ASK[0]["content"]}]},
+            {"role": "assistant", "content": "Let me look.", "tool_calls": [
+                {"id": "toolu_1", "type": "function", "function": {"name": "get_weather",
+                                                                   "arguments": '{"city":"Verona"}'}}]},
+            {"role": "user", "content": [{"type": "text", "text": "Here:"}]},
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "Error: no data"}],
+        "tools": [{"type": "function", "function": {"name": WEATHER["name"], "parameters": WEATHER["input_schema"],
+                                                    "description": WEATHER["description"]}}],
+        "tool_choice": "auto", "parallel_tool_calls": False}
