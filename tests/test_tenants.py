@@ -645,3 +645,23 @@ def test_requests_the_gateway_does_not_model_go_to_triton_for_tenants_too(keyed,
     request, _ = decode_infer("m", "", {"authorization": "Bearer secret", "x-fwd-a": "1"},
                               json.dumps(echo(1.0)).encode(), re.compile(".*"))
     assert request.headers == (("x-fwd-a", "1"),)  # a credential never reaches Triton or the model
+
+
+def test_a_kserve_reservation_counts_the_asked_or_the_models_default_new_tokens():
+    """In-process: what a KServe inference reserves for its tenant is its input ids, its text (estimated) and the new
+    tokens it asks for, or the model's exported default when it asks none (or for a model that generates none)."""
+    import numpy as np
+
+    from dstool.serve.gateway.tenancy.guard import estimated_tokens, tensor_reservation
+    from dstool.serve.gateway.tensors import InferRequest, Tensor
+
+    config = {"input": [{"name": "text_input"}, {"name": "max_new_tokens"}],
+              "parameters": {"default_max_new_tokens": {"string_value": "32"}}}
+    text = Tensor("text_input", "BYTES", (1,), b"\x05\x00\x00\x00hello")
+    ids = Tensor("input_ids", "INT64", (1, 3), np.array([1, 2, 3], np.int64).tobytes())
+    asked = Tensor("max_new_tokens", "INT32", (1,), np.array([7], np.int32).tobytes())
+    base = 3 + estimated_tokens(9)  # three ids, and nine bytes of text
+    assert tensor_reservation(InferRequest("m", "", [text, ids, asked], None), config) == base + 7
+    assert tensor_reservation(InferRequest("m", "", [text, ids], None), config) == base + 32
+    assert tensor_reservation(InferRequest("m", "", [text, ids], None), {"input": config["input"]}) == base
+    assert tensor_reservation(InferRequest("m", "", [text, ids], None), {**config, "input": []}) == base

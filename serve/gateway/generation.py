@@ -36,7 +36,7 @@ from dstool.serve.gateway.core import GatewayCore, addressable, model_path, requ
 from dstool.serve.gateway.metrics import Metrics
 from dstool.serve.gateway.tenancy.guard import estimated_tokens
 from dstool.serve.gateway.tensors import GatewayError, InferResult, Tensor
-from dstool.serve.gateway.triton_json import parse_json
+from dstool.serve.gateway.triton_json import default_new_tokens, parse_json
 
 INTEGER_RANGES = {"TYPE_INT8": 8, "TYPE_INT16": 16, "TYPE_INT32": 32, "TYPE_INT64": 64}
 UNSIGNED_RANGES = {"TYPE_UINT8": 8, "TYPE_UINT16": 16, "TYPE_UINT32": 32, "TYPE_UINT64": 64}
@@ -179,8 +179,8 @@ class GenerationCache:
             config = (await self.core.deployments.get(model)).config
         except GatewayError:
             config = {}  # Triton does not serve it: its answer says so, and costs nothing
-        default = (config.get("parameters") or {}).get("default_max_new_tokens", {}).get("string_value", "0")
-        new = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else int(default)
+        new = asked if isinstance(asked, int) and not isinstance(asked, bool) and asked > 0 else \
+            default_new_tokens(config)
         text = sum(len(orjson.dumps(value)) for name, value in [*request.items(), *parameters.items()]
                    if name in ("text_input", "messages", "tools"))
         return estimated_tokens(text) + new

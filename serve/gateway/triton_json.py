@@ -64,3 +64,9 @@ def parse_json(text: bytes):
 def _too_big_at(offset: int) -> GatewayError:
     return GatewayError(400, f"failed to parse the request JSON buffer: Number too big to be stored in double. at "
                              f"{offset}")
+
+
+def default_new_tokens(config: dict) -> int:
+    """The tokens a generating model's answer may have when its request names none: the `default_max_new_tokens`
+    parameter its export wrote into its config (0 for a model without one)."""
+    return int((config.get("parameters") or {}).get("default_max_new_tokens", {}).get("string_value", "0"))

@@ -30,6 +30,7 @@ from dstool.serve.gateway.tenancy import auth
 from dstool.serve.gateway.tenancy.auth import Principal
 from dstool.serve.gateway.tenancy.fairness import FairShare, Slot, TooManyWaiting
 from dstool.serve.gateway.tensors import ITEM_SIZE, NUMPY_TYPES
+from dstool.serve.gateway.triton_json import default_new_tokens
 from dstool.serve.gateway.upstream import within
 
 log = logging.getLogger("dstool.gateway")
@@ -454,9 +455,8 @@ def tensor_reservation(request, config: dict) -> int:
     new = 0
     if any(i.get("name") == "max_new_tokens" for i in config.get("input") or []):
         asked = [t for t in request.inputs if t.name == "max_new_tokens" and t.datatype in NUMPY_TYPES and t.raw]
-        default = (config.get("parameters") or {}).get("default_max_new_tokens", {}).get("string_value", "0")
         new = sum(max(0, int(v)) for t in asked for v in np.frombuffer(t.raw, NUMPY_TYPES[t.datatype])) or \
-            int(default)
+            default_new_tokens(config)
     return prompt + estimated_tokens(text) + new
 
 
