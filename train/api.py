@@ -37,7 +37,6 @@ from dstool.train import (
     expert_parallel,
     launch,
     lora,
-    mtp,
     pipeline_parallel,
     preempt,
     sources,
@@ -72,6 +71,8 @@ def train(cfg: TrainConfig) -> TrainResult:
     experts = (expert_parallel.check_model(models.model_config(cfg.model, 256), cfg.expert_parallel, cfg.model)
                if cfg.expert_parallel > 1 else None)
     if cfg.mtp_layers:
+        from dstool.train import mtp  # noqa: PLC0415 (its layers import transformers' modeling: 1.2 s, for --mtp-layers only)
+
         mtp.check_model(models.model_config(cfg.model, 256), cfg.mtp_layers, cfg.model)
     if cfg.distill_from:
         models.check_model_folder(Path(cfg.distill_from))
@@ -304,6 +305,8 @@ def _meta_model(model_ref: str, vocab_size: int, mtp_layers: int = 0):
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(models.model_config(model_ref, vocab_size))
         if mtp_layers:
+            from dstool.train import mtp  # noqa: PLC0415 (its layers import transformers' modeling: 1.2 s, for --mtp-layers only)
+
             mtp.attach(model, mtp_layers)
         return model
 
