@@ -395,3 +395,27 @@ def test_a_tool_loop_becomes_the_chat_request_it_asks_for():
         "tools": [{"type": "function", "function": {"name": WEATHER["name"], "parameters": WEATHER["input_schema"],
                                                     "description": WEATHER["description"]}}],
         "tool_choice": "auto", "parallel_tool_calls": False}
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ({"tools": [{**ADD, "allowed_callers": ["direct"]}]}, None),
+    ({"tools": [{**ADD, "allowed_callers": []}]}, "tools.0.allowed_callers"),
+    ({"tools": [{**ADD, "defer_loading": False}]}, None),
+    ({"tools": [{**ADD, "defer_loading": 0}]}, "tools.0.defer_loading"),
+    ({"tools": [{**ADD, "toolset_name": []}]}, "tools.0.toolset_name"),
+    ({"mcp_servers": []}, None),
+    ({"mcp_servers": {}}, "mcp_servers"),
+    ({"container": {}}, "container"),
+])
+def test_a_field_served_at_one_value_refuses_every_other(extra, refused):
+    """In-process: a field this server serves at its default value only (or left out) takes that value, and refuses
+    any other, an empty one of another type included, naming it."""
+    from dstool.serve.gateway.anthropic.protocol import AnthropicError, MessagesRequest
+
+    body = {"model": "dstool_lm", "max_tokens": 5, "messages": ASK, **extra}
+    if refused is None:
+        assert MessagesRequest.parse(body).chat()["messages"]
+    else:
+        with pytest.raises(AnthropicError) as e:
+            MessagesRequest.parse(body)
+        assert e.value.message.startswith(f"{refused}: "), e.value.message

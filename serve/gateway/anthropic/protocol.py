@@ -67,12 +67,24 @@ def _range(low: float, high: float):
     return BeforeValidator(check)
 
 
-def _refused(why: str):
-    """A field whose every value but an empty one would change the answer, which this server does not serve."""
+def _only(why: str, *taken: Any):
+    """A field served at the values `taken` (its empty or default ones) or left out: any other would change the
+    answer, which this server does not serve (`why`)."""
     def check(v: Any) -> None:
-        if v not in (None, [], {}):
+        if v is not None and not any(type(v) is type(t) and v == t for t in taken):
             raise ValueError(why)
     return BeforeValidator(check)
+
+
+def _thinking(v: Any) -> None:
+    """`thinking`: only {"type": "disabled"} is served (this model has no thinking mode)."""
+    if v is None or v == {"type": "disabled"}:
+        return None
+    if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled", "adaptive"):
+        raise ValueError(f'Input should be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
+                         f"{shown(v)}")
+    raise ValueError(f"{shown(v)} is not supported by this model, which has no thinking mode: leave 'thinking' out or "
+                     'send {"type": "disabled"}')
 
 
 def _blocks(v: Any) -> Any:
@@ -110,14 +122,16 @@ class CacheControl(_Type):
 
 
 class _Block(_Type):
+    """What every block and tool may carry."""
+
     cache_control: CacheControl | None = None
-    toolset_name: Annotated[None, _refused("toolsets are not supported by this server: leave it out")] = None
+    toolset_name: Annotated[None, _only("toolsets are not supported by this server: leave it out")] = None
 
 
 class TextBlock(_Block):
     type: Literal["text"]
     text: StrictStr
-    citations: Annotated[None, _refused("citations are not supported by this server: leave them out")] = None
+    citations: Annotated[None, _only("citations are not supported by this server: leave them out", [])] = None
 
     @field_validator("text")
     @classmethod
@@ -175,21 +189,18 @@ class Message(_Type):
         return v
 
 
-class Tool(_Type):
+class Tool(_Block):
     type: Literal["custom"] = "custom"
     name: StrictStr  # its rules, and input_schema's, are the chat request's (their errors renamed)
     description: StrictStr | None = None
     input_schema: dict[str, Any]
     strict: StrictBool | None = None
     eager_input_streaming: StrictBool | None = None
-    cache_control: CacheControl | None = None
-    toolset_name: Annotated[None, _refused("toolsets are not supported by this server: leave it out")] = None
-    allowed_callers: Annotated[None, _refused('only ["direct"] is supported by this server, which runs no code '
-                                              "execution"), BeforeValidator(lambda v: None if v == ["direct"] else v)
-                               ] = None
-    defer_loading: Annotated[None, _refused("tool search is not supported by this server: every tool is shown to the "
-                                            "model"), BeforeValidator(lambda v: None if v is False else v)] = None
-    input_examples: Annotated[None, _refused("not supported by this server: leave them out")] = None
+    allowed_callers: Annotated[None, _only('only ["direct"] is supported by this server, which runs no code execution',
+                                           ["direct"])] = None
+    defer_loading: Annotated[None, _only("tool search is not supported by this server: every tool is shown to the "
+                                         "model", False)] = None
+    input_examples: Annotated[None, _only("not supported by this server: leave them out", [])] = None
 
     @field_validator("type", mode="before")
     @classmethod
@@ -258,10 +269,10 @@ class MessagesRequest(_Type):
     speed: Literal["standard", "fast"] | None = None
     diagnostics: Diagnostics | None = None
     # what would change it, not served
-    thinking: Annotated[None, BeforeValidator(lambda v: _thinking(v))] = None
-    mcp_servers: Annotated[None, _refused("this server connects to no MCP server: leave it out")] = None
-    container: Annotated[None, _refused("not supported by this server: leave it out")] = None
-    context_management: Annotated[None, _refused("not supported by this server: leave it out")] = None
+    thinking: Annotated[None, BeforeValidator(_thinking)] = None
+    mcp_servers: Annotated[None, _only("this server connects to no MCP server: leave it out", [])] = None
+    container: Annotated[None, _only("not supported by this server: leave it out")] = None
+    context_management: Annotated[None, _only("not supported by this server: leave it out")] = None
 
     @field_validator("messages")
     @classmethod
@@ -363,16 +374,6 @@ class MessagesRequest(_Type):
         if choice.disable_parallel_tool_use:
             fields["parallel_tool_calls"] = False
         return fields
-
-
-def _thinking(v: Any) -> None:
-    if v is None or v == {"type": "disabled"}:
-        return None
-    if not isinstance(v, dict) or v.get("type") not in ("enabled", "disabled", "adaptive"):
-        raise ValueError(f'Input should be {{"type": "enabled", "budget_tokens": N}} or {{"type": "disabled"}}, got '
-                         f"{shown(v)}")
-    raise ValueError(f"{shown(v)} is not supported by this model, which has no thinking mode: leave 'thinking' out or "
-                     'send {"type": "disabled"}')
 
 
 def _user_turn(blocks: list, at: str, out: list[dict]) -> set[str]:

@@ -240,14 +240,13 @@ def sse(head: dict, event: Event) -> bytes:
     """An event of a stream as OpenAI's server-sent event: a chunk (`head` its identity), the usage chunk, or the
     error."""
     if isinstance(event, Failed):
-        e = event.error
-        return b"data: " + orjson.dumps({"error": {"message": e.message, "type": e.kind, "param": e.param,
-                                                   "code": e.code}}) + b"\n\n"
+        return b"data: " + event.error.body() + b"\n\n"
+    fields: dict[str, Any]
     if isinstance(event, Usage):
-        return b"data: " + orjson.dumps({**head, "choices": [], "usage": event.usage}) + b"\n\n"
-    if head["object"] == "text_completion":
-        row = {"index": event.index, "text": event.content or "", "logprobs": event.logprobs,
-               "finish_reason": event.finish_reason}
+        fields = {"choices": [], "usage": event.usage}
+    elif head["object"] == "text_completion":
+        fields = {"choices": [{"index": event.index, "text": event.content or "", "logprobs": event.logprobs,
+                               "finish_reason": event.finish_reason}]}
     else:
         delta: dict[str, Any] = {"role": "assistant", "content": ""} if event.role else {} \
             if event.content is None else {"content": event.content}
@@ -255,8 +254,9 @@ def sse(head: dict, event: Event) -> bytes:
             delta["tool_calls"] = [c.chat() for c in event.calls]
         if event.reasoning:  # thinking, under both names vLLM has used (reasoning_content, reasoning)
             delta = {"reasoning_content": event.reasoning, "reasoning": event.reasoning}
-        row = {"index": event.index, "delta": delta, "logprobs": event.logprobs, "finish_reason": event.finish_reason}
-    return b"data: " + orjson.dumps({**head, "choices": [row]}) + b"\n\n"
+        fields = {"choices": [{"index": event.index, "delta": delta, "logprobs": event.logprobs,
+                               "finish_reason": event.finish_reason}]}
+    return b"data: " + orjson.dumps({**head, **fields}) + b"\n\n"
 
 
 async def sse_stream(head: dict, events: AsyncIterator[Event]) -> AsyncIterator[bytes]:
