@@ -14,6 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+import artefacts
 import pytest
 import xdist
 from filelock import FileLock
@@ -225,6 +226,14 @@ def pytest_configure(config):
     config.pluginmanager.register(_GroupsCheck(), "dstool-groups-check")
 
 
+# The stages that make the kept artefacts (tests/artefacts.py keys each by their code): training, compression (its
+# recovery fine-tuning runs train's ranks), and the export with what it copies into the repository (the Triton models,
+# the decoding room).
+TRAIN_CODE = ("dstool.train",)
+COMPRESS_CODE = ("dstool.compress", "dstool.train")
+EXPORT_CODE = ("dstool.serve.export", "dstool.serve.triton_models", "dstool.decoding")
+
+
 def _release(module) -> tuple[int, ...]:
     return tuple(int(part) for part in module.__version__.split(".")[:2])
 
@@ -234,9 +243,13 @@ def pytest_xdist_auto_num_workers(config) -> int:
     return max(1, min(4, os.cpu_count() or 1))
 
 
-def _built_once(tmp_path_factory, worker_id: str, name: str, build) -> Path:
+def built_once(tmp_path_factory, worker_id: str, name: str, build, code: tuple[str, ...] | None = None,
+                inputs: tuple[object, ...] = ()) -> Path:
     """An artefact every xdist worker reads: the first to ask builds it (under a file lock) in the run's common
-    temporary folder, the others wait for it and reuse it."""
+    temporary folder, the others wait for it and reuse it. Given `code` (the stages that make it) and `inputs`, it is
+    kept between runs too, until either changes (tests/artefacts.py)."""
+    if code is not None and artefacts.enabled():
+        return artefacts.built(name, build, code, inputs)
     base = tmp_path_factory.getbasetemp()
     common = base if worker_id == "master" else base.parent  # xdist: pytest-N/popen-gwK, one pytest-N per run
     path, done = common / name, common / f"{name}.done"
@@ -256,19 +269,18 @@ def session_tmp(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def trained(tmp_path_factory, worker_id) -> Path:
     """A tiny-preset model trained 40 steps by `dstool train` (1 rank): the input of compress and export."""
-    def build(out: Path) -> None:
-        dstool("train", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every",
-               "40", "--lr", "3e-3", *FAST)
-    return _built_once(tmp_path_factory, worker_id, "trained_tiny", build) / "model"
+    args = ("--nproc", "1", "--zero", "0", "--max-steps", "40", "--save-every", "40", "--lr", "3e-3", *FAST)
+    return built_once(tmp_path_factory, worker_id, "trained_tiny",
+                       lambda out: dstool("train", "--output", str(out), *args), TRAIN_CODE, args) / "model"
 
 
 @pytest.fixture(scope="session")
 def moe_reference(tmp_path_factory, worker_id) -> Path:
     """tiny-moe trained `PARALLEL` on 1 rank (the model's own MoE blocks; checkpoints at steps 2, 4 and 5): the
     data-parallel run the tensor-, pipeline- and expert-parallel tests compare with."""
-    return _built_once(tmp_path_factory, worker_id, "moe_reference", lambda out: dstool(
-        "train", "--output", str(out), "--model", "tiny-moe", "--nproc", "1", "--micro-batch-size", "4",
-        "--save-every", "2", *PARALLEL))
+    args = ("--model", "tiny-moe", "--nproc", "1", "--micro-batch-size", "4", "--save-every", "2", *PARALLEL)
+    return built_once(tmp_path_factory, worker_id, "moe_reference",
+                       lambda out: dstool("train", "--output", str(out), *args), TRAIN_CODE, args)
 
 
 @pytest.fixture(scope="session")
@@ -287,9 +299,10 @@ def real_repo(real_model, tmp_path_factory, worker_id) -> Path:
     """`dstool export smollm2` (fp32, name `smol`): served by the real-model tests, and its logits graph
     (`smol/1/model.onnx`, which export refuses beyond 1e-3 of PyTorch's logits) is what the quality and eval tests
     score, so the real model is exported once per run."""
-    return _built_once(tmp_path_factory, worker_id, "real_repository",
-                       lambda path: dstool("export", "smollm2", "--repository", str(path), "--name", "smol",
-                                           "--max-batch-size", "4", "--instances", "1", timeout=900))
+    args = ("--name", "smol", "--max-batch-size", "4", "--instances", "1")
+    return built_once(tmp_path_factory, worker_id, "real_repository",
+                       lambda path: dstool("export", "smollm2", "--repository", str(path), *args, timeout=900),
+                       EXPORT_CODE, (real_model, *args))
 
 
 @pytest.fixture(scope="session")
@@ -301,17 +314,18 @@ def lora_adapters(trained, tmp_path_factory, worker_id) -> dict[str, Path]:
     def build(out: Path) -> None:
         make_adapter(trained, out / "sql", rank=8, seed=1)
         make_adapter(trained, out / "chat", rank=4, seed=2, targets=("q_proj", "v_proj"))
-    folder = _built_once(tmp_path_factory, worker_id, "lora_adapters", build)
+    folder = built_once(tmp_path_factory, worker_id, "lora_adapters", build, (),
+                         (trained, (Path(__file__).parent / "lorautil.py").read_text()))
     return {name: folder / name for name in ("sql", "chat")}
 
 
 @pytest.fixture(scope="session")
 def lora_repo(trained, lora_adapters, tmp_path_factory, worker_id) -> Path:
     """`trained` exported as `lora` with both `lora_adapters` (`--adapter sql=... --adapter chat=...`)."""
-    return _built_once(tmp_path_factory, worker_id, "lora_repository",
-                       lambda path: dstool("export", str(trained), "--repository", str(path), "--name", "lora",
-                                           "--max-batch-size", "4", "--instances", "1",
-                                           *(f"--adapter={n}={d}" for n, d in lora_adapters.items())))
+    args = (str(trained), "--name", "lora", "--max-batch-size", "4", "--instances", "1",
+            *(f"--adapter={n}={d}" for n, d in lora_adapters.items()))
+    return built_once(tmp_path_factory, worker_id, "lora_repository",
+                       lambda path: dstool("export", "--repository", str(path), *args), EXPORT_CODE, args)
 
 
 @pytest.fixture(scope="session")
@@ -320,25 +334,28 @@ def int8_output(trained, tmp_path_factory, worker_id) -> Path:
     speed gate: that is opt-in)."""
     from dstool.compress import quantize_model
 
-    return _built_once(tmp_path_factory, worker_id, "int8",
-                       lambda out: quantize_model(str(trained), str(out), bits=8, latency_repeats=5))
+    return built_once(tmp_path_factory, worker_id, "int8",
+                       lambda out: quantize_model(str(trained), str(out), bits=8, latency_repeats=5), COMPRESS_CODE,
+                       (trained, "quantize_model bits=8 latency_repeats=5"))
 
 
 @pytest.fixture(scope="session")
 def int4_output(trained, tmp_path_factory, worker_id) -> Path:
-    """`trained` quantized to 4 bits by `dstool compress` (its stdout beside it, in int4.stdout)."""
+    """`trained` quantized to 4 bits by `dstool compress` (its stdout beside it, in `stdout`)."""
+    args = (str(trained), "--bits", "4", "--latency-repeats", "3")
+
     def build(out: Path) -> None:
-        proc = dstool("compress", str(trained), "--bits", "4", "--latency-repeats", "3", "--output", str(out))
-        out.with_suffix(".stdout").write_text(proc.stdout)
-    return _built_once(tmp_path_factory, worker_id, "int4", build)
+        proc = dstool("compress", *args, "--output", str(out / "int4"))
+        (out / "stdout").write_text(proc.stdout)
+    return built_once(tmp_path_factory, worker_id, "int4", build, COMPRESS_CODE, args) / "int4"
 
 
 @pytest.fixture(scope="session")
 def repo(trained, tmp_path_factory, worker_id) -> Path:
     """`trained` exported (fp32, both graphs parity-checked) by `dstool export`."""
-    return _built_once(tmp_path_factory, worker_id, "model_repository",
-                       lambda path: dstool("export", str(trained), "--repository", str(path), "--max-batch-size", "8",
-                                           "--instances", "1"))
+    args = (str(trained), "--max-batch-size", "8", "--instances", "1")
+    return built_once(tmp_path_factory, worker_id, "model_repository",
+                       lambda path: dstool("export", "--repository", str(path), *args), EXPORT_CODE, args)
 
 
 @pytest.fixture(scope="session")

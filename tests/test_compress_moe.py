@@ -15,15 +15,15 @@ from safetensors.torch import load_file
 from dstool.compress import CompressConfig
 from dstool.compress.steps import Prune, Save, SparsifyNM, Work, plan, recovery_train_config
 
-from conftest import FAST, cli, dstool, one_line_usage_error
+from conftest import FAST, TRAIN_CODE, built_once, cli, dstool, one_line_usage_error
 
 
 @pytest.fixture(scope="module")
-def moe_trained(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("moe") / "run"
-    dstool("train", "--model", "tiny-moe", "--output", str(out), "--nproc", "1", "--zero", "0", "--max-steps", "20",
-           "--save-every", "20", "--lr", "3e-3", *FAST)
-    return out / "model"
+def moe_trained(tmp_path_factory, worker_id) -> Path:
+    args = ("--model", "tiny-moe", "--nproc", "1", "--zero", "0", "--max-steps", "20", "--save-every", "20", "--lr",
+            "3e-3", *FAST)
+    return built_once(tmp_path_factory, worker_id, "moe_trained",
+                      lambda out: dstool("train", "--output", str(out), *args), TRAIN_CODE, args) / "model"
 
 
 def _job(model: Path, tmp_path: Path, **options) -> Work:

@@ -16,7 +16,7 @@ from dstool.decoding.engine import Engine, MTPDrafter, PrefixCache, Sequence, Sp
 from dstool.decoding.sampling import Sampler, SamplingParams
 from dstool.serve.export.repository import cache_shapes
 
-from conftest import cli, dstool, one_line_usage_error
+from conftest import EXPORT_CODE, TRAIN_CODE, built_once, cli, dstool, one_line_usage_error
 from llmlib import run_to_end
 
 MTP = Speculation(2, method="deepseek_mtp")
@@ -30,13 +30,14 @@ DECODER, DRAFT = "dstool_lm_decoder/1/model.onnx", "dstool_lm_llm/1/mtp/1/model.
 
 
 @pytest.fixture(scope="module")
-def mtp_repo(session_tmp) -> tuple[Path, Path]:
+def mtp_repo(tmp_path_factory, worker_id) -> tuple[Path, Path]:
     """(the trained model folder, the repository its export wrote, NAME_llm drafting with deepseek_mtp)."""
-    run, repo = session_tmp / "mtp_serving_run", session_tmp / "mtp_serving_repository"
-    dstool("train", "--output", str(run), *TRAIN)
-    dstool("export", str(run / "model"), "--repository", str(repo), "--instances", "1", "--speculative-config",
-           MTP.text())
-    return run / "model", repo
+    def build(out: Path) -> None:
+        dstool("train", "--output", str(out / "run"), *TRAIN)
+        dstool("export", str(out / "run" / "model"), "--repository", str(out / "repository"), "--instances", "1",
+               "--speculative-config", MTP.text())
+    made = built_once(tmp_path_factory, worker_id, "mtp_serving", build, TRAIN_CODE + EXPORT_CODE, (*TRAIN, MTP.text()))
+    return made / "run" / "model", made / "repository"
 
 
 @pytest.fixture(scope="module")

@@ -17,17 +17,16 @@ from dstool.artifacts import CompressedModel
 from dstool.compress import load, sparse
 from dstool.onnx_export import empty_cache, export_logits_model, ort_session, run_decoder, run_logits
 
-from conftest import cli, dstool, one_line_usage_error
+from conftest import COMPRESS_CODE, built_once, cli, dstool, one_line_usage_error
 
 FRACTION = 0.65
 
 
 @pytest.fixture(scope="module")
-def sparse_output(trained, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sparsity") / "out"
-    dstool("compress", str(trained), "--sparsity", str(FRACTION), "--recover-steps", "6", "--latency-repeats", "2",
-           "--output", str(out), timeout=1800)  # ~2 min on a quiet machine; the timeout is for a shared, busy one
-    return out
+def sparse_output(trained, tmp_path_factory, worker_id) -> Path:
+    args = (str(trained), "--sparsity", str(FRACTION), "--recover-steps", "6", "--latency-repeats", "2")
+    return built_once(tmp_path_factory, worker_id, "sparsity", lambda out: dstool(
+        "compress", *args, "--output", str(out), timeout=1800), COMPRESS_CODE, args)  # ~1 min on a quiet machine
 
 
 def _linears(model) -> dict[str, torch.Tensor]:

@@ -11,7 +11,7 @@ import pytest
 
 from dstool.artifacts import Checkpoint
 
-from conftest import PARALLEL, cli, dstool, losses, model_folder_matches, one_line_usage_error
+from conftest import PARALLEL, TRAIN_CODE, built_once, cli, dstool, losses, model_folder_matches, one_line_usage_error
 
 RUN = [*PARALLEL, "--micro-batch-size", "4"]
 THREE_D = ["--nproc", "4", "--pipeline-stages", "2", "--tensor-parallel", "2"]
@@ -31,20 +31,24 @@ def _same_curve(out: Path, ref: Path, steps=range(1, 6)) -> None:
 
 
 @pytest.fixture(scope="module")
-def runs(session_tmp, moe_reference):
+def runs(tmp_path_factory, worker_id, moe_reference):
     """For tiny and tiny-moe: the data-parallel reference (1 rank; tiny-moe's the session's `moe_reference`) and PP2
-    x TP2 x DP1 on 4 ranks; for tiny-moe also AutoTP alone (TP2 x DP1 on 2 ranks)."""
-    tiny_ref = session_tmp / "3d_tiny_ref"
-    dstool("train", "--output", str(tiny_ref), "--model", "tiny", "--nproc", "1", *RUN)
-    made = {("tiny", "ref"): (tiny_ref, ""), ("tiny-moe", "ref"): (moe_reference, "")}
-    for model in ("tiny", "tiny-moe"):
-        out = session_tmp / f"3d_{model}_pp2tp2"
-        made[model, "3d"] = out, dstool("train", "--output", str(out), "--model", model, *RUN, *THREE_D,
-                                        "--save-every", "2").stdout  # steps 2, 4 and 5 kept
-    out = session_tmp / "3d_tiny-moe_tp2"
-    made["tiny-moe", "tp"] = out, dstool("train", "--output", str(out), "--model", "tiny-moe", "--nproc", "2",
-                                         "--tensor-parallel", "2", *RUN).stdout
-    return made
+    x TP2 x DP1 on 4 ranks; for tiny-moe also AutoTP alone (TP2 x DP1 on 2 ranks). Each with its stdout."""
+    def build(out: Path) -> None:
+        dstool("train", "--output", str(out / "tiny_ref"), "--model", "tiny", "--nproc", "1", *RUN)
+        for model in ("tiny", "tiny-moe"):
+            (out / f"{model}_3d.stdout").write_text(dstool(
+                "train", "--output", str(out / f"{model}_3d"), "--model", model, *RUN, *THREE_D, "--save-every",
+                "2").stdout)  # steps 2, 4 and 5 kept
+        (out / "tiny-moe_tp.stdout").write_text(dstool(
+            "train", "--output", str(out / "tiny-moe_tp"), "--model", "tiny-moe", "--nproc", "2", "--tensor-parallel",
+            "2", *RUN).stdout)
+
+    made = built_once(tmp_path_factory, worker_id, "train_3d", build, TRAIN_CODE, (*RUN, *THREE_D, moe_reference))
+    runs = {("tiny", "ref"): (made / "tiny_ref", ""), ("tiny-moe", "ref"): (moe_reference, "")}
+    for key in (("tiny", "3d"), ("tiny-moe", "3d"), ("tiny-moe", "tp")):
+        runs[key] = made / "_".join(key), (made / f"{'_'.join(key)}.stdout").read_text()
+    return runs
 
 
 @pytest.mark.slow

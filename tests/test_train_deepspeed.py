@@ -16,22 +16,28 @@ import torch
 
 from dstool.artifacts import Checkpoint, HFModel
 
-from conftest import DSTOOL, FAST, cli, crash_after_first_checkpoint, dstool, losses
+from conftest import DSTOOL, FAST, TRAIN_CODE, built_once, cli, crash_after_first_checkpoint, dstool, losses
 
 BF16 = ["--nproc", "2", "--zero", "2", "--precision", "bf16", "--max-steps", "16", "--save-every", "4",
         "--trace-samples", *FAST]
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(session_tmp):
-    """An uninterrupted ZeRO-2 bf16 run, and the same run SIGKILLed after its first checkpoint, then resumed."""
-    ref, crashed = session_tmp / "bf16_ref", session_tmp / "bf16_crash"
-    dstool("train", "--output", str(ref), *BF16)
-    crash_after_first_checkpoint(crashed, *BF16)
-    killed_at = (crashed / "checkpoints" / "latest").read_text().strip()
-    crash_trace = {r: _trace(crashed, r) for r in (0, 1)}
-    resumed = dstool("train", "--output", str(crashed), "--resume", "auto", *BF16)
-    return ref, crashed, killed_at, crash_trace, resumed
+def bf16_runs(tmp_path_factory, worker_id):
+    """An uninterrupted ZeRO-2 bf16 run, and the same run SIGKILLed after its first checkpoint, then resumed: (the
+    run, the crashed run, the checkpoint it was killed at, its sample traces then, the resumed run's stdout)."""
+    def build(out: Path) -> None:
+        dstool("train", "--output", str(out / "ref"), *BF16)
+        crashed = out / "crashed"
+        crash_after_first_checkpoint(crashed, *BF16)
+        killed = {"at": (crashed / "checkpoints" / "latest").read_text().strip(),
+                  "trace": {r: _trace(crashed, r) for r in (0, 1)}}
+        killed["resumed"] = dstool("train", "--output", str(crashed), "--resume", "auto", *BF16).stdout
+        (out / "killed.json").write_text(json.dumps(killed))
+    made = built_once(tmp_path_factory, worker_id, "bf16_runs", build, TRAIN_CODE, BF16)
+    killed = json.loads((made / "killed.json").read_text())
+    return made / "ref", made / "crashed", killed["at"], {int(r): t for r, t in killed["trace"].items()}, \
+        killed["resumed"]
 
 
 def _trace(out: Path, rank: int) -> list[dict]:
@@ -70,7 +76,7 @@ def test_checkpoints_are_genuine_deepspeed_and_hashed(bf16_runs):
 def test_resume_after_crash_continues_the_loss_curve_exactly(bf16_runs):
     ref, crashed, killed_at, _, resumed = bf16_runs
     start = int(killed_at.split("-")[1])
-    assert f"resumed at step {start}" in resumed.stdout
+    assert f"resumed at step {start}" in resumed
     ref_curve, crash_curve = losses(ref), losses(crashed)
     assert sorted(crash_curve) == list(range(1, 17))
     for step in range(start + 1, 17):  # same step, data position and LR schedule -> the same losses
@@ -174,10 +180,9 @@ MOE_Z3 = ["--model", "tiny-moe", "--nproc", "2", "--zero", "3", "--gradient-accu
 
 
 @pytest.fixture(scope="module")
-def moe_z3(session_tmp) -> Path:
-    out = session_tmp / "moe_z3"
-    dstool("train", "--output", str(out), *MOE_Z3)
-    return out
+def moe_z3(tmp_path_factory, worker_id) -> Path:
+    return built_once(tmp_path_factory, worker_id, "moe_z3", lambda out: dstool("train", "--output", str(out), *MOE_Z3),
+                      TRAIN_CODE, MOE_Z3)
 
 
 def test_tiny_moe_zero3_with_accumulation(moe_z3):
@@ -210,10 +215,10 @@ def test_activation_checkpointing_keeps_the_losses(moe_z3, tmp_path):
 
 
 @pytest.fixture(scope="module")
-def zero1_single_node(session_tmp):
-    out = session_tmp / "z1_single"
-    dstool("train", "--output", str(out), "--nproc", "2", "--zero", "1", "--max-steps", "4", "--save-every", "4", *FAST)
-    return out
+def zero1_single_node(tmp_path_factory, worker_id):
+    args = ("--nproc", "2", "--zero", "1", "--max-steps", "4", "--save-every", "4", *FAST)
+    return built_once(tmp_path_factory, worker_id, "zero1_single_node",
+                      lambda out: dstool("train", "--output", str(out), *args), TRAIN_CODE, args)
 
 
 def test_zero0_equals_zero1_and_merges_user_json(zero1_single_node, tmp_path):

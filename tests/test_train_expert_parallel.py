@@ -5,6 +5,7 @@ plain Hugging Face folder; what cannot work is refused in one line before any ra
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -12,21 +13,23 @@ import torch
 
 from dstool.artifacts import Checkpoint, HFModel
 
-from conftest import PARALLEL, cli, dstool, losses, model_folder_matches, one_line_usage_error
+from conftest import PARALLEL, TRAIN_CODE, built_once, cli, dstool, losses, model_folder_matches, one_line_usage_error
 
 # fp32, the same global batch of 8 sequences and the same peak lr on every world size
 RUN = ["--model", "tiny-moe", *PARALLEL, "--save-every", "2"]
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, moe_reference) -> dict[str, Path]:
+def runs(tmp_path_factory, worker_id, moe_reference) -> dict[str, Path]:
     """The same 5 steps on 1 rank (the session's `moe_reference`: the model's own MoE blocks) and expert-parallel on
     2 and 4 ranks."""
-    root = tmp_path_factory.mktemp("ep")
-    layouts = {"ep2": ["--nproc", "2", "--micro-batch-size", "4", "--expert-parallel", "2"],
-               "ep4": ["--nproc", "4", "--micro-batch-size", "2", "--expert-parallel", "4"]}
-    for name, args in layouts.items():
-        dstool("train", "--output", str(root / name), *RUN, *args, timeout=900)
+    layouts = {"ep2": ("--nproc", "2", "--micro-batch-size", "4", "--expert-parallel", "2"),
+               "ep4": ("--nproc", "4", "--micro-batch-size", "2", "--expert-parallel", "4")}
+
+    def build(root: Path) -> None:
+        for name, args in layouts.items():
+            dstool("train", "--output", str(root / name), *RUN, *args, timeout=900)
+    root = built_once(tmp_path_factory, worker_id, "expert_parallel", build, TRAIN_CODE, (*RUN, layouts))
     return {"single": moe_reference, **{name: root / name for name in layouts}}
 
 
@@ -55,8 +58,8 @@ def test_expert_parallel_model_folder_is_plain_hugging_face(runs):
 def test_four_rank_expert_checkpoint_resumes_on_two_ranks(runs, tmp_path):
     """EP4 on 4 ranks, step 2's checkpoint resumed on 2 ranks as EP2 (through the universal form): steps 3-5 are the
     uninterrupted 4-rank run's."""
-    out = tmp_path / "resumed"
-    tag = runs["ep4"] / "checkpoints" / "step-00000002"
+    out, tag = tmp_path / "resumed", tmp_path / "ep4" / "checkpoints" / "step-00000002"
+    shutil.copytree(runs["ep4"] / "checkpoints" / tag.name, tag)  # its universal form is written beside it
     proc = dstool("train", "--output", str(out), *RUN, "--nproc", "2", "--micro-batch-size", "4",
                   "--expert-parallel", "2", "--resume", str(tag), timeout=900)
     assert "to a universal checkpoint" in proc.stdout + proc.stderr

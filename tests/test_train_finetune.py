@@ -3,7 +3,9 @@ LoRA fine-tuning, on real DeepSpeed processes."""
 
 from __future__ import annotations
 
+import inspect
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +16,7 @@ from dstool.artifacts import Checkpoint, HFModel
 from dstool.errors import UsageError
 from dstool.train import TrainConfig, chat, data, sources
 
-from conftest import cli, dstool, losses, one_line_usage_error
+from conftest import TRAIN_CODE, built_once, cli, dstool, losses, one_line_usage_error
 
 
 def _chats(n: int, seed: int = 0) -> list[dict]:
@@ -182,19 +184,26 @@ LORA = ["--data-format", "chat", "--chat-template", "default", "--lora", "8", "-
 
 
 @pytest.fixture(scope="module")
-def lora_runs(trained, session_tmp):
+def lora_runs(trained, tmp_path_factory, worker_id):
     """A chat LoRA fine-tune of the session's model on two weighted jsonl sources, uninterrupted; the same resumed
     in another folder from the first one's step-3 checkpoint (a run killed, then resumed: test_train_deepspeed.py's
-    bf16 runs)."""
-    d = session_tmp / "chat_data"
-    d.mkdir(exist_ok=True)
-    spec = f"{_write_jsonl(d / 'a.jsonl', _chats(240))}:0.8,{_write_jsonl(d / 'b.jsonl', _chats(60, seed=1))}:0.2"
-    args = ["--model", str(trained), "--data", spec, *LORA]
-    ref, again = session_tmp / "lora_ref", session_tmp / "lora_resumed"
-    first = dstool("train", "--output", str(ref), *args, timeout=900)
-    resumed = dstool("train", "--output", str(again), *args, "--resume", str(ref / "checkpoints" / "step-00000003"),
-                     timeout=900)
-    return ref, again, first, resumed, args
+    bf16 runs). (The runs, their stdouts, their arguments.)"""
+    def args(out: Path) -> list[str]:
+        spec = f"{out / 'data' / 'a.jsonl'}:0.8,{out / 'data' / 'b.jsonl'}:0.2"
+        return ["--model", str(trained), "--data", spec, *LORA]
+
+    def build(out: Path) -> None:
+        (out / "data").mkdir(parents=True)
+        _write_jsonl(out / "data" / "a.jsonl", _chats(240))
+        _write_jsonl(out / "data" / "b.jsonl", _chats(60, seed=1))
+        (out / "first.stdout").write_text(dstool("train", "--output", str(out / "ref"), *args(out), timeout=900).stdout)
+        (out / "resumed.stdout").write_text(dstool(
+            "train", "--output", str(out / "resumed"), *args(out), "--resume",
+            str(out / "ref" / "checkpoints" / "step-00000003"), timeout=900).stdout)
+    made = built_once(tmp_path_factory, worker_id, "lora_runs", build, TRAIN_CODE,
+                      (trained, *LORA, inspect.getsource(_chats), inspect.getsource(args)))
+    return made / "ref", made / "resumed", (made / "first.stdout").read_text(), \
+        (made / "resumed.stdout").read_text(), args(made)
 
 
 def test_lora_checkpoints_hold_the_adapter_only(lora_runs, trained):
@@ -205,12 +214,12 @@ def test_lora_checkpoints_hold_the_adapter_only(lora_runs, trained):
                                                                        "targets": ["all-linear"]}
     model_bytes = (trained / "model.safetensors").stat().st_size
     assert sum(f.stat().st_size for f in tag.rglob("*") if f.is_file()) < model_bytes / 4
-    assert "LoRA rank 8" in first.stdout and "chat from" in first.stdout
+    assert "LoRA rank 8" in first and "chat from" in first
 
 
 def test_lora_resume_continues_exactly(lora_runs):
     ref, again, _, resumed, _ = lora_runs
-    assert "resumed at step 3" in resumed.stdout
+    assert "resumed at step 3" in resumed
     a, b = losses(ref), losses(again)
     for step in (4, 5, 6):
         assert b[step] == pytest.approx(a[step], abs=1e-5), (a, b)
@@ -252,7 +261,8 @@ def test_mixture_draws_by_weight(lora_runs):
 
 
 def test_changed_lora_options_and_precision_are_refused(lora_runs, tmp_path):
-    ref, _, _, _, args = lora_runs
+    _, _, _, _, args = lora_runs
+    ref = shutil.copytree(lora_runs[0], tmp_path / "ref")  # (a refusal is logged in the run's train.log)
     swap = list(args)
     swap[swap.index("--lora") + 1] = "4"
     one_line_usage_error(cli("train", "--output", str(ref), *swap, "--max-steps", "9"), "trained LoRA adapters")

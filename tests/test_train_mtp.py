@@ -4,12 +4,13 @@ saved under DeepSeek's checkpoint names, loaded back, resumed exactly, with ZeRO
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import cli, dstool, one_line_usage_error
+from conftest import TRAIN_CODE, built_once, cli, dstool, one_line_usage_error
 
 # 2 ranks, ZeRO-2, 6 steps, λ 0.3 for the first half then 0.1
 RUN = ["--model", "tiny-moe", "--nproc", "2", "--zero", "2", "--max-steps", "6", "--save-every", "3", "--seq-len", "64",
@@ -23,13 +24,15 @@ def _rows(out: Path) -> dict[int, dict]:
 
 
 @pytest.fixture(scope="module")
-def mtp_runs(session_tmp):
+def mtp_runs(tmp_path_factory, worker_id):
     """An uninterrupted run, and the same resumed in another folder from the first one's step-3 checkpoint (a run
-    killed, then resumed: test_train_deepspeed.py's bf16 runs)."""
-    ref, again = session_tmp / "mtp_ref", session_tmp / "mtp_resumed"
-    dstool("train", "--output", str(ref), *MTP)
-    resumed = dstool("train", "--output", str(again), *MTP, "--resume", str(ref / "checkpoints" / "step-00000003"))
-    return ref, again, resumed
+    killed, then resumed: test_train_deepspeed.py's bf16 runs), with its stdout."""
+    def build(out: Path) -> None:
+        dstool("train", "--output", str(out / "ref"), *MTP)
+        (out / "resumed.stdout").write_text(dstool("train", "--output", str(out / "resumed"), *MTP, "--resume",
+                                                   str(out / "ref" / "checkpoints" / "step-00000003")).stdout)
+    made = built_once(tmp_path_factory, worker_id, "mtp_runs", build, TRAIN_CODE, MTP)
+    return made / "ref", made / "resumed", (made / "resumed.stdout").read_text()
 
 
 def test_mtp_trains_and_logs_each_depth(mtp_runs):
@@ -126,7 +129,7 @@ def test_saved_mtp_equals_the_engines_and_transformers_mtp_layer(mtp_runs):
 
 def test_resume_continues_the_main_and_mtp_losses_exactly(mtp_runs):
     ref, again, resumed = mtp_runs
-    assert "resumed at step 3" in resumed.stdout
+    assert "resumed at step 3" in resumed
     a, b = _rows(ref), _rows(again)
     assert sorted(b) == list(range(4, 7))
     for step in range(4, 7):
@@ -135,9 +138,9 @@ def test_resume_continues_the_main_and_mtp_losses_exactly(mtp_runs):
         assert b[step]["mtp_loss_weight"] == 0.1
 
 
-def test_resume_refuses_another_mtp_depth(mtp_runs):
+def test_resume_refuses_another_mtp_depth(mtp_runs, tmp_path):
     """A checkpoint with MTP layers is refused, in one line before any rank starts, by a run without them."""
-    again = mtp_runs[1]
+    again = shutil.copytree(mtp_runs[1], tmp_path / "again")  # (a refusal is logged in the run's train.log)
     one_line_usage_error(cli("train", "--output", str(again), *RUN), "trained 1 MTP layers (--mtp-layers 1)")
 
 

@@ -15,7 +15,17 @@ import pytest
 from dstool.artifacts import Checkpoint, UniversalCheckpoint
 from dstool.train import checkpoint
 
-from conftest import DSTOOL, FAST, cli, dstool, losses, model_folder_matches, one_line_usage_error
+from conftest import (
+    DSTOOL,
+    FAST,
+    TRAIN_CODE,
+    built_once,
+    cli,
+    dstool,
+    losses,
+    model_folder_matches,
+    one_line_usage_error,
+)
 
 # Same global batch (8) on any world size and no lr scaling: a resumed run can match an uninterrupted one.
 SCALE = ["--zero", "2", "--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "8",
@@ -48,29 +58,30 @@ def _rewind(src: Path, dst: Path, step: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def reference(session_tmp):
+def reference(tmp_path_factory, worker_id):
     """An uninterrupted 2-rank run of SCALE."""
-    ref = session_tmp / "scale_ref2"
-    dstool("train", "--output", str(ref), "--nproc", "2", *SCALE)
-    return ref
+    return built_once(tmp_path_factory, worker_id, "scale_reference",
+                      lambda out: dstool("train", "--output", str(out), "--nproc", "2", *SCALE), TRAIN_CODE, SCALE)
 
 
 @pytest.fixture(scope="module")
-def world_changes(reference, session_tmp):
-    """The reference resumed from its step 4 on 1 rank; that run resumed from its step 6 on 2 ranks."""
-    ref = reference
-    on_one = _rewind(ref, session_tmp / "scale_2to1", 4)
-    to_one = dstool("train", "--output", str(on_one), "--nproc", "1", *SCALE)
-    on_two = _rewind(on_one, session_tmp / "scale_1to2", 6)
-    to_two = dstool("train", "--output", str(on_two), "--nproc", "2", *SCALE)
-    return ref, (on_one, to_one, 4, 2), (on_two, to_two, 6, 1)
+def world_changes(reference, tmp_path_factory, worker_id):
+    """The reference resumed from its step 4 on 1 rank; that run resumed from its step 6 on 2 ranks (each run with
+    its stdout)."""
+    def build(out: Path) -> None:
+        for name, src, step, nproc in (("2to1", reference, 4, "1"), ("1to2", out / "2to1", 6, "2")):
+            run = _rewind(src, out / name, step)
+            (out / f"{name}.stdout").write_text(dstool("train", "--output", str(run), "--nproc", nproc, *SCALE).stdout)
+    made = built_once(tmp_path_factory, worker_id, "scale_world_changes", build, TRAIN_CODE, (reference, *SCALE))
+    return reference, *((made / name, (made / f"{name}.stdout").read_text(), start, saved)
+                        for name, start, saved in (("2to1", 4, 2), ("1to2", 6, 1)))
 
 
 @pytest.mark.parametrize("case", [1, 2], ids=["2to1", "1to2"])
 def test_resume_on_another_world_size_continues_the_loss(world_changes, case):
-    ref, (out, proc, start, saved_world) = world_changes[0], world_changes[case]
-    assert f"saved on {saved_world} ranks) to a universal checkpoint" in proc.stdout
-    assert f"resumed at step {start}" in proc.stdout
+    ref, (out, stdout, start, saved_world) = world_changes[0], world_changes[case]
+    assert f"saved on {saved_world} ranks) to a universal checkpoint" in stdout
+    assert f"resumed at step {start}" in stdout
     UniversalCheckpoint.read(out / "checkpoints" / "universal" / checkpoint.tag_for(start), verify=True)
     world = 1 if case == 1 else 2
     assert Checkpoint.read(out / "checkpoints" / "step-00000008", verify=True).world_size == world
@@ -370,23 +381,26 @@ def test_emit_k8s_is_a_valid_pytorchjob(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def model_parallel(reference, session_tmp):
+def model_parallel(reference, tmp_path_factory, worker_id):
     """SCALE trained on 2 ranks as 2 pipeline stages (DeepSpeed PipelineModule, with its activation checkpointing)
-    and as 2 AutoTP ranks: one model replica each, so the global batch of 8 is the reference's."""
-    runs = {}
-    for name, flags in {"pipeline": ["--pipeline-stages", "2", "--activation-checkpointing"],
-                        "tensor": ["--tensor-parallel", "2"]}.items():
-        out = session_tmp / f"scale_{name}2"
-        proc = dstool("train", "--output", str(out), "--nproc", "2", *SCALE, "--zero", "1", "--save-every", "8", *flags)
-        runs[name] = out, proc
-    return reference, runs
+    and as 2 AutoTP ranks: one model replica each, so the global batch of 8 is the reference's. Each with its
+    stdout."""
+    layouts = {"pipeline": ("--pipeline-stages", "2", "--activation-checkpointing"),
+               "tensor": ("--tensor-parallel", "2")}
+
+    def build(out: Path) -> None:
+        for name, flags in layouts.items():
+            (out / f"{name}.stdout").write_text(dstool("train", "--output", str(out / name), "--nproc", "2", *SCALE,
+                                                       "--zero", "1", "--save-every", "8", *flags).stdout)
+    made = built_once(tmp_path_factory, worker_id, "scale_model_parallel", build, TRAIN_CODE, (*SCALE, layouts))
+    return reference, {name: (made / name, (made / f"{name}.stdout").read_text()) for name in layouts}
 
 
 @pytest.mark.parametrize("kind", ["pipeline", "tensor"])
 def test_model_parallel_training_matches_data_parallel(model_parallel, kind):
-    ref, (out, proc) = model_parallel[0], model_parallel[1][kind]
-    assert "x DP1" in proc.stdout  # the layout line: one model replica
-    assert "stage=" not in proc.stdout and "[INFO]" not in proc.stdout  # DeepSpeed's prints: in the ranks' logs
+    ref, (out, stdout) = model_parallel[0], model_parallel[1][kind]
+    assert "x DP1" in stdout  # the layout line: one model replica
+    assert "stage=" not in stdout and "[INFO]" not in stdout  # DeepSpeed's prints: in the ranks' logs
     if kind == "pipeline":  # DeepSpeed's activation checkpointing: each stage recomputes its 2 decoder layers
         assert "2 decoder layers of this stage recomputed" in (out / "logs" / "rank1.log").read_text()
     a, b = losses(out), losses(ref)

@@ -1,0 +1,154 @@
+"""Artefacts the suite keeps between runs (a trained model, an export), keyed by the code and inputs that made them.
+
+An artefact's key hashes the source of every dstool module its stage imports, directly or not (grimp's import graph
+over the installed layout, as import-linter reads it), the CLI, the packaged data, every installed distribution's
+version, the interpreter, the CPU, the source of the function that builds it and its inputs (its command line, the
+artefacts it was made from): change any of them and it is made again. It lives in the dstool cache
+(`test-artefacts/NAME-KEY`) with a listing of its files: one changed since (a test that wrote into it) has it made
+again. `DSTOOL_TEST_CACHE=off` makes every artefact in the run's temporary folder instead (a cold run); entries of a
+name unused for a day are removed.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import importlib.metadata
+import importlib.util
+import inspect
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+ROOT = Path(__file__).resolve().parent.parent
+KEEP_S = 24 * 3600
+_GRAPH = """
+import grimp, json, sys
+graph = grimp.build_graph("dstool", cache_dir=None)
+out = {}
+for entry in sys.argv[1:]:
+    inside = {m for m in graph.modules if m == entry or m.startswith(entry + ".")}
+    out[entry] = sorted(inside | graph.find_upstream_modules(entry, as_package=True))
+print(json.dumps(out))
+"""
+
+
+def enabled() -> bool:
+    return os.environ.get("DSTOOL_TEST_CACHE", "on") != "off"
+
+
+def root() -> Path:
+    from dstool.files import cache_dir
+
+    return cache_dir() / "test-artefacts"
+
+
+def _check():
+    spec = importlib.util.spec_from_file_location("dstool_check", ROOT / "scripts" / "check.py")
+    assert spec and spec.loader
+    check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(check)
+    return check
+
+
+@functools.cache
+def modules(entries: tuple[str, ...]) -> frozenset[str]:
+    """The dstool modules the packages `entries` hold or import, directly or not, with the packages above them and
+    the CLI (the flags every command reads)."""
+    with tempfile.TemporaryDirectory(prefix="dstool-graph-") as tmp:
+        _check().package_tree(Path(tmp))
+        proc = subprocess.run([sys.executable, "-c", _GRAPH, *entries], cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": tmp}, check=True)
+    found = {"dstool.cli", "dstool.cli.commands", "dstool.cli.__main__"}
+    for closure in json.loads(proc.stdout).values():
+        for module in closure:
+            parts = module.split(".")
+            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return frozenset(found)
+
+
+def _file(module: str) -> Path | None:
+    """A module's source file in this checkout (setuptools' package-dir: dstool.train is train/)."""
+    folders = _check().tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    parts = module.split(".")
+    for n in range(len(parts), 0, -1):
+        if ".".join(parts[:n]) in folders:
+            base = ROOT / folders[".".join(parts[:n])] / Path(*parts[n:])
+            for file in (base / "__init__.py", base.with_suffix(".py")):
+                if file.is_file():
+                    return file
+            return None
+    return None
+
+
+@functools.cache
+def _sources(entries: tuple[str, ...]) -> str:
+    """A digest of the files of `modules(entries)` and of the packaged data."""
+    digest = hashlib.sha256()
+    for module in sorted(modules(entries)):
+        file = _file(module)
+        if file is not None:
+            digest.update(module.encode() + b"\0" + file.read_bytes() + b"\0")
+    for data in sorted((ROOT / "dstool" / "data").iterdir()):
+        digest.update(data.name.encode() + b"\0" + data.read_bytes())
+    return digest.hexdigest()
+
+
+@functools.cache
+def _machine() -> str:
+    dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
+    cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
+           if line.startswith(("model name", "flags"))][:2] if Path("/proc/cpuinfo").exists() else []
+    return json.dumps([sys.version, platform.platform(), cpu, dists])
+
+
+def _listing(path: Path) -> dict[str, list[int]]:
+    return {str(f.relative_to(path)): [f.stat().st_size, f.stat().st_mtime_ns] for f in sorted(path.rglob("*"))
+            if f.is_file() and "__pycache__" not in f.parts}
+
+
+def built(name: str, build: Callable[[Path], object], code: tuple[str, ...], inputs: tuple[object, ...]) -> Path:
+    """The artefact `build(path)` makes from the stages `code` (packages, e.g. "dstool.train") and `inputs`: kept
+    from an earlier run when nothing of either changed, else made now (under a lock that xdist workers and runs
+    share)."""
+    try:
+        recipe = inspect.getsource(build)
+    except (OSError, TypeError):  # made at run time: its inputs say all
+        recipe = ""
+    key = hashlib.sha256(json.dumps([_sources(tuple(sorted(code))), _machine(), recipe, [str(i) for i in inputs]])
+                         .encode()).hexdigest()[:20]
+    base = root()
+    base.mkdir(parents=True, exist_ok=True)
+    path, seal = base / f"{name}-{key}", base / f"{name}-{key}.files"
+    with FileLock(f"{path}.lock"):
+        if not (seal.exists() and json.loads(seal.read_text()) == _listing(path)):
+            shutil.rmtree(path, ignore_errors=True)
+            seal.unlink(missing_ok=True)
+            build(path)
+            seal.write_text(json.dumps(_listing(path)))
+        os.utime(seal)  # last used now
+    _evict(base, name, keep=path)
+    return path
+
+
+def _evict(base: Path, name: str, keep: Path) -> None:
+    """Other entries of `name` unused for KEEP_S (a run of older code may still be reading a recent one)."""
+    for seal in base.glob(f"{name}-*.files"):
+        entry = seal.with_suffix("")
+        if entry == keep or entry.name.count("-") != name.count("-") + 1 or time.time() - seal.stat().st_mtime < KEEP_S:
+            continue
+        try:
+            with FileLock(f"{entry}.lock", timeout=0):
+                seal.unlink(missing_ok=True)
+                shutil.rmtree(entry, ignore_errors=True)
+        except Timeout:
+            pass
