@@ -2,8 +2,9 @@
 and metrics bounds, and the protocol details where it must answer as Triton does. Real processes: Triton 2.51
 serving our own small python-backend models (tests/models) and the exported tensor model, the gateway as `dstool
 gateway`, the unmodified tritonclient. The gateway caches in its own memory here (what these tests are about is in
-front of the cache); the three tests about Redis itself (a cancelled Redis call, files changed under a loaded version,
-workers sharing one cache) use a real redis-server; test_gateway.py runs the gateway's routes on Redis."""
+front of the cache); the tests about Redis itself (a cancelled Redis call, a slow first answer at start, files changed
+under a loaded version, workers sharing one cache) use a real redis-server; test_gateway.py runs the gateway's routes
+on Redis."""
 
 from __future__ import annotations
 
@@ -114,6 +115,56 @@ def test_a_cancelled_redis_call_never_goes_on(redis_server):
 
     went_on, tries = asyncio.run(run())
     assert tries > 300 and went_on == {"cache": 0, "guard": 0}, (went_on, tries)
+
+
+def test_a_slow_first_answer_is_waited_for_at_start(redis_server, caplog):
+    """The gateway's start asks Redis once with patience: behind a link whose first answers come 0.3 s late (a loaded
+    machine's TLS handshake), a PING within --redis-timeout 0.1 times out, and the start used to call that an outage
+    and warn. It retries timeouts silently for a few seconds; a refused connection answers at once."""
+    from dstool.proc import free_port
+    from dstool.serve.cache_url import CacheURL
+    from dstool.serve.gateway.cache.store import RedisStore
+
+    host, port = "127.0.0.1", redis_server.port
+
+    async def run():
+        slow = {"left": 2}
+
+        async def relay(reader, writer):
+            up_reader, up_writer = await asyncio.open_connection(host, port)
+            if slow["left"]:
+                slow["left"] -= 1
+                await asyncio.sleep(0.3)
+
+            async def pipe(src, dst):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+                dst.close()
+            await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer), return_exceptions=True)
+
+        proxy = await asyncio.start_server(relay, "127.0.0.1", 0)
+        url = redis_server.url.replace(f"{host}:{port}", f"127.0.0.1:{proxy.sockets[0].getsockname()[1]}")
+        patient = RedisStore(CacheURL.parse(url), timeout=0.1)
+        answered = await patient.reachable()
+        await patient.close()
+        slow["left"] = 1
+        hasty = RedisStore(CacheURL.parse(url), timeout=0.1)
+        hasty_answered = await hasty.ping()
+        await hasty.close()
+        refused = RedisStore(CacheURL.parse(f"redis://127.0.0.1:{free_port()}/0"), timeout=0.1)
+        started = time.monotonic()
+        refused_answered, refused_s = await refused.reachable(), time.monotonic() - started
+        await refused.close()
+        proxy.close()
+        return answered, hasty_answered, refused_answered, refused_s
+
+    with caplog.at_level("WARNING", logger="dstool.gateway"):
+        answered, hasty_answered, refused_answered, refused_s = asyncio.run(run())
+    assert answered and not hasty_answered  # the link is slow indeed: one PING within its timeout does not answer
+    assert refused_answered is False and refused_s < 2  # nothing listening: no wait
+    warned = [r.getMessage() for r in caplog.records if "failed" in r.getMessage()]
+    assert len(warned) == 2, warned  # the hasty PING's and the refused one's, not the patient start's
 
 
 def test_metrics_do_not_grow_with_model_names_clients_invent(gateway):

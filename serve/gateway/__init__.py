@@ -50,11 +50,11 @@ class Gateway:
         store = None
         if url.is_redis:
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
-            if await store.ping() and await store.cluster_node():
+            if await store.reachable() and await store.cluster_node():
                 await store.close()
                 url = self.redis_url = url.as_cluster()
                 store = RedisStore(url, c.redis_timeout, self.metrics.error)
-            if await store.ping():
+            if await store.reachable():
                 kind = "Redis Cluster" if url.kind == "cluster" else "Redis"
                 log.info(f"dstool gateway: cache: {kind} {url.redacted()} (front: in-process LRU)")
             elif asked:
@@ -83,7 +83,7 @@ class Gateway:
             raise UsageError("--auth keys keeps keys, limits and usage in Redis: give --cache a redis:// URL (the "
                              f"cache here is {self.redis_url.redacted()})")
         store = RedisStore(self.redis_url, c.auth_redis_timeout, self.metrics.error)
-        if not await store.ping():
+        if not await store.reachable():
             message = f"Redis {self.redis_url.redacted()} does not answer: "
             log.warning(message + ("keys validated before are admitted until it does" if c.auth_fallback == "cached"
                                    else "every key is refused until it does"))

@@ -26,6 +26,7 @@ from dstool.serve.gateway.upstream import within
 log = logging.getLogger("dstool.gateway")
 MAGIC = b"DSG1"
 WARN_EVERY = 10.0  # seconds between warnings that Redis failed
+STARTUP_S = 5.0  # seconds the gateway's start waits for a first answer from a Redis that times out
 
 
 class CorruptEntry(Exception):
@@ -182,6 +183,25 @@ class RedisStore:
 
     async def ping(self) -> bool:
         return bool(await self.call("ping"))
+
+    async def reachable(self, within_s: float = STARTUP_S) -> bool:
+        """Whether Redis answers a PING: the gateway's start, which retries a timed-out one for up to `within_s`
+        (a loaded machine's first connection, a TLS handshake, may outlast a call's timeout) and says nothing; a
+        refused connection or another error answers at once."""
+        from redis.exceptions import TimeoutError as RedisTimeout  # noqa: PLC0415 (redis-py loads with the client)
+
+        deadline = time.monotonic() + within_s
+        while True:
+            try:
+                if await within(self.client.ping(), None):
+                    self._succeeded()
+                    return True
+            except (RedisTimeout, asyncio.TimeoutError, TimeoutError):
+                if time.monotonic() < deadline:
+                    continue
+            except Exception:  # refused, a bad password, TLS refused: nothing to wait for
+                pass
+            return await self.ping()  # as a request would see it: counted, warned about, backed off
 
     async def cluster_node(self) -> bool:
         """Whether a redis:// URL names a node of a Redis Cluster (then keys must go by the cluster's slot map)."""
