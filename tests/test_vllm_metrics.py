@@ -173,14 +173,16 @@ def test_vllm_board_reads_a_dstool_server(server):
         result, error = got.get(timeout=60)
         assert error is None, error
         held = int(result.as_numpy("prompt_tokens")[0]) + long
-        running = eventually(lambda: scrape(server), lambda s: value(s, "vllm:num_requests_running") == 1, 30)
+        # (a step's gauges are set one after another by the model's outbox thread: a scrape may fall between them)
+        running = eventually(lambda: scrape(server), lambda s: value(s, "vllm:num_requests_running") == 1
+                             and value(s, "vllm:kv_cache_usage_perc") > 0, 30)
         assert value(running, "vllm:kv_cache_usage_perc") == pytest.approx(held / budget, rel=1e-9)
         client.stop_stream(cancel_requests=True)
     finally:
         client.close()
     gone = eventually(lambda: scrape(server),
                       lambda s: grew(s, "vllm:request_success_total", finished_reason="abort") >= 1
-                      and value(s, "vllm:num_requests_running") == 0, 30)
+                      and value(s, "vllm:num_requests_running") == value(s, "vllm:kv_cache_usage_perc") == 0, 30)
     assert grew(gone, "vllm:request_success_total", finished_reason="abort") == 1
     assert grew(gone, "vllm:request_success_total", finished_reason="error") == 0
     assert grew(gone, "vllm:e2e_request_latency_seconds_count") == 5  # an aborted request's times are not observed
