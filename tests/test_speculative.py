@@ -202,7 +202,7 @@ SPEC_LLM, PLAIN_LLM = "dstool_lm_llm", "plain_llm"  # the same model, exported w
 
 
 @pytest.fixture(scope="module")
-def spec_server(trained, session_tmp):
+def spec_server(trained, session_tmp, tmp_path_factory, worker_id):
     """A real Triton serving `trained` exported with --speculative-config (NAME_llm only), and the same model
     without it as plain_llm."""
     from google.protobuf import text_format
@@ -211,15 +211,14 @@ def spec_server(trained, session_tmp):
     from dstool.proc import free_port
     from dstool.serve.runtime import triton
 
-    from conftest import dstool
+    from conftest import EXPORT_CODE, built_once, dstool
 
+    args = (str(trained), "--instances", "1", "--speculative-config", NGRAM.text())
+    exported = built_once(tmp_path_factory, worker_id, "speculative_repository",
+                          lambda out: dstool("export", "--repository", str(out), *args), EXPORT_CODE, args)
     repo = session_tmp / "speculative_repository"
-    dstool("export", str(trained), "--repository", str(repo), "--instances", "1", "--speculative-config",
-           NGRAM.text())
-    for folder in repo.iterdir():
-        if folder.is_dir() and folder.name != SPEC_LLM:
-            shutil.rmtree(folder)
-    shutil.copytree(repo / SPEC_LLM, repo / PLAIN_LLM)
+    shutil.copytree(exported / SPEC_LLM, repo / SPEC_LLM)
+    shutil.copytree(exported / SPEC_LLM, repo / PLAIN_LLM)
     config = text_format.Parse((repo / PLAIN_LLM / "config.pbtxt").read_text(), model_config_pb2.ModelConfig())
     config.name = PLAIN_LLM
     del config.parameters["speculative_config"]
