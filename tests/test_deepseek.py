@@ -236,7 +236,7 @@ CHAIN_CALL = B + v31_call("get_weather", '{"city": "Paris"}') + E
 
 
 @pytest.fixture(scope="module")
-def r1_served(tokenizers, tmp_path_factory):
+def r1_served(tokenizers, tmp_path_factory, worker_id):
     """A tiny DeepSeek-V3 (MLA) model with R1's tokenizer and chat template, served by the real Triton behind a
     gateway with --reasoning-parser deepseek_r1 --tool-call-parser deepseek_v31. Its weights are random, but made
     to write a known answer greedily: its decoder layers are zero (the hidden state is the token's embedding), and
@@ -248,35 +248,38 @@ def r1_served(tokenizers, tmp_path_factory):
     from dstool.proc import free_port
     from dstool.serve.runtime import triton
 
-    from conftest import dstool
+    from conftest import EXPORT_CODE, built_once, dstool
     from gatewaylib import GatewayProcess
 
-    tokenizer = tokenizers["deepseek-r1"]
-    chain = [201, *tokenizer.encode(THINKING, add_special_tokens=False), tokenizer.convert_tokens_to_ids("</think>"),
-             *tokenizer.encode(CHAIN_CALL, add_special_tokens=False), tokenizer.eos_token_id]
-    assert len(set(chain)) == len(chain), "each token of the answer once: the model is a bigram table"
-    torch.manual_seed(0)
-    config = DeepseekV3Config(vocab_size=129280, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                              num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=2,
-                              num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
-                              n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
-                              qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
-                              tie_word_embeddings=False, rope_scaling=None, bos_token_id=0, eos_token_id=1,
-                              pad_token_id=1)
-    model = DeepseekV3ForCausalLM(config).eval()
-    with torch.no_grad():
-        for p in model.model.layers.parameters():
-            p.zero_()
-        basis = torch.linalg.qr(torch.randn(64, 64))[0].T  # orthonormal rows: no answer token leaks into another
-        embed, head = model.model.embed_tokens.weight, model.lm_head.weight
-        for i, (a, b) in enumerate(zip(chain, chain[1:])):
-            embed[a] = basis[i] * 8.0
-            head[b] = basis[i] * 2.0  # logit 2 * sqrt(64) = 16 after the final norm; the others' about 1 at most
-    folder = tmp_path_factory.mktemp("r1-tiny")
-    model.save_pretrained(folder)
-    tokenizer.save_pretrained(folder)
-    repo = tmp_path_factory.mktemp("r1-repo")
-    dstool("export", str(folder), "--repository", str(repo), "--name", "r1", "--max-batch-size", "4")
+    def build(out: Path) -> None:
+        tokenizer = tokenizers["deepseek-r1"]
+        chain = [201, *tokenizer.encode(THINKING, add_special_tokens=False),
+                 tokenizer.convert_tokens_to_ids("</think>"), *tokenizer.encode(CHAIN_CALL, add_special_tokens=False),
+                 tokenizer.eos_token_id]
+        assert len(set(chain)) == len(chain), "each token of the answer once: the model is a bigram table"
+        torch.manual_seed(0)
+        config = DeepseekV3Config(vocab_size=129280, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                  num_hidden_layers=1, first_k_dense_replace=1, num_attention_heads=2,
+                                  num_key_value_heads=2, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+                                  n_group=1, topk_group=1, q_lora_rank=32, kv_lora_rank=32, qk_rope_head_dim=8,
+                                  qk_nope_head_dim=16, v_head_dim=16, max_position_embeddings=256,
+                                  tie_word_embeddings=False, rope_scaling=None, bos_token_id=0, eos_token_id=1,
+                                  pad_token_id=1)
+        model = DeepseekV3ForCausalLM(config).eval()
+        with torch.no_grad():
+            for p in model.model.layers.parameters():
+                p.zero_()
+            basis = torch.linalg.qr(torch.randn(64, 64))[0].T  # orthonormal rows: no answer token leaks into another
+            embed, head = model.model.embed_tokens.weight, model.lm_head.weight
+            for i, (a, b) in enumerate(zip(chain, chain[1:])):
+                embed[a] = basis[i] * 8.0
+                head[b] = basis[i] * 2.0  # logit 2 * sqrt(64) = 16 after the final norm; the others' about 1 at most
+        model.save_pretrained(out / "model")
+        tokenizer.save_pretrained(out / "model")
+        dstool("export", str(out / "model"), "--repository", str(out / "repo"), "--name", "r1", "--max-batch-size",
+               "4")
+
+    repo = built_once(tmp_path_factory, worker_id, "deepseek_r1", build, EXPORT_CODE, (THINKING, CHAIN_CALL)) / "repo"
     log = tmp_path_factory.mktemp("r1-logs")
     server = triton.start(repo, triton.find_tritonserver(), free_port(), free_port(), free_port(), log / "triton.log",
                           extra_args=["--model-control-mode=explicit", "--load-model=r1_llm"])  # what the gateway asks

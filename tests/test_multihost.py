@@ -15,7 +15,7 @@ import netns
 import psutil
 import pytest
 
-from conftest import FAST, cli, dstool, losses, one_line_usage_error
+from conftest import FAST, TRAIN_CODE, built_once, cli, dstool, losses, one_line_usage_error
 
 # Same global batch (8) on one host and on two, no lr scaling: the runs must give the same losses.
 MH = ["--global-batch-size", "8", "--lr-scaling", "none", "--lr", "3e-3", "--max-steps", "6", "--save-every", "2",
@@ -49,11 +49,10 @@ def cluster(netns_cluster):
 
 
 @pytest.fixture(scope="module")
-def reference(tmp_path_factory) -> dict[int, float]:
+def reference(tmp_path_factory, worker_id) -> dict[int, float]:
     """The losses of MH on one host, 2 ranks."""
-    out = tmp_path_factory.mktemp("mh") / "one_host"
-    dstool("train", "--output", str(out), "--nproc", "2", *MH)
-    return losses(out)
+    return losses(built_once(tmp_path_factory, worker_id, "multihost_reference",
+                             lambda out: dstool("train", "--output", str(out), "--nproc", "2", *MH), TRAIN_CODE, MH))
 
 
 def _on(cluster: netns.Cluster, host: str, *args: str) -> subprocess.Popen:
