@@ -14,11 +14,11 @@ from __future__ import annotations
 import functools
 import hashlib
 import importlib.metadata
-import importlib.util
 import inspect
 import json
 import os
 import platform
+import runpy
 import shutil
 import subprocess
 import sys
@@ -52,12 +52,10 @@ def root() -> Path:
     return cache_dir() / "test-artefacts"
 
 
-def _check():
-    spec = importlib.util.spec_from_file_location("dstool_check", ROOT / "scripts" / "check.py")
-    assert spec and spec.loader
-    check = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(check)
-    return check
+@functools.cache
+def _check() -> dict:
+    """scripts/check.py's names: its tree of links laid out as the installed package, the TOML reader."""
+    return runpy.run_path(str(ROOT / "scripts" / "check.py"))
 
 
 @functools.cache
@@ -65,7 +63,7 @@ def modules(entries: tuple[str, ...]) -> frozenset[str]:
     """The dstool modules the packages `entries` hold or import, directly or not, with the packages above them and
     the CLI (the flags every command reads)."""
     with tempfile.TemporaryDirectory(prefix="dstool-graph-") as tmp:
-        _check().package_tree(Path(tmp))
+        _check()["package_tree"](Path(tmp))
         proc = subprocess.run([sys.executable, "-c", _GRAPH, *entries], cwd=tmp, capture_output=True, text=True,
                               env={**os.environ, "PYTHONPATH": tmp}, check=True)
     found = {"dstool.cli", "dstool.cli.commands", "dstool.cli.__main__"}
@@ -76,9 +74,14 @@ def modules(entries: tuple[str, ...]) -> frozenset[str]:
     return frozenset(found)
 
 
+@functools.cache
+def _package_dirs() -> dict[str, str]:
+    return _check()["tomllib"].loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+
+
 def _file(module: str) -> Path | None:
     """A module's source file in this checkout (setuptools' package-dir: dstool.train is train/)."""
-    folders = _check().tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-dir"]
+    folders = _package_dirs()
     parts = module.split(".")
     for n in range(len(parts), 0, -1):
         if ".".join(parts[:n]) in folders:
