@@ -155,9 +155,15 @@ def test_readme_commands_answer_help():
         proc = subprocess.run([str(dstool), command, "--help"], capture_output=True, text=True, timeout=120)
         assert proc.returncode == 0 and f"usage: dstool {command}" in proc.stdout, (command, proc.stderr[-2000:])
 
+def _suite_conftest(folder: Path) -> None:
+    """The suite's conftest and the helper module it imports, in `folder`."""
+    for name in ("conftest.py", "artefacts.py"):
+        shutil.copy(ROOT / "tests" / name, folder / name)
+
+
 def test_a_skip_without_a_reason_fails(tmp_path):
     """The suite's conftest turns a skip that does not say why into a failure; a skip with a reason stays a skip."""
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    _suite_conftest(tmp_path)
     (tmp_path / "test_skips.py").write_text("import pytest\n\n\ndef test_silent():\n    pytest.skip()\n\n\n"
                                             "def test_said():\n    pytest.skip('no docker-compose binary')\n")
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-ra", "test_skips.py"],
@@ -170,7 +176,7 @@ def test_a_failure_pytest_cannot_render_is_still_reported(tmp_path):
     """When pytest's rendering of a failure raises SystemError (CPython 3.11.7's spurious AST recursion-depth error,
     which once ended a run as an INTERNALERROR), the suite's conftest reports the failure with Python's traceback and
     the run goes on."""
-    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    _suite_conftest(tmp_path)
     (tmp_path / "test_render.py").write_text(
         "import _pytest._code.code as code\n\n\n"
         "def _broken(*args, **kwargs):\n    raise SystemError('AST constructor recursion depth mismatch')\n\n\n"
