@@ -2,11 +2,11 @@
 
 An artefact's key hashes the source of every dstool module its stage imports, directly or not (grimp's import graph
 over the installed layout, as import-linter reads it), the CLI, the packaged data, every installed distribution's
-version, the interpreter, the CPU, the source of the function that builds it and its inputs (its command line, the
-artefacts it was made from): change any of them and it is made again. It lives in the dstool cache
-(`test-artefacts/NAME-KEY`) with a listing of its files: one changed since (a test that wrote into it) has it made
-again. `DSTOOL_TEST_CACHE=off` makes every artefact in the run's temporary folder instead (a cold run); entries of a
-name unused for a day are removed.
+version, the interpreter, the CPU and GPU, the source of the test module that builds it and of the conftest, and its
+inputs (its command line; the kept artefacts it was made from, by their listing): change any of them and it is made
+again. It lives in the dstool cache (`test-artefacts/NAME-KEY`) with a listing of its files: one changed since (a test
+that wrote into it) has it made again. `DSTOOL_TEST_CACHE=off` makes every artefact in the run's temporary folder
+instead (a cold run); entries of a name unused for a day are removed.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import platform
+import re
 import runpy
 import shutil
 import subprocess
@@ -111,7 +112,9 @@ def _machine() -> str:
     dists = sorted(f"{d.metadata['Name']}=={d.version}" for d in importlib.metadata.distributions())
     cpu = [line for line in Path("/proc/cpuinfo").read_text().splitlines()
            if line.startswith(("model name", "flags"))][:2] if Path("/proc/cpuinfo").exists() else []
-    return json.dumps([sys.version, platform.platform(), cpu, dists])
+    accelerator = [os.path.exists("/dev/nvidiactl"), os.environ.get("CUDA_VISIBLE_DEVICES"),
+                   os.environ.get("DS_ACCELERATOR")]  # a GPU changes what train and compress run on
+    return json.dumps([sys.version, platform.platform(), cpu, accelerator, dists])
 
 
 def _listing(path: Path) -> dict[str, list[int]]:
@@ -119,18 +122,33 @@ def _listing(path: Path) -> dict[str, list[int]]:
             if f.is_file() and "__pycache__" not in f.parts}
 
 
+def _recipe(build: Callable) -> list[str]:
+    """The source of the test module that defines `build` (its helpers too) and of the suite's conftest."""
+    files = {Path(__file__).parent / "conftest.py"}
+    try:
+        files.add(Path(inspect.getsourcefile(build) or ""))
+    except TypeError:
+        pass
+    return [f.read_text() for f in sorted(files) if f.is_file()]
+
+
+def _parents(base: Path, given: list[str]) -> list[str]:
+    """The kept artefacts named in `given` (a trained model an export reads), each by its listing: one made again
+    under the same name makes its children again too."""
+    names = sorted({m.group(1) for text in given for m in re.finditer(re.escape(str(base)) + r"/([^/\s'\"]+)", text)})
+    return [hashlib.sha256((base / f"{n}.files").read_bytes()).hexdigest() for n in names
+            if (base / f"{n}.files").exists()]
+
+
 def built(name: str, build: Callable[[Path], object], code: tuple[str, ...], inputs: tuple[object, ...]) -> Path:
     """The artefact `build(path)` makes from the stages `code` (packages, e.g. "dstool.train") and `inputs`: kept
     from an earlier run when nothing of either changed, else made now (under a lock that xdist workers and runs
     share)."""
-    try:
-        recipe = inspect.getsource(build)
-    except (OSError, TypeError):  # made at run time: its inputs say all
-        recipe = ""
-    key = hashlib.sha256(json.dumps([_sources(tuple(sorted(code))), _machine(), recipe, [str(i) for i in inputs]])
-                         .encode()).hexdigest()[:20]
     base = root()
     base.mkdir(parents=True, exist_ok=True)
+    given = [str(i) for i in inputs]
+    key = hashlib.sha256(json.dumps([_sources(tuple(sorted(code))), _machine(), _recipe(build), given,
+                                     _parents(base, given)]).encode()).hexdigest()[:20]
     path, seal = base / f"{name}-{key}", base / f"{name}-{key}.files"
     with FileLock(f"{path}.lock"):
         if not (seal.exists() and json.loads(seal.read_text()) == _listing(path)):
@@ -145,13 +163,20 @@ def built(name: str, build: Callable[[Path], object], code: tuple[str, ...], inp
 
 def _evict(base: Path, name: str, keep: Path) -> None:
     """Other entries of `name` unused for KEEP_S (a run of older code may still be reading a recent one)."""
+    def stale(seal: Path) -> bool:
+        try:
+            return time.time() - seal.stat().st_mtime >= KEEP_S
+        except FileNotFoundError:  # another worker removed it
+            return False
+
     for seal in base.glob(f"{name}-*.files"):
         entry = seal.with_suffix("")
-        if entry == keep or entry.name.count("-") != name.count("-") + 1 or time.time() - seal.stat().st_mtime < KEEP_S:
+        if entry == keep or entry.name.count("-") != name.count("-") + 1 or not stale(seal):
             continue
         try:
             with FileLock(f"{entry}.lock", timeout=0):
-                seal.unlink(missing_ok=True)
-                shutil.rmtree(entry, ignore_errors=True)
+                if stale(seal):  # not used since by another run
+                    seal.unlink(missing_ok=True)
+                    shutil.rmtree(entry, ignore_errors=True)
         except Timeout:
             pass

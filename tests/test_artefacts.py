@@ -33,6 +33,30 @@ def test_kept_made_again_on_a_changed_input_file_or_code(tmp_path, monkeypatch):
     assert (first / "sub" / "weights").read_text() == "w"
 
 
+def test_a_child_is_made_again_with_its_parent(tmp_path, monkeypatch):
+    """An export of a kept trained model names it by path: the path stays when the model is made again (a test wrote
+    into it), and the export must follow."""
+    monkeypatch.setenv("DSTOOL_CACHE_DIR", str(tmp_path / "cache"))
+    made: list[str] = []
+
+    def parent(out: Path) -> None:
+        made.append("parent")
+        out.mkdir(parents=True)
+        (out / "weights").write_text(str(len(made)))
+
+    def child(out: Path) -> None:
+        made.append("child")
+        out.mkdir(parents=True)
+
+    model = artefacts.built("model", parent, TRAIN_CODE, ())
+    export = artefacts.built("export", child, EXPORT_CODE, (f"--model={model / 'weights'}",))
+    assert artefacts.built("export", child, EXPORT_CODE, (f"--model={model / 'weights'}",)) == export
+    (model / "weights").write_text("written by a test")
+    assert artefacts.built("model", parent, TRAIN_CODE, ()) == model and made == ["parent", "child", "parent"]
+    assert artefacts.built("export", child, EXPORT_CODE, (f"--model={model / 'weights'}",)) != export
+    assert made[-1] == "child"
+
+
 def test_a_stage_key_covers_what_it_imports_and_what_export_copies():
     train, export = artefacts.modules(TRAIN_CODE), artefacts.modules(EXPORT_CODE)
     assert {"dstool.train.worker", "dstool.models", "dstool.cli.commands"} <= train
