@@ -30,16 +30,14 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
+from dstool.files import cache_dir
+
 ROOT = Path(__file__).resolve().parent.parent
 KEEP_S = 24 * 3600
 _GRAPH = """
-import grimp, json, sys
+import grimp, json
 graph = grimp.build_graph("dstool", cache_dir=None)
-out = {}
-for entry in sys.argv[1:]:
-    inside = {m for m in graph.modules if m == entry or m.startswith(entry + ".")}
-    out[entry] = sorted(inside | graph.find_upstream_modules(entry, as_package=True))
-print(json.dumps(out))
+print(json.dumps({m: sorted(graph.find_upstream_modules(m)) for m in graph.modules}))
 """
 
 
@@ -48,8 +46,6 @@ def enabled() -> bool:
 
 
 def root() -> Path:
-    from dstool.files import cache_dir
-
     return cache_dir() / "test-artefacts"
 
 
@@ -60,18 +56,25 @@ def _check() -> dict:
 
 
 @functools.cache
+def _upstream() -> dict[str, list[str]]:
+    """Every dstool module -> the modules it imports, directly or not (one graph a process)."""
+    with tempfile.TemporaryDirectory(prefix="dstool-graph-") as tmp:
+        _check()["package_tree"](Path(tmp))
+        proc = subprocess.run([sys.executable, "-c", _GRAPH], cwd=tmp, capture_output=True, text=True,
+                              env={**os.environ, "PYTHONPATH": tmp}, check=True)
+    return json.loads(proc.stdout)
+
+
+@functools.cache
 def modules(entries: tuple[str, ...]) -> frozenset[str]:
     """The dstool modules the packages `entries` hold or import, directly or not, with the packages above them and
     the CLI (the flags every command reads)."""
-    with tempfile.TemporaryDirectory(prefix="dstool-graph-") as tmp:
-        _check()["package_tree"](Path(tmp))
-        proc = subprocess.run([sys.executable, "-c", _GRAPH, *entries], cwd=tmp, capture_output=True, text=True,
-                              env={**os.environ, "PYTHONPATH": tmp}, check=True)
     found = {"dstool.cli", "dstool.cli.commands", "dstool.cli.__main__"}
-    for closure in json.loads(proc.stdout).values():
-        for module in closure:
-            parts = module.split(".")
-            found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    for module, imported in _upstream().items():
+        if any(module == e or module.startswith(e + ".") for e in entries):
+            for name in (module, *imported):
+                parts = name.split(".")
+                found.update(".".join(parts[:i]) for i in range(1, len(parts) + 1))
     return frozenset(found)
 
 
