@@ -50,11 +50,13 @@ class Gateway:
         store = None
         if url.is_redis:
             store = RedisStore(url, c.redis_timeout, self.metrics.error)
-            if await store.reachable() and await store.cluster_node():
+            answers = await store.reachable()
+            if answers and await store.cluster_node():
                 await store.close()
                 url = self.redis_url = url.as_cluster()
                 store = RedisStore(url, c.redis_timeout, self.metrics.error)
-            if await store.reachable():
+                answers = await store.reachable()
+            if answers:
                 kind = "Redis Cluster" if url.kind == "cluster" else "Redis"
                 log.info(f"dstool gateway: cache: {kind} {url.redacted()} (front: in-process LRU)")
             elif asked:
