@@ -192,7 +192,9 @@ def test_bad_input_is_one_line(package, trained, tmp_path):
                          f"file {m.blocks[1].path} fails its sha256 check")
     one_line_usage_error(cli("infer", "--edge", str(tmp_path / "missing"), "ROMEO:"), "is not a folder")
     # one hint, whatever the cap given below it (the files' size, less, or just under it), and it is true: the same
-    # generation runs under the cap it names
+    # generation runs under the cap it names. Each process measures what the embedding and head hold open, so two may
+    # differ by a megabyte (a CI machine measured 0.9 MB less in one of three and said 28, not 29): a larger cap given
+    # would change what stays open, by a block's 9 MB here.
     files = (m.resident_bytes + max(b.bytes for b in m.blocks)) / MB
     hints = []
     for cap in ("0.5", f"{files + 0.5:.1f}", None):  # None: just under the hint
@@ -201,7 +203,11 @@ def test_bad_input_is_one_line(package, trained, tmp_path):
                          check=False)  # each in a process of its own, as a user runs it
         one_line_usage_error(refused, f"--memory-cap-mb {cap} is below what this generation needs: give at least ")
         hints.append(int(refused.stderr.split("give at least ")[1].split()[0]))
-    assert len(set(hints)) == 1, hints
+    assert max(hints) - min(hints) <= 1, hints
+    ran = dstool("infer", "--edge", str(package), PROMPTS[1], "--max-new-tokens", "8", "--memory-cap-mb",
+                 str(max(hints)))
+    over = float(ran.stdout.split(" MB over the process before the package")[0].rsplit(" ", 1)[1])
+    assert over <= max(hints), ran.stdout
 
     (tmp_path / "notes").mkdir()
     one_line_usage_error(cli("export", str(tmp_path / "notes"), "--target", "edge", "--output", str(tmp_path / "o")),
