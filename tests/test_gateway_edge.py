@@ -117,6 +117,32 @@ def test_a_cancelled_redis_call_never_goes_on(redis_server):
     assert tries > 300 and went_on == {"cache": 0, "guard": 0}, (went_on, tries)
 
 
+def test_a_burst_of_redis_calls_waits_for_a_connection_not_an_outage(redis_server):
+    """More cache lookups and key checks at once than redis-py's default pool of 100 holds (which failed the 101st with
+    "Too many connections", and the gateway called that an outage: every request past the cache for a back-off), on
+    the real redis-server: each is answered, Redis stays in use; with a pool of 8, the rest wait for a free one."""
+    from dstool.serve.cache_url import CacheURL
+    from dstool.serve.gateway.cache.store import RedisStore
+    from dstool.serve.gateway.metrics import Metrics
+    from dstool.serve.gateway.tenancy.guard import Guard
+
+    async def burst(**pool):
+        store = RedisStore(CacheURL.parse(redis_server.url), timeout=2.0, **pool)
+        guard = Guard(store, None, "deny", 0.0, "deny", Metrics())
+        await store.call("set", "burst", "v")
+        try:
+            replies = await asyncio.gather(*(store.call("get", "burst") if i % 2 else
+                                             guard._redis(lambda: store.client.get("burst")) for i in range(400)))
+            return replies, store.available, store.client.connection_pool.max_connections
+        finally:
+            await store.close()
+
+    for pool in ({}, {"connections": 8}):
+        replies, available, size = asyncio.run(burst(**pool))
+        assert available and replies == [b"v"] * 400, (pool, available, {r for r in replies if r != b"v"})
+        assert size == pool.get("connections", 1024)
+
+
 def test_a_slow_first_answer_is_waited_for_at_start(redis_server, caplog):
     """The gateway's start asks Redis once with patience: behind a link whose first answers come 0.3 s late (a loaded
     machine's TLS handshake), a PING within --redis-timeout 0.1 times out, and the start used to call that an outage

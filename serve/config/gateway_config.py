@@ -42,7 +42,8 @@ class GatewayOptions(CommandConfig):
                                   "(408, connection closed)")
     body_timeout: float = Field(30.0, gt=0, description="seconds a client may pause while sending a body (408)")
     keepalive_timeout: float = Field(5.0, gt=0, description="seconds an idle keep-alive connection stays open")
-    max_connections: int = Field(1024, ge=1, description="HTTP connections at once (503 beyond)")
+    max_connections: int = Field(1024, ge=1, description="HTTP connections at once (503 beyond); also each Redis "
+                                 "client's pool (a cluster's: each node's; beyond it a plain client's call waits)")
     max_buffered_bytes: int = Field(256 << 20, ge=1, description="request bodies held at once, all HTTP "
                                     "connections together (503 beyond)")
     upstream_timeout: float = Field(60.0, gt=0, description="seconds an inference may take on Triton (504 beyond; "

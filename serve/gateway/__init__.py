@@ -49,12 +49,12 @@ class Gateway:
         self.redis_url = url
         store = None
         if url.is_redis:
-            store = RedisStore(url, c.redis_timeout, self.metrics.error)
+            store = RedisStore(url, c.redis_timeout, self.metrics.error, connections=c.max_connections)
             answers = await store.reachable()
             if answers and await store.cluster_node():
                 await store.close()
                 url = self.redis_url = url.as_cluster()
-                store = RedisStore(url, c.redis_timeout, self.metrics.error)
+                store = RedisStore(url, c.redis_timeout, self.metrics.error, connections=c.max_connections)
                 answers = await store.reachable()
             if answers:
                 kind = "Redis Cluster" if url.kind == "cluster" else "Redis"
@@ -84,7 +84,8 @@ class Gateway:
         if not self.redis_url.is_redis:
             raise UsageError("--auth keys keeps keys, limits and usage in Redis: give --cache a redis:// URL (the "
                              f"cache here is {self.redis_url.redacted()})")
-        store = RedisStore(self.redis_url, c.auth_redis_timeout, self.metrics.error)
+        store = RedisStore(self.redis_url, c.auth_redis_timeout, self.metrics.error,
+                           connections=c.max_connections)
         if not await store.reachable():
             message = f"Redis {self.redis_url.redacted()} does not answer: "
             log.warning(message + ("keys validated before are admitted until it does" if c.auth_fallback == "cached"
@@ -100,7 +101,8 @@ class Gateway:
         c = self.config
         if self.cache.redis is None:
             return MemoryResponses(c.responses_ttl, c.max_response_bytes, c.memory_cache_bytes)
-        return RedisResponses(self.redis_url, c.responses_redis_timeout, c.responses_ttl, c.max_response_bytes)
+        return RedisResponses(self.redis_url, c.responses_redis_timeout, c.responses_ttl, c.max_response_bytes,
+                              c.max_connections)
 
     async def start(self) -> None:
         import grpc  # noqa: PLC0415 (grpc: loaded when the gateway starts, not with the package)

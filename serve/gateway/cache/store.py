@@ -139,8 +139,9 @@ class RedisStore:
     """GET/SET on Redis with a per-call timeout; after a failure Redis is skipped for a back-off that doubles
     up to `max_backoff` while it keeps failing."""
 
-    def __init__(self, url: CacheURL, timeout: float, on_error=lambda kind: None, max_backoff: float = 5.0):
-        self.client = _client(url, timeout)
+    def __init__(self, url: CacheURL, timeout: float, on_error=lambda kind: None, max_backoff: float = 5.0,
+                 connections: int = 1024):
+        self.client = _client(url, timeout, connections)
         self.url = url
         self.on_error = on_error
         self.max_backoff = max_backoff
@@ -214,9 +215,11 @@ class RedisStore:
         await self.client.aclose()
 
 
-def _client(url: CacheURL, timeout: float):
+def _client(url: CacheURL, timeout: float, connections: int):
     """A redis-py asyncio client of `url`: a RedisCluster for redis+cluster:// (keys go to their slot's master; after
-    a failover the slot map is read again), else a plain client."""
+    a failover the slot map is read again), else a plain client. Up to `connections` at once (a node): redis-py's
+    default pool fails the 101st concurrent call ("Too many connections"), which read as an outage would send every
+    request past the cache; the plain client's pool makes a call beyond them wait, up to `timeout`, for a free one."""
     import redis.asyncio as redis
     from redis.asyncio.cluster import ClusterNode, RedisCluster
     from redis.asyncio.retry import Retry
@@ -225,10 +228,11 @@ def _client(url: CacheURL, timeout: float):
     # No redis-py retries: a request must not wait for several timeouts before going to Triton.
     common = {"socket_timeout": timeout, "socket_connect_timeout": timeout, "retry": Retry(NoBackoff(), 0)}
     if url.kind != "cluster":
-        return redis.from_url(url.text, **common)
+        pool = redis.BlockingConnectionPool.from_url(url.text, max_connections=connections, timeout=timeout, **common)
+        return redis.Redis.from_pool(pool)  # closed with the client
     return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in url.nodes], username=url.username,
                         password=url.password, ssl=url.tls, ssl_ca_certs=url.ca_certs, cluster_error_retry_attempts=0,
-                        **common)
+                        max_connections=connections, **common)
 
 
 class ResultCache:
