@@ -17,7 +17,7 @@ from dstool.compress import CompressConfig
 from dstool.compress.sparse import check_n_m
 from dstool.compress.steps import speed_gate
 
-from conftest import cli, dstool, one_line_usage_error
+from conftest import COMPRESS_CODE, built_once, cli, dstool, one_line_usage_error
 
 
 def _ops(path: Path) -> set[str]:
@@ -27,6 +27,14 @@ def _ops(path: Path) -> set[str]:
 def _manifest(out: Path) -> CompressedModel:
     assert (out / "report.md").is_file() and (out / "report.png").stat().st_size > 1000
     return CompressedModel.read(out, verify=True)  # every file listed, sizes and sha256 as written
+
+
+def _compressed(trained: Path, tmp_path_factory, worker_id: str, name: str, *args: str) -> Path:
+    """`dstool compress TRAINED ARGS`, kept between runs until the compress code or the trained model changes (as the
+    int8 and int4 outputs are: tests/artefacts.py); the tests only read it."""
+    return built_once(tmp_path_factory, worker_id, name,
+                      lambda out: dstool("compress", str(trained), *args, "--output", str(out)), COMPRESS_CODE,
+                      (trained, *args))
 
 
 def _greedy(out: Path, m: CompressedModel, prompt: list[int], steps: int) -> tuple[list[int], list[int]]:
@@ -121,15 +129,14 @@ def _decoder_params(model) -> int:
 
 
 @pytest.mark.slow
-def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
+def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path_factory, worker_id):
     """The structural steps in one recipe: 40 % pruned, 2:4 masks on what is left, recovery (distilled from the
     original's logits) that keeps the masks. The lowest-loss layout, untimed (--prune-ppl-tolerance 0): timing the
     layouts within a tolerance is the next test's (at 0.4 here, five layouts exported and timed: a minute)."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "pruned"
-    dstool("compress", str(trained), "--prune", "0.4", "--prune-ppl-tolerance", "0", "--sparsity", "2:4",
-           "--recover-steps", "8", "--distill", "--latency-repeats", "3", "--output", str(out))
+    out = _compressed(trained, tmp_path_factory, worker_id, "pruned_2_4", "--prune", "0.4", "--prune-ppl-tolerance",
+                      "0", "--sparsity", "2:4", "--recover-steps", "8", "--distill", "--latency-repeats", "3")
     original = AutoModelForCausalLM.from_pretrained(trained)
     m = _manifest(out)
     pruned = AutoModelForCausalLM.from_pretrained(out / m.model)
@@ -162,15 +169,14 @@ def test_pruning_then_2_4_sparsity_with_distilled_recovery(trained, tmp_path):
 
 
 @pytest.mark.slow
-def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(trained, tmp_path):
+def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(trained, tmp_path_factory, worker_id):
     """--prune 0.1 --prune-ppl-tolerance 25: the tiny preset has two layouts (all 6 query heads, or 4 in 2 groups
     with more MLP channels), each exported and timed on ONNX Runtime; the fastest within 25 % is kept. Then a
     recovery at an lr far too high: its gate keeps the weights before it — exactly the original's kept rows."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "timed"
-    dstool("compress", str(trained), "--prune", "0.1", "--prune-ppl-tolerance", "25", "--recover-steps", "3",
-           "--recover-lr", "0.3", "--latency-repeats", "3", "--output", str(out))
+    out = _compressed(trained, tmp_path_factory, worker_id, "pruned_timed", "--prune", "0.1", "--prune-ppl-tolerance",
+                      "25", "--recover-steps", "3", "--recover-lr", "0.3", "--latency-repeats", "3")
     m = _manifest(out)
     p = m.recipe.pruning
     assert len(p.candidates) == 2 and all(c.latency_ms > 0 for c in p.candidates)
@@ -193,14 +199,13 @@ def test_fastest_layout_within_a_tolerance_then_a_recovery_that_is_discarded(tra
 
 
 @pytest.mark.slow
-def test_explicit_ratios_then_torchao_int8_in_one_recipe(trained, tmp_path):
+def test_explicit_ratios_then_torchao_int8_in_one_recipe(trained, tmp_path_factory, worker_id):
     """--prune-heads/--prune-mlp as given, then torchao's PyTorch int8: a Hugging Face folder that reloads
     quantized, and both ONNX graphs of the pruned model (fp32)."""
     from transformers import AutoModelForCausalLM
 
-    out = tmp_path / "torchao"
-    dstool("compress", str(trained), "--prune-heads", "0.34", "--prune-mlp", "0.5", "--bits", "8", "--engine",
-           "torchao", "--latency-repeats", "3", "--output", str(out))
+    out = _compressed(trained, tmp_path_factory, worker_id, "pruned_torchao", "--prune-heads", "0.34", "--prune-mlp",
+                      "0.5", "--bits", "8", "--engine", "torchao", "--latency-repeats", "3")
     m = _manifest(out)
     cfg = AutoModelForCausalLM.from_pretrained(out / m.model).config
     assert (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.intermediate_size) == (4, 2, 256)
