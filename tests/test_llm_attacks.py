@@ -200,9 +200,9 @@ def test_a_client_that_hangs_up_costs_no_more_work(stack, server):
     # close is counted. Noticed late (the gateway waits for a core while ONNX Runtime's threads spin: up to ~0.15 s
     # here, docs/export-serve.md) it makes tens, under the suite's load hundreds; the median share of what a choice
     # had left is bounded (below half), not each try and not a token count, so that whatever else the machine runs
-    # does not fail the suite. A try whose choices had all ended before the client
-    # closed (on a loaded machine the first chunk can reach the client after the engine made all 900 tokens) had
-    # nothing to cancel: it shows nothing and is left out; most tries must have had something to cancel.
+    # does not fail the suite. A try whose choices had all ended before the client closed (on a loaded machine the
+    # first chunk can reach the client after the engine made all 900 tokens) had nothing to cancel: it shows nothing
+    # and is left out; most tries must have had something to cancel.
     spent_per_choice, missed, ended = [], [], []
     for i in range(24):
         at_start = settled_generated(server, quiet=0.3)

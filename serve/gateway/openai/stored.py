@@ -139,7 +139,7 @@ class RedisResponses:
     """The store on Redis (a plain server or a Cluster: each entry is one key). After a failed call it is skipped
     for a second (requests that need it get 503 at once), then tried again."""
 
-    def __init__(self, url: CacheURL, timeout: float, ttl: float, max_bytes: int, connections: int = 1024):
+    def __init__(self, url: CacheURL, timeout: float, ttl: float, max_bytes: int, connections: int):
         self.url, self.timeout, self.ttl, self.max_bytes = url, timeout, ttl, max_bytes
         self.client = _client(url, timeout, connections)
         self.scripts = {name: self.client.register_script(text) for name, text in (
