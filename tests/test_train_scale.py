@@ -3,6 +3,7 @@ after a rank is SIGKILLed, the preflight doctor and the Kubernetes manifest. Rea
 
 from __future__ import annotations
 
+import atexit
 import json
 import shutil
 import subprocess
@@ -11,9 +12,10 @@ from pathlib import Path
 
 import psutil
 import pytest
+import torch.distributed as dist
 
 from dstool.artifacts import Checkpoint, UniversalCheckpoint
-from dstool.train import checkpoint
+from dstool.train import checkpoint, watchdog
 
 from conftest import (
     DSTOOL,
@@ -455,3 +457,21 @@ def test_model_parallel_bad_config():
             load_config(TrainConfig, None, flags)
     with pytest.raises(UsageError, match="world size 6 is not divisible by --tensor-parallel 4"):
         deepspeed_config.build(TrainConfig(tensor_parallel=4), world=6, precision="fp32", on_gpu=False)
+
+
+def test_a_node_that_joined_but_never_beat_is_named_after_the_timeout(tmp_path, monkeypatch):
+    """Node 1 joined the process group, then went silent before its heartbeat thread ever reached the store (a fast
+    run cut right after its first checkpoint): node 0 names its host within --comm-timeout-s, not after the
+    start-up grace for a node that never came."""
+    store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    for name, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "1", "LOCAL_RANK": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(store.port)}.items():
+        monkeypatch.setenv(name, value)  # LOCAL_RANK 1: no heartbeat thread, the rounds are called here
+    watch = watchdog.Watch(tmp_path, 0.3, "test", elastic=False)
+    atexit.unregister(watch._at_exit)
+    watch.joined(["host-a", "host-b"])
+    seen: dict = {}
+    assert watch._beat(True, time.monotonic(), seen) == ()
+    time.sleep(0.5)
+    message, post = watch._beat(False, time.monotonic(), seen)
+    assert message.startswith("host host-b (node 1, rank(s) 1-1) went silent: no heartbeat for 0.3 s") and post

@@ -1,14 +1,14 @@
 """Liveness across nodes while the ranks run, so that no node waits forever for one that is gone.
 
 The first rank of every node bumps its node's counter in the run's store (the TCPStore at MASTER_ADDR:MASTER_PORT,
-beside rank 0) every few seconds, from a thread; node 0 reads every node's counter. A node whose counter stands still
-for --comm-timeout-s (its host stopped, its link cut for good, its ranks killed) is named in the store's abort key and
-in failure.json, and every node's ranks exit; a node that cannot reach the store for that long, or finds it gone
-(connection refused), exits too, naming the master. A rank that exits before the run ends (an exception) posts the
-abort itself, and a failure.json written in the shared run folder stops the other nodes as well, so a failed node
-stops the others at once. Under torchrun --max-restarts the elastic agents already restart every node's ranks
-together after a failure: there neither signal is used, and only node 0's ranks stop on a silent node (its agent then
-waits for it in the next rendezvous).
+beside rank 0) every few seconds, from a thread; node 0 reads every node's counter. A node whose counter stands
+still for --comm-timeout-s (its host stopped, its link cut for good, its ranks killed) is named in the store's abort
+key and in failure.json (by the host name every rank shared when the process group formed), and every node's ranks
+exit; a node that cannot reach the store for that long, or finds it gone (connection refused), exits too, naming the
+master. A rank that exits before the run ends (an exception) posts the abort itself, and a failure.json written in
+the shared run folder stops the other nodes as well, so a failed node stops the others at once. Under torchrun
+--max-restarts the elastic agents already restart every node's ranks together after a failure: there neither signal
+is used, and only node 0's ranks stop on a silent node (its agent then waits for it in the next rendezvous).
 """
 
 from __future__ import annotations
@@ -45,13 +45,23 @@ class Watch:
         self.master = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         self.host = socket.gethostname()
         self.interval = min(5.0, max(0.5, timeout_s / 4))
-        self.initialized = False  # the process group exists (set by the caller); a clean end destroys it again
+        # when the process group formed (`joined`; a clean end destroys it again): every node was there then, and
+        # reached the store
+        self.joined_at: float | None = None
+        self.hosts: list[str] = []  # every node's host name, from the process group
         self._store = None
         self._failure = _stat(out / "failure.json")  # one written from now on means a rank failed
-        self._done = threading.Event()
+        self._done, self._wake = threading.Event(), threading.Event()
         atexit.register(self._at_exit)
         if int(env.get("LOCAL_RANK", "0")) == 0 and self.nodes > 1:
             threading.Thread(target=self._run, name="dstool-watchdog", daemon=True).start()
+
+    def joined(self, hosts: list[str]) -> None:
+        """The process group formed; `hosts`: every rank's host name. From now on a silent node has no start-up
+        grace (it was there), and this thread beats at once."""
+        self.hosts = hosts[::self.per_node]
+        self.joined_at = time.monotonic()
+        self._wake.set()
 
     def _key(self, what: str, node: int | None = None) -> str:
         return f"{self.prefix}/watchdog/{what}" + ("" if node is None else f"/{node}")
@@ -76,7 +86,7 @@ class Watch:
         refused = 0  # rounds in a row the master's host refused the connection since then
         seen: dict[int, tuple[int, float]] = {}  # node -> (its counter, when it last moved)
         while not self._done.is_set():
-            if self.initialized and not dist.is_initialized():
+            if self.joined_at is not None and not dist.is_initialized():
                 return  # this rank ended cleanly: the others may be gone already
             if not self.elastic and _stat(self.out / "failure.json") not in (None, self._failure):
                 self._stop("another rank failed (failure.json)", post=False)  # e.g. rank 0 before anyone's beat
@@ -95,13 +105,15 @@ class Watch:
                 contact = now
                 if news:
                     self._stop(*news)
-            waited = now - (contact or started)
-            if waited > max(self.timeout_s, STARTUP_GRACE_S if contact is None else 0) + self.interval:
+            heard = max(contact or 0.0, self.joined_at or 0.0) or None  # joining took the store
+            waited = now - (heard or started)
+            if waited > max(self.timeout_s, STARTUP_GRACE_S if heard is None else 0) + self.interval:
                 # later than node 0 would be: when node 0 still runs, its message (naming this host) comes first
                 self._stop(f"host {self.host} (node {self.node}) lost contact with the master {self.master[0]}:"
                            f"{self.master[1]} (rank 0's host) for {waited:.0f} s: the network between them is down "
                            f"or that host stopped (--comm-timeout-s {self.timeout_s:g})", post=False)
-            self._done.wait(self.interval)
+            self._wake.wait(self.interval)
+            self._wake.clear()
 
     def _beat(self, first: bool, now: float, seen: dict[int, tuple[int, float]]) -> tuple | None:
         """One round with the store: this node's beat, an abort another node posted, and on node 0 every node's
@@ -119,9 +131,11 @@ class Watch:
             count = store.add(self._key("beat", n), 0)
             if n not in seen or seen[n][0] != count:
                 seen[n] = (count, now)
-            limit = self.timeout_s if count else max(self.timeout_s, STARTUP_GRACE_S)
-            if now - seen[n][1] > limit and not store.check([self._key("done", n)]):
-                name = store.get(self._key("host", n)).decode() if count else "never reported"
+            since = max(seen[n][1], self.joined_at or 0.0)
+            limit = self.timeout_s if count or self.joined_at else max(self.timeout_s, STARTUP_GRACE_S)
+            if now - since > limit and not store.check([self._key("done", n)]):
+                name = (self.hosts[n] if n < len(self.hosts) else
+                        store.get(self._key("host", n)).decode() if count else "never reported")
                 silent.append(f"host {name} (node {n}, rank(s) {n * self.per_node}-{(n + 1) * self.per_node - 1})")
         if silent:
             return (f"{', '.join(silent)} went silent: no heartbeat for {self.timeout_s:g} s (host down or its "
@@ -154,7 +168,8 @@ class Watch:
     def _at_exit(self) -> None:
         """A clean end (the process group was destroyed) marks this node done; any other exit tells the others."""
         self._done.set()
-        clean = self.initialized and not dist.is_initialized()
+        self._wake.set()
+        clean = self.joined_at is not None and not dist.is_initialized()
         if clean and self.nodes > 1 and int(os.environ.get("LOCAL_RANK", "0")) == 0:
             try:
                 _bounded(lambda: self._set(f"done/{self.node}", "1"), 3.0)

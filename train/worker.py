@@ -96,13 +96,13 @@ def _init_process_group(backend: str, cfg: TrainConfig) -> int:
                                "the cluster interface, e.g. --env GLOO_SOCKET_IFNAME=eth0 ('dstool doctor --hostfile' "
                                f"names it); gloo said: {e}") from e
         raise
-    watch.initialized = True
     device = torch.device("cuda", local_rank) if backend == "nccl" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    count = torch.tensor(restarts, device=device)
-    dist.all_reduce(count, op=dist.ReduceOp.MAX)
-    return int(count.item())
+    ranks: list = [None] * world  # (host name, restarts) of every rank, in one collective
+    dist.all_gather_object(ranks, (socket.gethostname(), restarts))
+    watch.joined([host for host, _ in ranks])
+    return max(count for _, count in ranks)
 
 
 def _resume_source(run: dict, out: Path, world: int, restarts: int,
