@@ -117,6 +117,33 @@ def test_a_cancelled_redis_call_never_goes_on(redis_server):
     assert tries > 300 and went_on == {"cache": 0, "guard": 0}, (went_on, tries)
 
 
+def test_an_answer_that_came_in_time_on_a_stalled_loop_is_not_a_timeout():
+    """A busy gateway's loop stalled past a deadline while the answer arrived in time: the timer and the answer are
+    due in the same turn, and the answer counts (before: a timeout — a connection to Triton made in 1 ms, read
+    after a 2 s stall, marked a healthy Triton down and every request failed with 503 for a second)."""
+    from dstool.serve.gateway.upstream import within
+
+    async def run(answer_at: float) -> str:
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        loop.call_later(answer_at, answer.set_result, "made")
+
+        async def connect() -> str:  # an awaitable of a few steps, as loop.create_connection is
+            made = await answer
+            for _ in range(3):  # the transport made, connection_made called, its waiter woken
+                await asyncio.sleep(0)
+            return made
+
+        loop.call_later(0.01, time.sleep, 0.3)  # the stall: the loop does nothing else for 0.3 s
+        try:
+            return await within(connect(), 0.1)
+        except asyncio.TimeoutError:
+            return "timeout"
+
+    assert asyncio.run(run(0.05)) == "made"
+    assert asyncio.run(run(0.5)) == "timeout"  # an answer that came late still times out
+
+
 def test_a_burst_of_redis_calls_waits_for_a_connection_not_an_outage(redis_server):
     """More cache lookups and key checks at once than redis-py's default pool of 100 holds (which failed the 101st with
     "Too many connections", and the gateway called that an outage: every request past the cache for a back-off), on

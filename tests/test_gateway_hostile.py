@@ -179,6 +179,10 @@ def test_hundreds_of_malformed_http_requests(hostile_gateway, gateway_server):
             direct = (0, {}, b"")
         through = _send(hostile_gateway.http_port, method, path, body, headers)
         relayed = through[0] == direct[0] and through[2] == direct[2] and not path.endswith("/infer")
+        # Triton closed this one without an answer (on a loaded machine it now and then drops a 5,000-byte URL it
+        # answers 404 to otherwise): the gateway's 503 says so, as a proxy's 502 would
+        relayed = relayed or (direct[0] == 0 and through[0] == 503
+                              and through[2] == b'{"error":"Triton closed the connection"}')
         if (through[0] >= 500 and not relayed) or (direct[0] == 200) != (through[0] == 200):
             wrong.append((name, direct, through))
         elif direct[0] == 200 and decoded_body(*direct[1:]) != decoded_body(*through[1:]):

@@ -42,19 +42,28 @@ class UnsafeRequest(ValueError):
     """A path or header that would change the framing of the request sent to Triton (400)."""
 
 
+LATE_TURNS = 8  # turns of the event loop an awaitable whose answer is already in has to finish (within)
+
+
 async def within(awaitable, seconds: float | None, discard=None):
     """`await awaitable`, asyncio.TimeoutError after `seconds` (None: no bound). Unlike asyncio.wait_for on Python
     3.10-3.11, a cancellation that arrives as the awaitable completes is never swallowed (CPython gh-86296), so a
     client that hangs up always stops the work it asked for; a result that came too late is handed to `discard`.
     Also for a library that swallows it inside (redis-py bounds each command with asyncio.wait_for): the awaitable
-    runs in a task of its own, and the caller's cancellation is raised here whatever that task does with it."""
+    runs in a task of its own, and the caller's cancellation is raised here whatever that task does with it.
+    A loop that stalled (a busy process on a loaded machine) fires the timer in the same turn as the answer that
+    arrived in time: the task is given LATE_TURNS more turns of the loop to take it before the timeout counts."""
     task = asyncio.ensure_future(awaitable)
     try:
-        done, _ = await asyncio.wait({task}, timeout=seconds)
+        await asyncio.wait({task}, timeout=seconds)
+        turns = 0
+        while not task.done() and turns < LATE_TURNS:
+            await asyncio.sleep(0)
+            turns += 1
     except BaseException:
         _drop(task, discard)
         raise
-    if not done:
+    if not task.done():
         _drop(task, discard)
         raise asyncio.TimeoutError
     return task.result()
@@ -291,7 +300,9 @@ class HttpUpstream:
             _, conn = await within(loop.create_connection(_Connection, self.host, self.port),
                                    min(timeout, self.health_timeout), discard=lambda made: made[0].close())
         except (OSError, asyncio.TimeoutError) as e:
-            if not probe:
+            if isinstance(e, asyncio.TimeoutError) and not probe:  # slow, not refused: a health check decides
+                self.check_health()
+            elif not probe:
                 self._mark_down()
             raise UpstreamUnavailable(f"Triton at {self.address} is not reachable: {e or type(e).__name__}") from None
         return conn
