@@ -52,11 +52,16 @@ def raw_request(port: int, path: str, body: dict) -> socket.socket:
     return s
 
 
-def metric(server, name: str) -> float:
-    """A counter or gauge of dstool_lm_llm on Triton's /metrics."""
+def llm_metrics(server) -> dict[str, float]:
+    """dstool_lm_llm's dstool_llm_* figures on Triton's /metrics, by their full name with labels."""
     text = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name + "{") and 'model="dstool_lm_llm"' in line)
+    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+            if line.startswith("dstool_llm_") and 'model="dstool_lm_llm"' in line}
+
+
+def metric(server, name: str) -> float:
+    """A counter or gauge of dstool_lm_llm on Triton's /metrics (its label sets summed)."""
+    return sum(v for k, v in llm_metrics(server).items() if k.startswith(name + "{"))
 
 
 def generated(server) -> float:

@@ -586,20 +586,17 @@ def test_llm_model_reports_its_queue_and_tokens_on_tritons_metrics(server):
     steps and seconds, time to first token, tokens, sequences by state."""
     import urllib.request
 
-    def metrics() -> dict[str, float]:
-        body = urllib.request.urlopen(f"http://127.0.0.1:{server.metrics_port}/metrics", timeout=10).read().decode()
-        return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in body.splitlines()
-                if line.startswith("dstool_llm_") and 'model="dstool_lm_llm"' in line}
+    from llmlib import llm_metrics
 
     labels = '{model="dstool_lm_llm",version="1"}'
-    before = metrics()
+    before = llm_metrics(server)
     body = json.dumps({"text_input": "HASTINGS:\n", "max_new_tokens": 5, "ignore_eos": True}).encode()
     for _ in range(3):
         urllib.request.urlopen(urllib.request.Request(
             f"http://{server.http_url}/v2/models/dstool_lm_llm/generate", body), timeout=120).read()
     running = 'dstool_llm_sequences{model="dstool_lm_llm",state="running",version="1"}'
     deadline = time.monotonic() + 10  # the step's figures are set after its last response went out
-    while (after := metrics())[running] != 0 and time.monotonic() < deadline:
+    while (after := llm_metrics(server))[running] != 0 and time.monotonic() < deadline:
         time.sleep(0.05)
 
     def grew(name: str) -> float:
