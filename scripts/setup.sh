@@ -35,7 +35,17 @@ if ! .venv/bin/python -c "import torch" 2>/dev/null; then
 fi
 torch_version=$(.venv/bin/python -c "import torch; print(torch.__version__.split('+')[0])")
 echo "torch==$torch_version" > .venv/constraints.txt
-DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[all,dev]" -c .venv/constraints.txt
+# Every other package at the version the suite last passed with (scripts/lock.sh wrote the lock for this python), so
+# that the registry's newer releases change nothing here; DSTOOL_UNLOCKED=1, or a python with no lock: the newest allowed.
+lock="requirements/lock-py$pyver.txt"
+if [ -f "$lock" ] && [ -z "${DSTOOL_UNLOCKED:-}" ]; then
+  locked=(-c "$lock")
+else
+  locked=()
+  echo "note: not locked ($lock missing or DSTOOL_UNLOCKED set): the newest versions pyproject.toml allows" >&2
+fi
+DS_BUILD_OPS=0 .venv/bin/pip install -q --disable-pip-version-check -e ".[all,dev]" -c .venv/constraints.txt \
+  ${locked[@]+"${locked[@]}"}
 # The cache gateway's tests start their own redis-server (Debian's package) on a free port.
 command -v redis-server >/dev/null || apt_install "the gateway tests need it" redis-server
 # Triton's python backend stub links against the interpreter's shared library (Debian: libpython3.X).
@@ -57,7 +67,7 @@ done
 # model with it; cached, so a second run only checks it.
 bash "$(dirname "$0")/lm-eval-venv.sh" >/dev/null
 # The client libraries the compatibility tests run against the gateway (tests/test_client_ecosystem.py), each group in
-# a venv of its own under .venv-clients/ (their pins conflict); a no-op once made.
+# a venv of its own under the dstool cache's client-venvs/ (their pins conflict); a no-op once made on this machine.
 bash "$(dirname "$0")/client-venvs.sh"
 # DeepSpeed's CPU Adam (--offload-optimizer) built once now, into torch's extension cache, not inside a first run.
 .venv/bin/python -c "from deepspeed.ops.op_builder import CPUAdamBuilder; CPUAdamBuilder().load(verbose=False)" \

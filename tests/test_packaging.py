@@ -298,3 +298,24 @@ def test_stages_are_siblings_over_the_core():
                 where = f"{path.relative_to(ROOT)} imports {module}"
                 assert folder != "dstool", f"{where}: the core must not import a stage"
                 assert module in public and set(names) <= public[module], f"{where} {names}: not a public API"
+
+
+def test_the_lock_pins_every_package_this_environment_holds():
+    """requirements/lock-pyX.Y.txt (scripts/lock.sh; setup.sh installs through it) names every package here at its
+    version: a dependency added or moved without refreshing the lock fails here, not as another machine's versions."""
+    from importlib.metadata import distributions
+
+    lock = ROOT / "requirements" / f"lock-py{sys.version_info[0]}.{sys.version_info[1]}.txt"
+    if not lock.exists():
+        pytest.skip(f"no {lock.relative_to(ROOT)} for this python: setup.sh installed the newest versions")
+
+    def name(text: str) -> str:
+        return re.sub(r"[-_.]+", "-", text).lower()
+
+    pinned = dict(tuple(line.split("==")) for line in lock.read_text().splitlines()
+                  if line.strip() and not line.startswith("#"))
+    pinned = {name(k): v for k, v in pinned.items()}
+    held = {name(d.metadata["Name"]): d.version for d in distributions()}
+    held = {k: v for k, v in held.items() if k not in {"torch", "dstool", "pip", "setuptools", "wheel"}}
+    differ = {k: (held.get(k), pinned.get(k)) for k in held.keys() | pinned.keys() if held.get(k) != pinned.get(k)}
+    assert not differ, f"installed vs {lock.name} (refresh it with scripts/lock.sh): {differ}"
