@@ -4,8 +4,9 @@ openai-agents, pydantic-ai, anthropic, outlines, guidance, instructor and LlamaI
 Triton.
 
 Their pins conflict, so each runs in a virtual environment of its group (scripts/client-venvs.sh makes them, under
-.venv-clients/; this test runs the script, a no-op once they are made): the test runs a small script of checks
-(tests/clients/*.py) with that environment's python, which prints one JSON line of results; every check must pass.
+the dstool cache's client-venvs/; this test runs the script, a no-op once they are made): the test runs a small
+script of checks (tests/clients/*.py) with that environment's python, which prints one JSON line of results; every
+check must pass.
 The served model is tiny and writes nonsense, so structured answers use bounded schemas (short strings, enums, small
 integers: a grammar-forced answer ends quickly) and the checks assert shape and validity, not content. What each
 library does by default and what the tests had to set is in docs/openai-fields.md ("Clients")."""
@@ -19,13 +20,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from filelock import FileLock
+
+from dstool.files import cache_dir
 
 from gatewaylib import GatewayProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 CLIENTS = Path(__file__).with_name("clients")
-VENVS = Path(os.environ.get("DSTOOL_CLIENT_VENVS", ROOT / ".venv-clients"))
+VENVS = Path(os.environ.get("DSTOOL_CLIENT_VENVS") or cache_dir() / "client-venvs")
 TOKEN = "sk-dstool-clients"
 # script (tests/clients/NAME.py) -> its virtual environment's group (scripts/client-venvs.sh)
 SCRIPTS = {"openai_sdk": "openai", "langchain": "openai", "litellm_sdk": "openai", "agents_sdk": "openai",
@@ -36,10 +38,8 @@ SCRIPTS = {"openai_sdk": "openai", "langchain": "openai", "litellm_sdk": "openai
 @pytest.fixture(scope="session")
 def client_venvs() -> Path:
     """The client environments, made once (scripts/client-venvs.sh: about 1.5 minutes the first time, 0.3 s after)."""
-    VENVS.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(VENVS / ".lock")):
-        made = subprocess.run(["bash", str(ROOT / "scripts" / "client-venvs.sh"), str(VENVS)], capture_output=True,
-                              text=True, timeout=1200)
+    made = subprocess.run(["bash", str(ROOT / "scripts" / "client-venvs.sh"), str(VENVS)], capture_output=True,
+                          text=True, timeout=1200)  # it takes turns with other set-ups itself (a lock)
     assert made.returncode == 0, f"scripts/client-venvs.sh failed:\n{made.stdout[-3000:]}\n{made.stderr[-6000:]}"
     return VENVS
 
