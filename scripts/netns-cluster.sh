@@ -55,6 +55,11 @@ write_hosts() {
 start_sshd() {
   local h=$1; shift
   "$SELF" on "$h" /usr/sbin/sshd -f /etc/ssh/sshd_config -o PidFile="$BASE/$h/sshd.pid" -E "$BASE/$h/sshd.log" "$@"
+  # sshd's daemon child writes the pid file after its parent has returned: wait for it, so stop and
+  # Cluster.processes() never read an empty one
+  local i
+  for i in $(seq 100); do [[ -s $BASE/$h/sshd.pid ]] && return 0; sleep 0.1; done
+  echo "sshd on $h wrote no pid file in 10 s: $(tail -3 "$BASE/$h/sshd.log")" >&2; return 1
 }
 
 stop_sshd() {
