@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pandas as pd
+import psutil
 import pytest
 
 from dstool.errors import UsageError
@@ -31,10 +32,21 @@ def _rows(out: Path) -> pd.DataFrame:
     return pd.read_parquet(out / "rows").sort_values("row").reset_index(drop=True)
 
 
+def _session_alive(sid: int) -> bool:
+    for pid in psutil.pids():
+        try:
+            if os.getsid(pid) == sid and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                return True
+        except (ProcessLookupError, psutil.NoSuchProcess, PermissionError):
+            pass
+    return False
+
+
 @pytest.mark.slow
 def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(repo, tmp_path):
     out = tmp_path / "out"
-    args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "8", "--partitions", "10"]
+    args = ["batch", "--repository", str(repo), "--output", str(out), "--max-new-tokens", "8", "--partitions", "10",
+            "--max-rows", "300"]
     proc = subprocess.Popen([*DSTOOL, *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     deadline = time.time() + 300
@@ -43,16 +55,13 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
         time.sleep(0.2)
     os.killpg(proc.pid, signal.SIGKILL)  # the CLI, its Spark JVM and the Python workers
     proc.wait()
-    # A Python worker the kill missed for a moment may still finish the partition it was writing: wait until nothing
-    # changes. Done = a partition whose summary (_parts/, written last) is there; one killed between its rows file
-    # and its summary is redone.
-    done, quiet_since = set(), time.time()
-    while time.time() - quiet_since < 5:
-        now = {p.stem for p in (out / "_parts").glob("part-*.json")}
-        if now != done:
-            done, quiet_since = now, time.time()
-        assert time.time() < deadline + 60, "the killed job's files kept changing"
-        time.sleep(0.2)
+    # A Python worker the kill missed for a moment may still finish the partition it was writing: wait until no
+    # process of the job's session is left. Done = a partition whose summary (_parts/, written last) is there; one
+    # killed between its rows file and its summary is redone.
+    while _session_alive(proc.pid):
+        assert time.time() < deadline + 60, "a process of the killed job is still running"
+        time.sleep(0.1)
+    done = {p.stem for p in (out / "_parts").glob("part-*.json")}
     finished = {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir() if p.name.split(".")[0] in done}
     assert 2 <= len(finished) < 10
     assert json.loads((out / "dstool.json").read_text())["status"] == "running"
@@ -67,17 +76,21 @@ def test_killed_job_resumes_under_spark_submit_without_losing_or_repeating_rows(
     assert rerun.returncode == 0, rerun.stderr[-3000:]
     assert f"({len(finished)} partitions done by an earlier run)" in rerun.stdout
     rows = _rows(out)
-    assert rows["row"].tolist() == list(range(1000))  # each of the 1,000 embedded prompts once
+    assert rows["row"].tolist() == list(range(300))  # each of the first 300 embedded prompts once
     assert {p.name: p.stat().st_mtime_ns for p in (out / "rows").iterdir() if p.name in finished} == finished
     assert not list(out.glob("*/.*.tmp*"))
     manifest = json.loads((out / "dstool.json").read_text())
     assert manifest["status"] == "done" and manifest["figures"]["partitions_skipped"] == len(finished)
-    assert len(manifest["partitions"]) == 10 and sum(p["rows"] for p in manifest["partitions"]) == 1000
+    assert len(manifest["partitions"]) == 10 and sum(p["rows"] for p in manifest["partitions"]) == 300
     assert (rows["model"] == "dstool_lm").all() and (rows["model_version"] == manifest["deployment"]["version"]).all()
     assert rows["prompt"].str.contains(":\n").all() and (rows["generated_tokens"] >= 1).all()
 
-    again = cli(*args)  # the whole job done: nothing is recomputed
-    assert again.returncode == 0 and "nothing left to do: all 1000 rows" in again.stdout
+    spark_log = (out / "spark.log").stat()
+    again = cli(*args)  # the whole job done: nothing is recomputed, and no Spark starts to find that out
+    assert again.returncode == 0 and "nothing left to do: all 300 rows" in again.stdout
+    assert (out / "spark.log").stat() == spark_log
+    one_line_usage_error(cli(*args[:-2]), "holds the results of another batch job")  # all 1,000 rows: not done
+    assert (out / "spark.log").stat() == spark_log  # refused before Spark starts, too
 
 
 def test_onnx_engine_equals_infer_and_the_triton_engine_shares_the_gateway_cache(repo, server, redis_server,

@@ -57,16 +57,19 @@ def run_batch(cfg: BatchConfig) -> BatchOutput:
     out = Path(cfg.output).resolve()
     if out.exists() and not out.is_dir():
         raise UsageError(f"--output {cfg.output} is a file: pass a folder")
+    source = _source(cfg)
+    if (finished := _earlier_job(cfg, out, source, deployment)) is not None:
+        return finished
     if cfg.engine == "triton":
         role = "logits" if cfg.task == "score" else "generate"
         _check_server(cfg.url, plan_args["models"][role], deployment.version, cfg.credentials())
     spark = _session(cfg, out)
     try:
-        df, source = _read(spark, cfg)
+        df = _read(spark, cfg, source)
         numbered, rows = _numbered(df)
         if rows == 0:
             raise UsageError(f"{cfg.input} holds no rows: give a file with at least one")
-        partitions = cfg.partitions or max(2, math.ceil(rows / ROWS_PER_PARTITION))
+        partitions = _partitions(cfg, rows)
         source = source.model_copy(update={"rows": rows})
         job = _job_digest(cfg, source, deployment, partitions)
         done = _prepare_output(cfg, out, job)
@@ -237,14 +240,40 @@ def _session(cfg: BatchConfig, out: Path):
             os.close(saved)
 
 
-def _read(spark, cfg: BatchConfig):
-    """The input as a Spark DataFrame (first `max_rows` rows), and what it is."""
+def _earlier_job(cfg: BatchConfig, out: Path, source: BatchInput, deployment: Deployment) -> BatchOutput | None:
+    """What an earlier run left in `out`, decided before Spark starts: the same input and --max-rows have the same
+    rows, so its job digest is known now. Another job's output is refused; this job's finished output is returned
+    (nothing is left to run); None when there is work to do (nothing there yet, or partitions left to resume)."""
+    if cfg.overwrite or not out.is_dir() or kind_of(out) != "batch-output":
+        return None
+    earlier = BatchOutput.read(out)
+    rows = earlier.input.rows
+    partitions = _partitions(cfg, rows)
+    if (earlier.input.fingerprint != source.fingerprint or earlier.settings.get("max_rows") != cfg.max_rows
+            or _job_digest(cfg, source.model_copy(update={"rows": rows}), deployment, partitions) != earlier.job):
+        raise _another_job(out)
+    if earlier.status != "done" or earlier.figures is None or \
+            len(list((out / "_parts").glob("part-*.json"))) != partitions:
+        return None
+    log.info(f"dstool batch: {rows} rows of {cfg.input} in {partitions} partitions ({partitions} done by an earlier "
+             "run)")
+    return earlier.model_copy(update={"figures": earlier.figures.model_copy(update={"partitions_skipped": partitions})})
+
+
+def _another_job(out: Path) -> UsageError:
+    return UsageError(f"{out} holds the results of another batch job (other input, model version or options): pass "
+                      "--overwrite to replace them, or another --output")
+
+
+def _partitions(cfg: BatchConfig, rows: int) -> int:
+    return cfg.partitions or max(2, math.ceil(rows / ROWS_PER_PARTITION))
+
+
+def _source(cfg: BatchConfig) -> BatchInput:
+    """What the input is (its files checked, their fingerprint), without Spark; `rows` is counted later."""
     if cfg.input == EMBEDDED_PROMPTS:
-        prompts = heldout_prompts()
-        df = spark.createDataFrame([(p,) for p in prompts], f"{cfg.column} string")
-        embedded = BatchInput(path=EMBEDDED_PROMPTS, format="embedded", rows=0,
-                              fingerprint=hashlib.sha256("\n".join(prompts).encode()).hexdigest())
-        return (df.limit(cfg.max_rows) if cfg.max_rows else df), embedded
+        return BatchInput(path=EMBEDDED_PROMPTS, format="embedded", rows=0,
+                          fingerprint=hashlib.sha256("\n".join(heldout_prompts()).encode()).hexdigest())
     path = Path(cfg.input)
     local = "://" not in cfg.input
     if local and not path.exists():
@@ -259,10 +288,23 @@ def _read(spark, cfg: BatchConfig):
     fmt = str(kinds.pop())
     if local and all(p.stat().st_size == 0 for p in files):
         raise UsageError(f"input {cfg.input} is empty: give a file with at least one row")
-    where = str(path.resolve()) if local else cfg.input
-    reader = spark.read
+    digest = hashlib.sha256()
+    for p in files if local else []:
+        digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{sha256_file(p)}\n".encode())
+    if not local:
+        digest.update(cfg.input.encode())
+    return BatchInput.model_validate({"path": str(path.resolve()) if local else cfg.input, "format": fmt,
+                                      "fingerprint": digest.hexdigest(), "rows": 0})
+
+
+def _read(spark, cfg: BatchConfig, source: BatchInput):
+    """The input as a Spark DataFrame (its first `max_rows` rows), its columns checked."""
+    if source.format == "embedded":
+        df = spark.createDataFrame([(p,) for p in heldout_prompts()], f"{cfg.column} string")
+        return df.limit(cfg.max_rows) if cfg.max_rows else df
+    reader, where = spark.read, source.path
     df = {"jsonl": lambda: reader.json(where), "parquet": lambda: reader.parquet(where),
-          "csv": lambda: reader.options(header=True, multiLine=True, escape="\"").csv(where)}[fmt]()
+          "csv": lambda: reader.options(header=True, multiLine=True, escape="\"").csv(where)}[source.format]()
     wanted = cfg.ids_column or cfg.column
     if wanted not in df.columns:
         flag = "--ids-column" if cfg.ids_column else "--column"
@@ -272,13 +314,7 @@ def _read(spark, cfg: BatchConfig):
     if cfg.schema_column is not None and cfg.schema_column not in df.columns:
         raise UsageError(f"input {cfg.input} has no column '{cfg.schema_column}' (it has: {', '.join(df.columns)}): "
                          "--schema-column names the column of JSON schemas")
-    digest = hashlib.sha256()
-    for p in files if local else []:
-        digest.update(f"{p.relative_to(path) if path.is_dir() else p.name}:{sha256_file(p)}\n".encode())
-    if not local:
-        digest.update(cfg.input.encode())
-    source = BatchInput.model_validate({"path": where, "format": fmt, "fingerprint": digest.hexdigest(), "rows": 0})
-    return (df.limit(cfg.max_rows) if cfg.max_rows else df), source
+    return df.limit(cfg.max_rows) if cfg.max_rows else df
 
 
 def _check_column_type(cfg: BatchConfig, kind) -> None:
@@ -319,8 +355,7 @@ def _prepare_output(cfg: BatchConfig, out: Path, job: str) -> set[int]:
                 stale.unlink()
             return {int(p.stem.removeprefix("part-")) for p in (out / "_parts").glob("part-*.json")}
         if not cfg.overwrite:
-            raise UsageError(f"{out} holds the results of another batch job (other input, model version or options): "
-                             "pass --overwrite to replace them, or another --output")
+            raise _another_job(out)
     elif any(p.name != "spark.log" for p in out.iterdir()) and not cfg.overwrite:
         raise UsageError(f"{out} is not empty and not a dstool batch output: pass another --output (or --overwrite "
                          "to write into it)")
