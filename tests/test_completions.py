@@ -15,6 +15,10 @@ from pathlib import Path
 import pytest
 from test_openai import _greedy
 
+from dstool.evaluation.api import lm_eval_venv
+from dstool.files import sha256_file
+
+from conftest import built_once, lm_eval_versions
 from gatewaylib import GatewayProcess, RedisServer, eventually
 from llmlib import error_of, post
 
@@ -229,41 +233,51 @@ def test_every_prompt_of_a_batch_is_metered(server, session_tmp):
         redis.stop()
 
 
-def lm_eval_venv() -> Path:
-    """Where scripts/lm-eval-venv.sh puts lm-evaluation-harness."""
-    cache = Path(os.environ.get("DSTOOL_CACHE_DIR") or Path(os.environ.get("XDG_CACHE_HOME") or
-                                                              Path.home() / ".cache") / "dstool")
-    return Path(os.environ.get("DSTOOL_LM_EVAL_VENV") or cache / "lm-eval-venv")
+def _lm_eval(model: str, args: str, task: Path, out: Path) -> None:
+    """lm-eval (its own venv) on the dstool_plays task in `task`, results and samples under `out`."""
+    venv = lm_eval_venv(None)
+    assert (venv / "bin" / "lm_eval").exists(), f"no lm-evaluation-harness at {venv}: scripts/setup.sh makes it " \
+        "(scripts/lm-eval-venv.sh)"
+    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([str(venv / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks",
+                           "dstool_plays", "--include_path", str(task), "--output_path", str(out), "--log_samples",
+                           "--batch_size", "8"], capture_output=True, text=True, timeout=900, env=env)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+
+
+def _plays_task(out: Path) -> Path:
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "lm_eval_task.py"), str(out), "--docs", "24"],
+                   check=True, capture_output=True)
+    return out
+
+
+def _scores(out: Path) -> tuple[dict, dict]:
+    results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["dstool_plays"]
+    samples = [json.loads(line) for line in next(out.rglob("samples_dstool_plays_*.jsonl")).read_text().splitlines()]
+    return results, {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
+
+
+@pytest.fixture(scope="module")
+def hf_plays(trained, tmp_path_factory, worker_id) -> Path:
+    """lm-eval's own `hf` model scoring the trained model in-process: the reference, kept between runs (keyed by
+    the trained model, the task script and lm-eval's venv)."""
+    def build(out: Path) -> None:
+        _lm_eval("hf", f"pretrained={trained},dtype=float32", _plays_task(out / "task"), out / "hf")
+
+    return built_once(tmp_path_factory, worker_id, "lm_eval_hf_plays", build, (),
+                      (trained, sha256_file(ROOT / "scripts" / "lm_eval_task.py"), *lm_eval_versions())) / "hf"
 
 
 @pytest.mark.slow
-def test_lm_evaluation_harness_scores_the_served_model_as_it_scores_the_model_itself(api, trained, tmp_path):
+def test_lm_evaluation_harness_scores_the_served_model_as_it_scores_the_model_itself(api, trained, hf_plays,
+                                                                                      tmp_path):
     """lm-evaluation-harness's `local-completions` (batches of token-id prompts, echo, max_tokens 1, logprobs 1)
     scores a multiple-choice task made from the corpus (scripts/lm_eval_task.py) on the gateway: the accuracy and
     every choice's log-likelihood are those its `hf` model computes on the trained model in-process."""
-    venv = lm_eval_venv()
-    assert (venv / "bin" / "lm_eval").exists(), f"no lm-evaluation-harness at {venv}: scripts/setup.sh makes it " \
-        "(scripts/lm-eval-venv.sh)"
-    task = tmp_path / "task"
-    subprocess.run([sys.executable, str(ROOT / "scripts" / "lm_eval_task.py"), str(task), "--docs", "24"],
-                   check=True, capture_output=True)
-    env = {**os.environ, "HF_DATASETS_OFFLINE": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-
-    def score(model: str, args: str, out: Path) -> tuple[dict, dict]:
-        proc = subprocess.run([str(venv / "bin" / "lm_eval"), "--model", model, "--model_args", args, "--tasks",
-                               "dstool_plays", "--include_path", str(task), "--output_path", str(out),
-                               "--log_samples", "--batch_size", "8"],
-                              capture_output=True, text=True, timeout=900, env=env)
-        assert proc.returncode == 0, proc.stderr[-4000:]
-        results = json.loads(next(out.rglob("results_*.json")).read_text())["results"]["dstool_plays"]
-        samples = [json.loads(line) for line in next(out.rglob("samples_dstool_plays_*.jsonl")).read_text()
-                   .splitlines()]
-        return results, {s["doc_id"]: [float(r[0][0]) for r in s["resps"]] for s in samples}
-
-    served, served_ll = score("local-completions", f"model=dstool_lm,base_url=http://{api.http_url}/v1/completions,"
-                                                   f"tokenizer={trained},tokenizer_backend=huggingface,max_retries=1,"
-                                                   "num_concurrent=1", tmp_path / "served")
-    local, local_ll = score("hf", f"pretrained={trained},dtype=float32", tmp_path / "hf")
+    _lm_eval("local-completions", f"model=dstool_lm,base_url=http://{api.http_url}/v1/completions,"
+                                  f"tokenizer={trained},tokenizer_backend=huggingface,max_retries=1,num_concurrent=1",
+             _plays_task(tmp_path / "task"), tmp_path / "served")
+    (served, served_ll), (local, local_ll) = _scores(tmp_path / "served"), _scores(hf_plays)
     assert served["acc,none"] == local["acc,none"] and served["acc_norm,none"] == local["acc_norm,none"]
     assert served_ll.keys() == local_ll.keys() and len(served_ll) == 24
     for doc, lls in served_ll.items():
