@@ -111,13 +111,19 @@ def observed(tmp_path_factory):
     proc = subprocess.Popen([*DSTOOL, "train", "--output", str(out), "--metrics-port", str(port), *TRAIN],
                             stdout=log, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
     scrapes: list[str] = []
-    deadline = time.time() + 600
+    deadline, closed = time.time() + 600, False
     try:
         while proc.poll() is None:
             assert time.time() < deadline, "training did not end in 600 s"
-            if (out / ENDPOINT_FILE).is_file():
+            if not closed and (out / ENDPOINT_FILE).is_file():
+                # until rank 0 has exited (refused after answering): whatever listens on the port after that (another
+                # test's server whose port was free when this one was drawn) is not this run's
                 try:
-                    scrapes.append(scrape(f"http://127.0.0.1:{port}/metrics"))
+                    text = scrape(f"http://127.0.0.1:{port}/metrics")
+                    closed = "# HELP dstool_train_" not in text
+                    scrapes += [] if closed else [text]
+                except urllib.error.URLError as e:
+                    closed = bool(scrapes) and isinstance(e.reason, ConnectionRefusedError)
                 except (OSError, http.client.HTTPException):
                     pass  # the process is ending
             time.sleep(0.1)
@@ -144,6 +150,7 @@ def test_endpoint_agrees_with_metrics_jsonl(observed):
             assert s[name] == row[key], (name, s[name], row)
         assert s["dstool_train_tokens_total"] == s["dstool_train_step"] * TOKENS_PER_STEP
     last = scrapes[-1]  # after the loop, while the run consolidates its model: the final figures
+    assert "dstool_train_step" in last, f"the last of {len(scrapes)} scrapes: {observed.scrapes[-1]:.500}"
     assert last["dstool_train_step"] == last["dstool_train_max_steps"] == STEPS
     assert last["dstool_train_loss"] == observed.rows[STEPS]["loss"]
     assert last["dstool_train_last_checkpoint_step"] == STEPS and last["dstool_train_checkpoints_total"] == 2
