@@ -105,22 +105,6 @@ def _wait_for_checkpoint(out: Path, proc: subprocess.Popen, step: int = 2, timeo
         time.sleep(0.02)
 
 
-def test_training_over_ssh_equals_one_host(cluster, reference, tmp_path):
-    """The DeepSpeed launcher starts node1's rank over pdsh/ssh; no --master-addr: the hostfile's first host is
-    node 0 (it used to be 127.0.0.1, and node1's rank waited for itself without a word)."""
-    hostfile = cluster.hostfile(tmp_path / "hostfile", ["node0", "node1"])
-    out = tmp_path / "run"
-    stdout, stderr = _finish(_on(cluster, "node0", "train", "--hostfile", str(hostfile), "--output", str(out),
-                                 *ON_CLUSTER, *MH))
-    assert "2 rank(s) (2 node(s) x 1, deepspeed, CPU/gloo)" in stdout, (stdout, stderr)
-    launcher_log = (out / "logs" / "launcher.log").read_text()
-    assert "node1: " in launcher_log  # pdsh's prefix on what node1 printed
-    assert "[INFO]" not in stdout and "[INFO] [launch.py" in launcher_log  # each host's launcher: in its log
-    a = losses(out)
-    assert sorted(a) == sorted(reference) and all(a[s] == pytest.approx(reference[s], abs=1e-5) for s in a), a
-    _nothing_left(cluster)
-
-
 def test_rank_killed_on_one_host_recovers(cluster, reference, tmp_path):
     """torchrun on each host (c10d rendezvous), rank 1 SIGKILLed on node1 after checkpoint 2: both hosts restart
     their ranks, which agree on the store and on the checkpoint, and the loss curve is the uninterrupted one."""
@@ -141,8 +125,10 @@ def test_rank_killed_on_one_host_recovers(cluster, reference, tmp_path):
 
 
 def test_host_cut_off_ends_the_run_naming_it_and_a_rerun_resumes(cluster, reference, tmp_path):
-    """node1's link goes down for good after checkpoint 2: within --comm-timeout-s every rank on both hosts stops,
-    `dstool train` says which host went silent, and once the link is back the same command resumes."""
+    """The DeepSpeed launcher starts node1's rank over pdsh/ssh (no --master-addr: the hostfile's first host is node 0;
+    it used to be 127.0.0.1, and node1's rank waited for itself without a word). node1's link goes down for good after
+    checkpoint 2: within --comm-timeout-s every rank on both hosts stops, `dstool train` says which host went silent,
+    and once the link is back the same command resumes: the loss curve is the one of 2 ranks on one host."""
     hostfile = cluster.hostfile(tmp_path / "hostfile", ["node0", "node1"])
     out = tmp_path / "cut"
     args = ["train", "--hostfile", str(hostfile), "--output", str(out), "--comm-timeout-s", "10", *ON_CLUSTER, *MH]
@@ -158,9 +144,14 @@ def test_host_cut_off_ends_the_run_naming_it_and_a_rerun_resumes(cluster, refere
     finally:
         cluster.fault("node1", "up")
     stdout, stderr = _finish(_on(cluster, "node0", *args))
-    assert "resumed at step" in stdout, (stdout[-2000:], stderr[-2000:])
+    assert "resumed at step" in stdout and "2 rank(s) (2 node(s) x 1, deepspeed, CPU/gloo)" in stdout, \
+        (stdout[-2000:], stderr[-2000:])
+    launcher_log = (out / "logs" / "launcher.log").read_text()
+    assert "node1: " in launcher_log  # pdsh's prefix on what node1 printed
+    assert "[INFO]" not in stdout and "[INFO] [launch.py" in launcher_log  # each host's launcher: in its log
     a = losses(out)
     assert sorted(a) == sorted(reference) and all(a[s] == pytest.approx(reference[s], abs=1e-5) for s in a), a
+    _nothing_left(cluster)
 
 
 def test_loopback_host_names_fail_every_node_with_the_fix(cluster, tmp_path):

@@ -316,10 +316,15 @@ FAMILIES = {
 }
 
 
+FAMILY_RUN = ("--nproc", "2", "--zero", "2", "--max-steps", "3", "--save-every", "3", "--seq-len", "32",
+              "--micro-batch-size", "2", "--log-every", "1", "--eval-batches", "1", "--no-tensorboard")
+
+
 @pytest.mark.parametrize("family", list(FAMILIES))
-def test_every_family_trains_and_fine_tunes(family, trained, tmp_path):
+def test_every_family_trains_and_fine_tunes(family, trained, tmp_path_factory, worker_id):
     """A random-weight small model of each family: full training (Llama-3 rope scaling) or a LoRA fine-tune, 2 ranks
-    on ZeRO-2, to a model folder transformers reloads with the engine's logits."""
+    on ZeRO-2, to a model folder transformers reloads with the engine's logits (the run kept between runs, keyed by
+    the training code and the family's config)."""
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -327,14 +332,17 @@ def test_every_family_trains_and_fine_tunes(family, trained, tmp_path):
     tok = AutoTokenizer.from_pretrained(trained)
     config = getattr(transformers, name)(vocab_size=len(tok), eos_token_id=tok.eos_token_id,
                                          pad_token_id=tok.pad_token_id, **{**SMALL, **extra})
-    torch.manual_seed(0)
-    folder = tmp_path / family
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)
-    tok.save_pretrained(folder)
-    out = tmp_path / "run"
-    dstool("train", "--output", str(out), "--model", str(folder), "--nproc", "2", "--zero", "2", "--max-steps", "3",
-           "--save-every", "3", "--seq-len", "32", "--micro-batch-size", "2", "--log-every", "1", "--eval-batches",
-           "1", "--no-tensorboard", *(["--lora", rank] if rank else []), timeout=900)
+
+    def build(made: Path) -> None:
+        torch.manual_seed(0)
+        folder = made / family
+        AutoModelForCausalLM.from_config(config).save_pretrained(folder)
+        tok.save_pretrained(folder)
+        dstool("train", "--output", str(made / "run"), "--model", str(folder), *FAMILY_RUN,
+               *(["--lora", rank] if rank else []), timeout=900)
+
+    out = built_once(tmp_path_factory, worker_id, f"family_{family}", build, TRAIN_CODE,
+                     (family, name, extra, rank, SMALL, FAMILY_RUN)) / "run"
     model = HFModel.read(out / "model", verify=True)
     assert model.parity.max_abs_logit_diff < 1e-4 and sorted(losses(out)) == [1, 2, 3]
     assert AutoModelForCausalLM.from_pretrained(out / "model").config.model_type == config.model_type
