@@ -15,16 +15,17 @@ import pytest
 
 from dstool.artifacts import EdgePackage
 
-from conftest import cli, dstool, one_line_usage_error
+from conftest import EXPORT_CODE, built_once, cli, dstool, one_line_usage_error
 
 PROMPTS = ["ROMEO:", "But soft, what light through yonder window"]
 
 
 @pytest.fixture(scope="module")
-def package(trained, session_tmp) -> Path:
-    out = session_tmp / "edge_package"
-    dstool("export", str(trained), "--target", "edge", "--output", str(out), "--layers-per-block", "2")
-    return out
+def package(trained, tmp_path_factory, worker_id) -> Path:
+    """`trained` exported for the edge (kept between runs, keyed by the export code)."""
+    args = (str(trained), "--target", "edge", "--layers-per-block", "2")
+    return built_once(tmp_path_factory, worker_id, "edge_package",
+                      lambda out: dstool("export", *args, "--output", str(out)), EXPORT_CODE, args)
 
 
 def _transformers_greedy(model_dir: Path, prompts: list[str], new_tokens: int) -> list[list[int]]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import shutil
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +15,7 @@ from dstool.artifacts import Checkpoint, TrainRun
 from dstool.errors import UsageError
 from dstool.train import archive, checkpoint
 
-from conftest import FAST, dstool
+from conftest import FAST, TRAIN_CODE, built_once, dstool
 
 
 def _fake_tag(root, step, payload=b"weights"):
@@ -216,22 +217,30 @@ RUN = ["--nproc", "1", "--zero", "0", "--max-steps", "4", "--save-every", "1", "
 
 
 @pytest.fixture(scope="module")
-def archived_run(tmp_path_factory):
+def archived_run(tmp_path_factory, worker_id):
     """4 steps saved every step, 1 kept: steps 1-3 are archived. Then every hot checkpoint is deleted and the run
-    resumed with --resume auto: from the archive."""
-    tmp = tmp_path_factory.mktemp("archive")
-    out, cold = tmp / "run", tmp / "cold"
-    first = dstool("train", "--output", str(out), "--archive", f"file://{cold}", *RUN)
-    root = out / "checkpoints"
-    state = {"hot": checkpoint.complete_tags(root), "cold": archive.Archive(str(cold)).tags(), "index": _index(root)}
-    for tag in checkpoint.complete_tags(root):
-        shutil.rmtree(root / tag)
-    resumed = dstool("train", "--output", str(out), "--archive", f"file://{cold}", "--resume", "auto", *RUN)
-    return out, cold, first, state, resumed
+    resumed with --resume auto: from the archive. Kept between runs (keyed by the training code): (the run, its
+    archive, what both held after the first run, the resumed run's output)."""
+    def build(made: Path) -> None:
+        out, cold = made / "run", made / "cold"
+        dstool("train", "--output", str(out), "--archive", f"file://{cold}", *RUN)
+        root = out / "checkpoints"
+        state = {"hot": checkpoint.complete_tags(root), "cold": archive.Archive(str(cold)).tags(),
+                 "index": _index(root)}
+        for tag in checkpoint.complete_tags(root):
+            shutil.rmtree(root / tag)
+        resumed = dstool("train", "--output", str(out), "--archive", f"file://{cold}", "--resume", "auto", *RUN)
+        (made / "state.json").write_text(json.dumps(state))
+        (made / "resumed.out").write_text(resumed.stdout + resumed.stderr)
+
+    made = built_once(tmp_path_factory, worker_id, "archived_run", build, TRAIN_CODE, RUN)
+    state = json.loads((made / "state.json").read_text())
+    state["index"] = {int(step): entry for step, entry in state["index"].items()}
+    return made / "run", made / "cold", state, (made / "resumed.out").read_text()
 
 
 def test_run_archives_each_checkpoint_leaving_the_window(archived_run):
-    out, cold, _, state, _ = archived_run
+    out, cold, state, _ = archived_run
     assert state["hot"] == ["step-00000004"]
     assert state["cold"] == ["step-00000001", "step-00000002", "step-00000003"]
     for tag in state["cold"]:
@@ -245,9 +254,8 @@ def test_run_archives_each_checkpoint_leaving_the_window(archived_run):
 
 
 def test_run_resumes_from_the_archive(archived_run):
-    out, cold, _, _, resumed = archived_run
-    assert "resumed at step 3" in resumed.stdout, resumed.stdout[-3000:]
-    assert "restored step-00000003 from the archive" in resumed.stdout + resumed.stderr
+    out, cold, _, resumed = archived_run
+    assert "resumed at step 3" in resumed and "restored step-00000003 from the archive" in resumed, resumed[-3000:]
     root = out / "checkpoints"
     assert checkpoint.complete_tags(root) == ["step-00000004"]  # step 3 went back to the archive, step 4 is new
     assert archive.Archive(str(cold)).tags() == ["step-00000001", "step-00000002", "step-00000003"]
