@@ -120,8 +120,10 @@ def observed(tmp_path_factory):
                 # test's server whose port was free when this one was drawn) is not this run's
                 try:
                     text = scrape(f"http://127.0.0.1:{port}/metrics")
-                    closed = "# HELP dstool_train_" not in text
-                    scrapes += [] if closed else [text]
+                    if "# HELP dstool_train_" in text:
+                        scrapes.append(text)
+                    else:
+                        closed = True
                 except urllib.error.URLError as e:
                     closed = bool(scrapes) and isinstance(e.reason, ConnectionRefusedError)
                 except (OSError, http.client.HTTPException):
